@@ -1,0 +1,72 @@
+# The one developer command file: CI (.ci/run), the README and docs/development.md call these
+# targets. It uses the Python on PATH (no virtualenv needed); override with `make PYTHON=...`.
+
+PYTHON ?= python
+PIP := $(PYTHON) -m pip
+
+# The editable build, the Rust tests and clippy all use this cargo profile (release without fat
+# LTO, see Cargo.toml), so `./target` is one warm cache shared by every target.
+CARGO_PROFILE := ci
+
+# Builds dataset_rt/_native.abi3.so in place, next to the Python sources (maturin's editable
+# mode). No build isolation: maturin comes from the environment, and the build happens once.
+BUILD_EXTENSION := MATURIN_PEP517_ARGS="--profile $(CARGO_PROFILE)" \
+	$(PIP) install --no-build-isolation --editable
+
+# Extra flags for `make release`, e.g. RELEASE_ARGS="--zig --target aarch64-unknown-linux-gnu".
+RELEASE_ARGS ?=
+
+.PHONY: install build release lint test ci demo bench clean
+
+## install: toolchain prerequisites, Python deps (runtime, test, dev; torch once), then the build
+install:
+	@command -v cargo >/dev/null || { echo "error: no Rust toolchain; install it from https://rustup.rs" >&2; exit 1; }
+	command -v cc >/dev/null || { apt-get update && apt-get install -y --no-install-recommends build-essential; }
+	cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1 || rustup component add rustfmt clippy
+	cargo nextest --version >/dev/null 2>&1 || cargo install --locked cargo-nextest
+	$(PIP) install 'maturin>=1.7,<2'
+	@# The `torch` extra is a CUDA build of several GB: install it once per machine.
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install 'torch>=2.1'
+	$(BUILD_EXTENSION) '.[test,dev]'
+
+## build: rebuild the extension in place after a Rust change (same build as `install`)
+build:
+	$(BUILD_EXTENSION) . --no-deps
+
+## release: optimised abi3 wheels (fat LTO, one codegen unit) into dist/
+release:
+	$(PYTHON) -m maturin build --release --out dist $(RELEASE_ARGS)
+
+## lint: formatters, linters, type checker, and the stub checked against the built module
+lint:
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --profile $(CARGO_PROFILE) -- -D warnings
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
+	$(PYTHON) -m mypy.stubtest dataset_rt._native
+
+## test: Rust tests, then pytest against the extension built by `install`/`build` (no rebuild).
+## pytest exits 5 when it collects nothing, which fails this target like any other error.
+test:
+	cargo nextest run --workspace --cargo-profile $(CARGO_PROFILE) --no-fail-fast
+	$(PYTHON) -m pytest
+
+## ci: what CI runs (.ci/run), in order, stopping at the first failure
+ci:
+	$(MAKE) install
+	$(MAKE) lint
+	$(MAKE) test
+
+## demo: write the embedded synthetic dataset to ./demo-cache, read it back shuffled, summarise
+demo:
+	$(PYTHON) -m dataset_rt demo
+
+## bench: all benchmarks (bench/run_all.py)
+bench:
+	$(PYTHON) bench/run_all.py
+
+clean:
+	cargo clean
+	rm -rf dist demo-cache .pytest_cache .ruff_cache .mypy_cache dataset_rt/_native*.so
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

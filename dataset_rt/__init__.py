@@ -1,0 +1,54 @@
+"""DatasetRT: a correctness-first dataset cache and data loader for ML training."""
+
+from dataset_rt._config import ReaderConfig, ShardCompression, WriterConfig
+from dataset_rt._dataset import CachedSample, Dataset
+from dataset_rt._native import (
+    CacheMalformedError,
+    ConfigError,
+    CorruptRecordError,
+    DatasetRTError,
+    InvalidSampleError,
+    RuntimeStateError,
+    SamplesMetadataError,
+    StateError,
+    __version__,
+)
+from dataset_rt._results import (
+    CacheInput,
+    CacheLoaded,
+    CacheMalformed,
+    CacheMissing,
+    CacheSourceResult,
+    CacheSourcesDatasetError,
+    CacheSourcesDatasetSuccess,
+    CacheWriteError,
+    CacheWritten,
+)
+from dataset_rt._runtime import DatasetRuntime
+
+__all__ = [
+    "CacheInput",
+    "CacheLoaded",
+    "CacheMalformed",
+    "CacheMalformedError",
+    "CacheMissing",
+    "CacheSourceResult",
+    "CacheSourcesDatasetError",
+    "CacheSourcesDatasetSuccess",
+    "CacheWriteError",
+    "CacheWritten",
+    "CachedSample",
+    "ConfigError",
+    "CorruptRecordError",
+    "Dataset",
+    "DatasetRTError",
+    "DatasetRuntime",
+    "InvalidSampleError",
+    "ReaderConfig",
+    "RuntimeStateError",
+    "SamplesMetadataError",
+    "ShardCompression",
+    "StateError",
+    "WriterConfig",
+    "__version__",
+]

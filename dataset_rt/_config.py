@@ -1,0 +1,94 @@
+"""Configuration: frozen, slotted dataclasses with documented defaults.
+
+Values are checked by the Rust core when a config is created, so a bad value fails where it is
+written, with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dataset_rt import _native
+
+__all__ = ["ReaderConfig", "ShardCompression", "WriterConfig"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardCompression:
+    """How payloads are stored.
+
+    ``algo="none"`` stores payloads raw and requires ``ratio=1.0``. ``algo="lz4"`` compresses each
+    record on its own (random access stays direct) and keeps the compressed form only when it is at
+    most ``ratio`` of the raw size, so incompressible payloads (JPEG, PNG) stay raw and zero-copy.
+    """
+
+    algo: Literal["none", "lz4"] = "none"
+    ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        _native.check_compression(self.algo, self.ratio)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReaderConfig:
+    """How a dataset is read.
+
+    - ``seed``: decides the shuffled order together with the epoch (docs/determinism.md).
+    - ``prefetch_size``: samples read ahead on the runtime's workers (memory stays bounded by it).
+    - ``shuffle``: ``False`` reads in storage order, caches in source order.
+    - ``validate_cache``: also hash every shard when loading (structure, index and metadata
+      checksums are always checked; every record's checksum is checked whenever it is read).
+    - ``rank`` / ``world_size``: this reader's share; ``None`` takes them from an initialised
+      ``torch.distributed``, else the ``RANK`` / ``WORLD_SIZE`` environment, else 0 of 1.
+    - ``drop_last``: ranks get equal shares by padding (repeating samples, the default) or, when
+      ``True``, by dropping the tail of the epoch.
+    - ``samples_per_epoch``: epoch length before the rank split; ``None`` = number of samples.
+    """
+
+    seed: int = 0
+    prefetch_size: int = 64
+    shuffle: bool = True
+    validate_cache: bool = False
+    rank: int | None = None
+    world_size: int | None = None
+    drop_last: bool = False
+    samples_per_epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        _native.check_reader_config(
+            seed=self.seed,
+            prefetch_size=self.prefetch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            samples_per_epoch=self.samples_per_epoch,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriterConfig:
+    """How caches are written.
+
+    - ``prefetch_size``: samples between the source and the disk (memory stays bounded by it).
+    - ``shard_compression``: see :class:`ShardCompression`.
+    - ``show_progress``: a live line on stderr with committed samples/s and MB/s, and for several
+      sources which one of how many and the ETA.
+    - ``validate_cache``: re-read and verify everything written before publishing it.
+    - ``shard_size_bytes``: target size of one shard file.
+    """
+
+    prefetch_size: int = 64
+    shard_compression: ShardCompression = field(default_factory=ShardCompression)
+    show_progress: bool = True
+    validate_cache: bool = False
+    shard_size_bytes: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shard_compression, ShardCompression):
+            raise _native.ConfigError(
+                "invalid WriterConfig.shard_compression: expected ShardCompression, got "
+                f"{type(self.shard_compression).__name__}"
+            )
+        _native.check_writer_config(
+            prefetch_size=self.prefetch_size, shard_size_bytes=self.shard_size_bytes
+        )

@@ -1,0 +1,111 @@
+"""The dataset over loaded caches: iteration, epochs, state and samples metadata."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dataset_rt import _native
+from dataset_rt._native import CachedSample
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from dataset_rt._torch import TorchIterableDataset
+
+__all__ = ["CachedSample", "Dataset"]
+
+
+class Dataset:
+    """Samples of one or more caches, read in a deterministic order.
+
+    ``for sample in dataset`` is one epoch of this rank's samples; the next pass is the next
+    epoch (:meth:`set_epoch` fixes it). Payloads of uncompressed caches are zero-copy
+    ``memoryview`` slices of the memory-mapped shard.
+    """
+
+    __slots__ = ("_native",)
+
+    def __init__(self, native: _native.Dataset) -> None:
+        self._native = native
+
+    def __iter__(self) -> Iterator[CachedSample]:
+        return self._native.__iter__()
+
+    def __len__(self) -> int:
+        """This rank's samples per epoch."""
+        return len(self._native)
+
+    def __repr__(self) -> str:
+        return (
+            f"Dataset(caches={self.cache_names}, samples={self.num_samples}, "
+            f"rank={self.rank}/{self.world_size})"
+        )
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in all loaded caches (before sampling and the rank split)."""
+        return self._native.num_samples
+
+    @property
+    def cache_names(self) -> list[str]:
+        return self._native.cache_names
+
+    @property
+    def cache_dirs(self) -> list[Path]:
+        return [Path(p) for p in self._native.cache_dirs]
+
+    @property
+    def rank(self) -> int:
+        return self._native.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._native.world_size
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the loaded caches' content, in order."""
+        return self._native.fingerprint
+
+    def set_epoch(self, epoch: int) -> None:
+        """Makes the next pass read ``epoch``."""
+        self._native.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The iterator state as plain JSON-serialisable data: what the loop has received."""
+        state: dict[str, Any] = json.loads(self._native.state_json())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes the next pass continue at the exact next sample of ``state``; refuses a state
+        of another dataset, weight table, seed or epoch length."""
+        self._native.load_state_json(json.dumps(state))
+
+    def samples_metadata(self) -> pl.DataFrame:
+        """``cache_id | sample_id | <metadata...> | weight`` as a Polars DataFrame."""
+        import io
+
+        import polars as pl
+
+        return pl.read_ipc_stream(io.BytesIO(self._native.samples_metadata_ipc()))
+
+    def set_samples_metadata(self, table: pl.DataFrame) -> None:
+        """Applies the ``weight`` column of ``table``; validated in Rust, all or nothing."""
+        import io
+
+        import polars as pl
+
+        if not isinstance(table, pl.DataFrame):
+            raise TypeError(f"expected a polars.DataFrame, got {type(table).__name__}")
+        buffer = io.BytesIO()
+        table.write_ipc_stream(buffer, compat_level=pl.CompatLevel.oldest())
+        self._native.set_samples_metadata_ipc(buffer.getvalue())
+
+    def to_torch_iterable_dataset(self) -> TorchIterableDataset:
+        """A sized ``torch.utils.data.IterableDataset`` yielding :class:`CachedSample`."""
+        from dataset_rt._torch import TorchIterableDataset
+
+        return TorchIterableDataset(self)

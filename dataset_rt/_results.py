@@ -1,0 +1,98 @@
+"""Inputs and typed results of :meth:`DatasetRuntime.from_cache_sources`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from dataset_rt._dataset import Dataset
+
+__all__ = [
+    "CacheInput",
+    "CacheLoaded",
+    "CacheMalformed",
+    "CacheMissing",
+    "CacheSourceResult",
+    "CacheSourcesDatasetError",
+    "CacheSourcesDatasetSuccess",
+    "CacheWriteError",
+    "CacheWritten",
+]
+
+MetadataValue: TypeAlias = bool | int | float | str
+
+
+@dataclass(frozen=True, slots=True)
+class CacheInput:
+    """One sample from a source: bytes-like ``data`` and primitive ``metadata``."""
+
+    data: bytes | bytearray | memoryview
+    metadata: dict[str, MetadataValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLoaded:
+    """An existing cache was validated and reused; its source was not iterated."""
+
+    name: str
+    path: Path
+    num_samples: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheWritten:
+    """The source was written, published and loaded."""
+
+    name: str
+    path: Path
+    num_samples: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMissing:
+    """No cache exists and the source cannot be iterated to write one."""
+
+    name: str
+    path: Path
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMalformed:
+    """A cache exists but failed validation. It is never overwritten: remove it to rebuild."""
+
+    name: str
+    path: Path
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class CacheWriteError:
+    """Writing failed; nothing was published for this source. The message names the sample."""
+
+    name: str
+    path: Path
+    message: str
+
+
+CacheSourceResult: TypeAlias = (
+    CacheLoaded | CacheWritten | CacheMissing | CacheMalformed | CacheWriteError
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSourcesDatasetSuccess:
+    """At least one cache loaded: the dataset over them and one result per source, in order."""
+
+    dataset: Dataset
+    results: list[CacheSourceResult]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSourcesDatasetError:
+    """No cache loaded: one result per source and a summary of all of them."""
+
+    results: list[CacheSourceResult]
+    message: str

@@ -1,0 +1,153 @@
+"""The runtime: one pool of Rust worker threads, and the entry point that loads or writes caches."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from dataset_rt import _native
+from dataset_rt._config import ReaderConfig, WriterConfig
+from dataset_rt._dataset import Dataset
+from dataset_rt._results import (
+    CacheLoaded,
+    CacheMalformed,
+    CacheMissing,
+    CacheSourceResult,
+    CacheSourcesDatasetError,
+    CacheSourcesDatasetSuccess,
+    CacheWriteError,
+    CacheWritten,
+)
+
+__all__ = ["DatasetRuntime"]
+
+
+def _resolve_rank(config: ReaderConfig) -> tuple[int, int]:
+    """Rank and world size: the config, else torch.distributed, else RANK/WORLD_SIZE, else 0/1."""
+    if config.rank is not None and config.world_size is not None:
+        return config.rank, config.world_size
+    import sys
+
+    dist = sys.modules.get("torch.distributed")  # never import torch just to ask
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is not None and world is not None:
+        try:
+            r, w = int(rank), int(world)
+        except ValueError:
+            r, w = -1, 0
+        if not 0 <= r < w:
+            raise _native.ConfigError(
+                f"RANK={rank!r} / WORLD_SIZE={world!r} in the environment are not a rank "
+                "0 <= RANK < WORLD_SIZE; fix them or pass ReaderConfig(rank=, world_size=)"
+            )
+        return r, w
+    return 0, 1
+
+
+def _result(
+    kind: str, name: str, path: str, message: str | None, num_samples: int | None
+) -> CacheSourceResult:
+    where = Path(path)
+    if kind == "loaded":
+        return CacheLoaded(name, where, num_samples or 0)
+    if kind == "written":
+        return CacheWritten(name, where, num_samples or 0)
+    detail = message or ""
+    if kind == "missing":
+        return CacheMissing(name, where, detail)
+    if kind == "malformed":
+        return CacheMalformed(name, where, detail)
+    return CacheWriteError(name, where, detail)
+
+
+def _summary(results: Sequence[CacheSourceResult]) -> str:
+    parts = []
+    for r in results:
+        detail = getattr(r, "message", None) or f"{getattr(r, 'num_samples', 0)} samples"
+        parts.append(f"{r.name}: {type(r).__name__} ({detail})")
+    return "no cache could be loaded; " + "; ".join(parts)
+
+
+class DatasetRuntime:
+    """Exactly ``num_workers`` Rust worker threads, started once and reused for loading,
+    validation, reading and writing. Use as a context manager or call :meth:`close`."""
+
+    __slots__ = ("_native",)
+
+    def __init__(self, num_workers: int = 4) -> None:
+        self._native = _native.Runtime(num_workers)
+
+    @property
+    def num_workers(self) -> int:
+        return self._native.num_workers
+
+    @property
+    def closed(self) -> bool:
+        return self._native.closed
+
+    def close(self) -> None:
+        """Stops the worker threads (after work already queued). Datasets of this runtime stop
+        working."""
+        self._native.close()
+
+    def __enter__(self) -> DatasetRuntime:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"DatasetRuntime(num_workers={self.num_workers}, {state})"
+
+    def from_cache_sources(
+        self,
+        sources: object | Iterable[object],
+        base_cache_dir: str | os.PathLike[str],
+        *,
+        reader_config: ReaderConfig | None = None,
+        writer_config: WriterConfig | None = None,
+    ) -> CacheSourcesDatasetSuccess | CacheSourcesDatasetError:
+        """Loads each source's cache from ``base_cache_dir / source.name``, writing the missing
+        ones from their sources, and returns the dataset over every cache that loaded.
+
+        ``sources`` is one source or a list of them; a source has a ``name`` and, to be
+        writable, iterates :class:`CacheInput`. Two sources with one name are refused before
+        anything is written.
+        """
+        reader = reader_config if reader_config is not None else ReaderConfig()
+        writer = writer_config if writer_config is not None else WriterConfig()
+        rank, world_size = _resolve_rank(reader)
+        if not isinstance(sources, (list, tuple)):
+            sources = [sources]
+        native_dataset, outcomes = self._native.from_cache_sources(
+            list(sources),
+            os.fspath(base_cache_dir),
+            seed=reader.seed,
+            shuffle=reader.shuffle,
+            read_prefetch=reader.prefetch_size,
+            read_validate=reader.validate_cache,
+            rank=rank,
+            world_size=world_size,
+            drop_last=reader.drop_last,
+            samples_per_epoch=reader.samples_per_epoch,
+            write_prefetch=writer.prefetch_size,
+            algo=writer.shard_compression.algo,
+            ratio=writer.shard_compression.ratio,
+            show_progress=writer.show_progress,
+            write_validate=writer.validate_cache,
+            shard_size=writer.shard_size_bytes,
+        )
+        results: list[CacheSourceResult] = [_result(*o) for o in outcomes]
+        if native_dataset is None:
+            return CacheSourcesDatasetError(results, _summary(results))
+        return CacheSourcesDatasetSuccess(Dataset(native_dataset), results)

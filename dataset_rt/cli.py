@@ -1,0 +1,355 @@
+"""The ``dataset-rt`` command line (also ``python -m dataset_rt``).
+
+Commands: ``inspect`` (manifest summary), ``verify`` (every checksum), ``head`` (raw records with
+their embedded metadata), ``pack`` (a directory tree into a cache) and ``demo`` (the quickstart on
+an embedded synthetic dataset). Reading, validating and decoding caches happens in Rust; this
+module parses arguments and prints.
+
+Exit status: 0 success; 1 a cache failed validation or an operation failed; 2 a usage error or a
+path that is not a cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from dataset_rt import _native
+from dataset_rt._config import ReaderConfig, ShardCompression, WriterConfig
+from dataset_rt._native import ConfigError, DatasetRTError
+from dataset_rt._results import (
+    CacheInput,
+    CacheLoaded,
+    CacheSourcesDatasetError,
+    CacheSourcesDatasetSuccess,
+    CacheWritten,
+)
+from dataset_rt._runtime import DatasetRuntime
+
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+_PREVIEW_BYTES = 32
+
+
+def _size(n: int) -> str:
+    """Exact bytes, plus a binary-prefixed size when that helps."""
+    if n < 1024:
+        return f"{n} bytes"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{n} bytes ({value:.1f} {unit})"
+
+
+def _error(message: str) -> None:
+    print(f"dataset-rt: error: {message}", file=sys.stderr)
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+# --- inspect ---------------------------------------------------------------------------------
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    text = _native.inspect_cache(args.cache)
+    if args.json:
+        print(text.rstrip("\n"))
+        return EXIT_OK
+    manifest: dict[str, Any] = json.loads(text)
+    shards: list[dict[str, Any]] = manifest["shards"]
+    schema = ", ".join(f"{f['name']}: {f['type']}" for f in manifest["metadata_schema"])
+    if manifest["sample_id"] == "metadata":
+        sample_id = f"metadata key 'sample_id' ({manifest['sample_id_type']})"
+    else:
+        sample_id = f"record position ({manifest['sample_id_type']})"
+    compression = manifest["compression"]
+    raw, stored = manifest["raw_payload_bytes"], manifest["stored_payload_bytes"]
+    stored_share = f"stored/raw = {stored / raw:.3f}" if raw else "stored/raw = n/a"
+    rows = [
+        ("cache", str(Path(args.cache).resolve())),
+        ("name", manifest["name"]),
+        ("format", f"{manifest['format']} v{manifest['format_version']}"),
+        ("writer", manifest["writer_version"]),
+        ("samples", str(manifest["num_samples"])),
+        ("schema", schema or "(no metadata)"),
+        ("sample_id", sample_id),
+        ("compression", f"{compression['algo']} (ratio {compression['ratio']:g})"),
+        ("shards", f"{len(shards)} file(s), {_size(sum(s['bytes'] for s in shards))}"),
+        ("index", f"{manifest['index']['file']}, {_size(manifest['index']['bytes'])}"),
+        ("metadata", f"{manifest['metadata']['file']}, {_size(manifest['metadata']['bytes'])}"),
+        ("payload raw", _size(raw)),
+        ("payload stored", f"{_size(stored)}, {stored_share}"),
+        ("checksums", f"{manifest['checksum_algo']}, alignment {manifest['alignment']}"),
+        ("fingerprint", manifest["fingerprint"]),
+    ]
+    width = max(len(key) for key, _ in rows) + 1
+    for key, value in rows:
+        print(f"{key + ':':<{width}} {value}")
+    return EXIT_OK
+
+
+# --- verify ----------------------------------------------------------------------------------
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    try:
+        samples, shards = _native.verify_cache(args.cache)
+    except DatasetRTError as error:
+        print(f"FAILED: {args.cache}", file=sys.stderr)
+        _error(str(error))
+        return EXIT_FAILED
+    print(f"OK: {samples} samples, {shards} shards verified")
+    return EXIT_OK
+
+
+# --- head ------------------------------------------------------------------------------------
+
+
+def _cmd_head(args: argparse.Namespace) -> int:
+    records = _native.head_records(args.cache, args.n, _PREVIEW_BYTES)
+    if not records:
+        print("(no records)")
+    for i, record in enumerate(records):
+        (
+            sample,
+            metadata,
+            _shard,
+            shard_file,
+            offset,
+            flags,
+            encoding,
+            stored_len,
+            raw_len,
+            checksum,
+            preview,
+        ) = record
+        if i:
+            print()
+        print(
+            f"record {sample}: {shard_file} offset {offset}, flags {flags:#x} ({encoding}), "
+            f"stored {stored_len} bytes, raw {raw_len} bytes, checksum {checksum}"
+        )
+        print(f"  metadata: {metadata}")
+        more = "..." if raw_len > len(preview) else ""
+        print(f"  payload:  {raw_len} bytes: {preview.hex()}{more}")
+    return EXIT_OK
+
+
+# --- pack ------------------------------------------------------------------------------------
+
+
+def _list_files(root: Path) -> list[str]:
+    """Every file under ``root`` as a POSIX path relative to it, sorted. Symbolic links to files
+    are read; links to directories are not followed (no cycles)."""
+
+    def fail(error: OSError) -> None:
+        raise error
+
+    found: list[str] = []
+    for folder, _dirs, files in os.walk(root, onerror=fail):
+        rel_folder = Path(folder).relative_to(root)
+        found.extend((rel_folder / f).as_posix() for f in files)
+    return sorted(found)
+
+
+class _DirectorySource:
+    """One sample per file under a directory, in sorted relative-path order, labelled by its
+    parent folder (the ImageFolder convention; ``""`` for files directly in the directory)."""
+
+    def __init__(self, name: str, root: Path) -> None:
+        self.name = name
+        self._root = root
+
+    def __iter__(self) -> Iterator[CacheInput]:
+        for rel in _list_files(self._root):
+            path = self._root / rel
+            if not stat.S_ISREG(path.stat().st_mode):
+                raise ValueError(f"{rel} is not a regular file")
+            data = path.read_bytes()
+            yield CacheInput(
+                data=data,
+                metadata={
+                    "sample_id": rel,
+                    "path": rel,
+                    "size": len(data),
+                    "label": PurePosixPath(rel).parent.name,
+                },
+            )
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    root = Path(args.dir).resolve()
+    cache = Path(args.cache).resolve()
+    if not root.is_dir():
+        _error(f"{args.dir} is not a directory")
+        return EXIT_USAGE
+    if cache == root or root in cache.parents:
+        _error(f"the cache {args.cache} must not be inside the directory it packs ({args.dir})")
+        return EXIT_USAGE
+    ratio = args.ratio if args.ratio is not None else (0.9 if args.compression == "lz4" else 1.0)
+    writer = WriterConfig(
+        shard_compression=ShardCompression(algo=args.compression, ratio=ratio),
+        show_progress=not args.quiet,
+        shard_size_bytes=args.shard_size,
+    )
+    with DatasetRuntime(num_workers=args.workers) as runtime:
+        result = runtime.from_cache_sources(
+            _DirectorySource(cache.name, root),
+            cache.parent,
+            reader_config=ReaderConfig(shuffle=False),
+            writer_config=writer,
+        )
+    match result:
+        case CacheSourcesDatasetSuccess(_, [CacheWritten(name, path, num_samples)]):
+            print(f"CacheWritten: packed {num_samples} files from {root} into {path} ({name})")
+        case CacheSourcesDatasetSuccess(_, [CacheLoaded(name, path, num_samples)]):
+            print(
+                f"CacheLoaded: {path} already exists and was reused ({num_samples} samples); "
+                f"{root} was not read. Remove the cache to pack again."
+            )
+        case CacheSourcesDatasetError(_, message):
+            _error(message)
+            return EXIT_FAILED
+        case _:
+            _error(f"unexpected result {result!r}")
+            return EXIT_FAILED
+    return EXIT_OK
+
+
+# --- demo ------------------------------------------------------------------------------------
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from dataset_rt._demo import run_demo
+
+    return run_demo(args.out, num_samples=args.samples, num_workers=args.workers)
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dataset-rt",
+        description="Inspect, verify and build DatasetRT caches.",
+        epilog="Exit status: 0 success, 1 validation or operation failed, 2 usage error or "
+        "not a cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"dataset-rt {_native.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser("inspect", help="summarise a cache's manifest")
+    p.add_argument("cache", metavar="CACHE", help="cache directory (base/name)")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    p.set_defaults(handler=_cmd_inspect)
+
+    p = commands.add_parser(
+        "verify", help="check every shard and record checksum (exit 1 naming what is corrupt)"
+    )
+    p.add_argument("cache", metavar="CACHE", help="cache directory (base/name)")
+    p.set_defaults(handler=_cmd_verify)
+
+    p = commands.add_parser("head", help="show the first records with their embedded metadata")
+    p.add_argument("cache", metavar="CACHE", help="cache directory (base/name)")
+    p.add_argument(
+        "-n", type=_non_negative_int, default=5, metavar="K", help="records to show (default 5)"
+    )
+    p.set_defaults(handler=_cmd_head)
+
+    p = commands.add_parser(
+        "pack",
+        help="pack a directory tree into a cache, one sample per file",
+        description="Packs every file under DIR (sorted by relative path) into the cache CACHE "
+        "(written as base CACHE/.. and name CACHE's last component). Metadata: sample_id and "
+        "path (relative POSIX path), size (bytes), label (parent folder name, '' at the top). "
+        "An existing cache is reused, not rewritten.",
+    )
+    p.add_argument("dir", metavar="DIR", help="directory to pack")
+    p.add_argument("cache", metavar="CACHE", help="cache directory to write (base/name)")
+    p.add_argument("--compression", choices=("none", "lz4"), default="none")
+    p.add_argument(
+        "--ratio",
+        type=float,
+        default=None,
+        help="keep a record LZ4-compressed when it shrinks to at most this share of its size "
+        "(default 0.9 for lz4, 1.0 for none)",
+    )
+    p.add_argument("--workers", type=_positive_int, default=4, help="Rust worker threads")
+    p.add_argument(
+        "--shard-size",
+        type=_positive_int,
+        default=WriterConfig().shard_size_bytes,
+        metavar="BYTES",
+        help="target size of one shard file",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.set_defaults(handler=_cmd_pack)
+
+    p = commands.add_parser(
+        "demo",
+        help="write an embedded synthetic image dataset and read it back shuffled",
+        description="Generates a deterministic synthetic image-like dataset, writes it under "
+        "--out with progress, reads it back shuffled for two epochs and prints a summary. "
+        "A second run reuses the cache.",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("demo-cache"),
+        metavar="DIR",
+        help="base cache directory (default ./demo-cache)",
+    )
+    p.add_argument("--samples", type=_positive_int, default=2000, metavar="N")
+    p.add_argument("--workers", type=_positive_int, default=4, metavar="N")
+    p.set_defaults(handler=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version, usage errors
+        if exit_.code is None:
+            return EXIT_OK
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except (FileNotFoundError, NotADirectoryError) as error:
+        _error(str(error))
+        return EXIT_USAGE
+    except ConfigError as error:
+        _error(str(error))
+        return EXIT_USAGE
+    except (DatasetRTError, OSError) as error:
+        _error(str(error))
+        return EXIT_FAILED

@@ -1,0 +1,428 @@
+//! Opening and validating a published cache, and reading its records.
+
+use std::borrow::Cow;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::error::{Error, IoContext, Result};
+use crate::format::*;
+use crate::metadata::MetadataTable;
+
+/// A published cache, opened and validated.
+pub struct Cache {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    index: Mmap,
+    shards: Vec<Mmap>,
+    pub metadata: MetadataTable,
+}
+
+/// How much to check when opening.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Validation {
+    /// Manifest, version, sizes, index and metadata checksums (cheap; every load).
+    Structure,
+    /// Also every shard's checksum.
+    Full,
+}
+
+fn map_file(cache: &str, dir: &Path, rel: &str, expected_len: u64) -> Result<Mmap> {
+    let path = dir.join(rel);
+    let file = match File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::malformed(cache, &path, "file is missing"))
+        }
+        Err(e) => return Err(Error::io("open", &path, e)),
+    };
+    let len = file.metadata().ctx("stat", &path)?.len();
+    if len != expected_len {
+        return Err(Error::malformed(
+            cache,
+            &path,
+            format!("size is {len} bytes, the manifest says {expected_len}"),
+        ));
+    }
+    // SAFETY: published caches are immutable (never modified after the atomic rename), and every
+    // read re-verifies the bytes it uses against checksums before trusting them.
+    unsafe { Mmap::map(&file) }.ctx("mmap", &path)
+}
+
+fn check_sum(cache: &str, path: &Path, bytes: &[u8], expected: &str) -> Result<()> {
+    let actual = checksum_hex(hash_bytes(bytes));
+    if actual != expected {
+        return Err(Error::malformed(
+            cache,
+            path,
+            format!("checksum mismatch: computed {CHECKSUM_ALGO} {actual}, the manifest says {expected}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The cache name a directory implies: its last component.
+pub fn dir_cache_name(dir: &Path) -> String {
+    dir.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// Reads and checks `manifest.json` alone; the manifest must name the cache `cache`.
+pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
+    let cache = cache.to_owned();
+    let path = dir.join(MANIFEST_FILE);
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::malformed(&cache, &path, "file is missing"))
+        }
+        Err(e) => return Err(Error::io("read", &path, e)),
+    };
+    let value: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| Error::malformed(&cache, &path, format!("invalid JSON: {e}")))?;
+    match value.get("format").and_then(|v| v.as_str()) {
+        Some(FORMAT_NAME) => {}
+        other => {
+            return Err(Error::malformed(
+                &cache,
+                &path,
+                format!("not a DatasetRT manifest: format is {other:?}, expected {FORMAT_NAME:?}"),
+            ))
+        }
+    }
+    match value.get("format_version").and_then(|v| v.as_u64()) {
+        Some(v) if v == u64::from(FORMAT_VERSION) => {}
+        Some(v) => {
+            return Err(Error::malformed(
+                &cache,
+                &path,
+                format!(
+                "unsupported format version {v}: this DatasetRT reads version {FORMAT_VERSION}; \
+                     upgrade dataset-rt or rebuild the cache"
+            ),
+            ))
+        }
+        None => {
+            return Err(Error::malformed(
+                &cache,
+                &path,
+                "format_version is missing or not an integer",
+            ))
+        }
+    }
+    let manifest: Manifest = serde_json::from_value(value)
+        .map_err(|e| Error::malformed(&cache, &path, format!("invalid manifest: {e}")))?;
+    if manifest.name != cache {
+        return Err(Error::malformed(
+            &cache,
+            &path,
+            format!(
+                "manifest names cache {:?}, but it lives in directory {cache:?}",
+                manifest.name
+            ),
+        ));
+    }
+    manifest
+        .compression
+        .validate()
+        .map_err(|e| Error::malformed(&cache, &path, e.to_string()))?;
+    if manifest.checksum_algo != CHECKSUM_ALGO || manifest.alignment != ALIGN {
+        return Err(Error::malformed(
+            &cache,
+            &path,
+            format!(
+                "checksum_algo {:?} / alignment {} are not {CHECKSUM_ALGO:?} / {ALIGN}",
+                manifest.checksum_algo, manifest.alignment
+            ),
+        ));
+    }
+    let fingerprint = manifest.compute_fingerprint();
+    if fingerprint != manifest.fingerprint {
+        return Err(Error::malformed(
+            &cache,
+            &path,
+            format!(
+                "fingerprint mismatch: computed {fingerprint}, the manifest says {}",
+                manifest.fingerprint
+            ),
+        ));
+    }
+    let shard_records: u64 = manifest.shards.iter().map(|s| s.records).sum();
+    if shard_records != manifest.num_samples {
+        return Err(Error::malformed(
+            &cache,
+            &path,
+            format!(
+                "shards hold {shard_records} records, num_samples is {}",
+                manifest.num_samples
+            ),
+        ));
+    }
+    for (i, s) in manifest.shards.iter().enumerate() {
+        if s.file != shard_file_name(i as u32) {
+            return Err(Error::malformed(
+                &cache,
+                &path,
+                format!(
+                    "shard {i} is named {:?}, expected {:?}",
+                    s.file,
+                    shard_file_name(i as u32)
+                ),
+            ));
+        }
+    }
+    if manifest.index.file != INDEX_FILE || manifest.metadata.file != METADATA_FILE {
+        return Err(Error::malformed(
+            &cache,
+            &path,
+            "index or metadata file name is not standard",
+        ));
+    }
+    Ok(manifest)
+}
+
+impl Cache {
+    /// Opens `dir` (a cache directory, `base/name`) and validates it.
+    pub fn open(dir: &Path, validation: Validation) -> Result<Cache> {
+        Self::open_as(dir, &dir_cache_name(dir), validation)
+    }
+
+    /// Opens a cache whose directory name is not (yet) its name: the writer's temporary one.
+    pub fn open_as(dir: &Path, name: &str, validation: Validation) -> Result<Cache> {
+        let manifest = read_manifest(dir, name)?;
+        let name = manifest.name.clone();
+
+        let index_len = INDEX_HEADER_LEN + INDEX_ENTRY_LEN * manifest.num_samples;
+        let index_path = dir.join(INDEX_FILE);
+        if manifest.index.bytes != index_len {
+            return Err(Error::malformed(
+                &name,
+                &index_path,
+                format!(
+                    "the manifest says {} bytes, {} samples need {index_len}",
+                    manifest.index.bytes, manifest.num_samples
+                ),
+            ));
+        }
+        let index = map_file(&name, dir, INDEX_FILE, index_len)?;
+        check_sum(&name, &index_path, &index, &manifest.index.checksum)?;
+        if index[..][..INDEX_HEADER_LEN as usize] != index_header() {
+            return Err(Error::malformed(&name, &index_path, "bad index header"));
+        }
+
+        let meta_path = dir.join(METADATA_FILE);
+        let meta_map = map_file(&name, dir, METADATA_FILE, manifest.metadata.bytes)?;
+        check_sum(&name, &meta_path, &meta_map, &manifest.metadata.checksum)?;
+        let metadata = MetadataTable::decode(
+            &meta_map,
+            &manifest.metadata_schema,
+            manifest.sample_id_type,
+            manifest.num_samples,
+        )
+        .map_err(|reason| Error::malformed(&name, &meta_path, reason))?;
+
+        let mut shards = Vec::with_capacity(manifest.shards.len());
+        for (i, s) in manifest.shards.iter().enumerate() {
+            let path = dir.join(&s.file);
+            let map = map_file(&name, dir, &s.file, s.bytes)?;
+            if map.len() < SHARD_HEADER_LEN as usize
+                || map[..SHARD_HEADER_LEN as usize] != shard_header(i as u32)
+            {
+                return Err(Error::malformed(&name, &path, "bad shard header"));
+            }
+            if validation == Validation::Full {
+                check_sum(&name, &path, &map, &s.checksum)?;
+            }
+            shards.push(map);
+        }
+        Ok(Cache {
+            dir: dir.to_owned(),
+            manifest,
+            index,
+            shards,
+            metadata,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.manifest.name
+    }
+
+    pub fn len(&self) -> u64 {
+        self.manifest.num_samples
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn entry(&self, sample: u64) -> IndexEntry {
+        let start = (INDEX_HEADER_LEN + sample * INDEX_ENTRY_LEN) as usize;
+        IndexEntry::decode(&self.index[start..start + INDEX_ENTRY_LEN as usize])
+    }
+
+    pub fn shard_path(&self, shard: u32) -> PathBuf {
+        self.dir.join(shard_file_name(shard))
+    }
+
+    pub fn num_shards(&self) -> usize {
+        self.shards.len()
+    }
+
+    fn corrupt(&self, shard: u32, offset: u64, sample: u64, reason: impl Into<String>) -> Error {
+        Error::CorruptRecord {
+            cache: self.name().to_owned(),
+            shard: self.shard_path(shard),
+            offset,
+            sample,
+            reason: reason.into(),
+        }
+    }
+
+    /// Locates and verifies record `sample`: its header must agree with the index and its
+    /// checksum with its bytes. Returns the header and the payload's offset in its shard.
+    pub fn verify_record(&self, sample: u64) -> Result<(IndexEntry, RecordHeader, u64)> {
+        debug_assert!(sample < self.len());
+        let e = self.entry(sample);
+        let shard = self.shards.get(e.shard as usize).ok_or_else(|| {
+            self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                "index names a shard that does not exist",
+            )
+        })?;
+        let start = usize::try_from(e.offset).unwrap_or(usize::MAX);
+        let header_end = start.saturating_add(RECORD_HEADER_LEN as usize);
+        if header_end > shard.len() {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                "record lies past the end of its shard",
+            ));
+        }
+        let h = RecordHeader::decode(&shard[start..header_end])
+            .map_err(|r| self.corrupt(e.shard, e.offset, sample, r))?;
+        if h.sample != sample
+            || h.flags != e.flags
+            || h.stored_len != e.stored_len
+            || h.raw_len != e.raw_len
+            || h.checksum != e.checksum
+        {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!("record header {h:?} disagrees with index entry {e:?}"),
+            ));
+        }
+        if h.flags & !KNOWN_FLAGS != 0 {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!("unknown flags {:#x}", h.flags),
+            ));
+        }
+        let payload_start = start as u64 + h.payload_offset();
+        let payload_end = payload_start + u64::from(h.stored_len);
+        if payload_end > shard.len() as u64 {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                "record lies past the end of its shard",
+            ));
+        }
+        let meta = &shard[header_end..header_end + h.meta_len as usize];
+        let payload = &shard[payload_start as usize..payload_end as usize];
+        let actual = h.compute_checksum(meta, payload);
+        if actual != h.checksum {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!(
+                    "checksum mismatch: computed {}, stored {}",
+                    checksum_hex(actual),
+                    checksum_hex(h.checksum)
+                ),
+            ));
+        }
+        Ok((e, h, payload_start))
+    }
+
+    /// The verified, decompressed payload of `sample`: borrowed from the map when stored raw.
+    pub fn payload(&self, sample: u64) -> Result<Cow<'_, [u8]>> {
+        let (e, h, start) = self.verify_record(sample)?;
+        self.decode_payload(sample, &e, &h, start)
+    }
+
+    /// The payload of a record already verified by `verify_record`.
+    pub fn decode_payload(
+        &self,
+        sample: u64,
+        e: &IndexEntry,
+        h: &RecordHeader,
+        start: u64,
+    ) -> Result<Cow<'_, [u8]>> {
+        let stored = &self.shards[e.shard as usize]
+            [start as usize..(start + u64::from(h.stored_len)) as usize];
+        if h.flags & FLAG_LZ4 == 0 {
+            return Ok(Cow::Borrowed(stored));
+        }
+        let raw = lz4_flex::block::decompress(stored, h.raw_len as usize).map_err(|err| {
+            self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!("LZ4 payload does not decode: {err}"),
+            )
+        })?;
+        if raw.len() != h.raw_len as usize {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                "LZ4 payload decodes to the wrong length",
+            ));
+        }
+        Ok(Cow::Owned(raw))
+    }
+
+    /// The metadata JSON embedded in record `sample` (verified).
+    pub fn embedded_metadata(&self, sample: u64) -> Result<serde_json::Value> {
+        let (e, h, _) = self.verify_record(sample)?;
+        let start = (e.offset + RECORD_HEADER_LEN) as usize;
+        let bytes = &self.shards[e.shard as usize][start..start + h.meta_len as usize];
+        serde_json::from_slice(bytes).map_err(|err| {
+            self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!("embedded metadata is not JSON: {err}"),
+            )
+        })
+    }
+
+    /// Checks every record, then every shard checksum (what `dataset-rt verify` runs). Records
+    /// first, so damage inside a record is reported with its sample; the shard pass then catches
+    /// damage in the padding between records.
+    pub fn verify_all(&self) -> Result<()> {
+        for sample in 0..self.len() {
+            self.payload(sample)?;
+        }
+        for (i, s) in self.manifest.shards.iter().enumerate() {
+            check_sum(
+                self.name(),
+                &self.shard_path(i as u32),
+                &self.shards[i],
+                &s.checksum,
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,478 @@
+//! A dataset: the loaded caches in source order, their weights, epoch orders and iterator state.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, OnceLock};
+
+use serde::{Deserialize, Serialize};
+
+use crate::cache::Cache;
+use crate::error::{Error, Result};
+use crate::format::{SampleIdSource, FLAG_LZ4};
+use crate::metadata::MetaRef;
+use crate::pool::{Pool, Slot};
+use crate::sampler::{epoch_order, EpochParams, RankPolicy, RankSplit, Weights};
+
+pub const STATE_VERSION: u32 = 1;
+
+/// Reading options that decide the order and the split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadOptions {
+    pub seed: u64,
+    pub shuffle: bool,
+    pub prefetch_size: usize,
+    /// Samples per epoch (before the rank split); `None` = the number of samples.
+    pub epoch_len: Option<u64>,
+    pub rank: u64,
+    pub world_size: u64,
+    pub policy: RankPolicy,
+}
+
+impl ReadOptions {
+    pub fn validate(&self) -> Result<()> {
+        if self.prefetch_size == 0 {
+            return Err(Error::config(
+                "ReaderConfig.prefetch_size",
+                "must be at least 1",
+            ));
+        }
+        if self.world_size == 0 {
+            return Err(Error::config(
+                "ReaderConfig.world_size",
+                "must be at least 1",
+            ));
+        }
+        if self.rank >= self.world_size {
+            return Err(Error::config(
+                "ReaderConfig.rank",
+                format!(
+                    "rank {} is not below world_size {}",
+                    self.rank, self.world_size
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn split(&self) -> RankSplit {
+        RankSplit {
+            rank: self.rank,
+            world_size: self.world_size,
+            policy: self.policy,
+        }
+    }
+}
+
+/// The iterator state: plain data, serialised as JSON by the bindings.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct State {
+    pub format_version: u32,
+    /// Identifies the caches (their content fingerprints, in order).
+    pub fingerprint: String,
+    /// Identifies the weight table ("uniform" when every weight is equal to every other).
+    pub weights_fingerprint: String,
+    pub seed: u64,
+    pub shuffle: bool,
+    pub epoch_len: u64,
+    pub epoch: u64,
+    /// Global position in the epoch's order reached by all ranks together.
+    pub position: u64,
+    pub rank: u64,
+    pub world_size: u64,
+}
+
+impl State {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("plain data serialises")
+    }
+
+    pub fn from_json(text: &str) -> Result<State> {
+        serde_json::from_str(text)
+            .map_err(|e| Error::State(format!("not a DatasetRT iterator state: {e}")))
+    }
+}
+
+/// A sample's payload: a range of a shard (served without a copy) or decompressed bytes.
+pub enum Payload {
+    Mapped { shard: u32, offset: u64, len: u64 },
+    Owned(Vec<u8>),
+}
+
+pub struct Fetched {
+    pub cache: u32,
+    pub row: u64,
+    pub payload: Payload,
+}
+
+type IdIndex = HashMap<u128, u64>;
+
+pub struct Dataset {
+    pub caches: Vec<Arc<Cache>>,
+    /// Global index of each cache's first sample, plus the total at the end.
+    starts: Vec<u64>,
+    fingerprint: String,
+    id_indexes: Vec<OnceLock<IdIndex>>,
+}
+
+/// The weights in force: shared by readers that started under them.
+#[derive(Clone)]
+pub struct WeightTable {
+    pub weights: Option<Arc<Vec<f64>>>,
+    pub fingerprint: String,
+}
+
+impl WeightTable {
+    pub fn uniform() -> Self {
+        WeightTable {
+            weights: None,
+            fingerprint: "uniform".into(),
+        }
+    }
+
+    /// Weights all equal to each other are the uniform table (the exact integer scheme).
+    pub fn from_weights(w: Vec<f64>) -> Self {
+        if w.windows(2).all(|p| p[0] == p[1]) {
+            return Self::uniform();
+        }
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for x in &w {
+            h.update(&x.to_le_bytes());
+        }
+        WeightTable {
+            weights: Some(Arc::new(w)),
+            fingerprint: format!("{:032x}", h.digest128()),
+        }
+    }
+
+    pub fn weight(&self, i: u64) -> f64 {
+        self.weights.as_ref().map_or(1.0, |w| w[i as usize])
+    }
+}
+
+fn hash_id(id: MetaRef<'_>) -> u128 {
+    match id {
+        MetaRef::Int(v) => u128::from(v as u64) | (1u128 << 64),
+        MetaRef::Str(s) => xxhash_rust::xxh3::xxh3_128(s.as_bytes()),
+        _ => unreachable!("sample ids are int or str"),
+    }
+}
+
+impl Dataset {
+    pub fn new(caches: Vec<Arc<Cache>>) -> Self {
+        let mut starts = Vec::with_capacity(caches.len() + 1);
+        let mut total = 0u64;
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for c in &caches {
+            starts.push(total);
+            total += c.len();
+            h.update(c.manifest.fingerprint.as_bytes());
+            h.update(b"\n");
+        }
+        starts.push(total);
+        let id_indexes = caches.iter().map(|_| OnceLock::new()).collect();
+        Dataset {
+            caches,
+            starts,
+            fingerprint: format!("{:032x}", h.digest128()),
+            id_indexes,
+        }
+    }
+
+    pub fn len(&self) -> u64 {
+        *self.starts.last().unwrap()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    pub fn cache_start(&self, cache: usize) -> u64 {
+        self.starts[cache]
+    }
+
+    /// (cache, row) of a global sample index.
+    pub fn locate(&self, global: u64) -> (usize, u64) {
+        let c = self.starts.partition_point(|&s| s <= global) - 1;
+        (c, global - self.starts[c])
+    }
+
+    /// The row of the sample with this id in cache `c`, if any.
+    pub fn find_sample(&self, c: usize, id: MetaRef<'_>) -> Option<u64> {
+        let cache = &self.caches[c];
+        if cache.manifest.sample_id == SampleIdSource::Position {
+            return match id {
+                MetaRef::Int(v) if v >= 0 && (v as u64) < cache.len() => Some(v as u64),
+                _ => None,
+            };
+        }
+        if !matches!(id, MetaRef::Int(_) | MetaRef::Str(_)) {
+            return None;
+        }
+        let index = self.id_indexes[c].get_or_init(|| {
+            (0..cache.len())
+                .map(|row| (hash_id(cache.metadata.sample_id(row)), row))
+                .collect()
+        });
+        // A hash hit is confirmed against the stored id, so a collision cannot misattribute.
+        index
+            .get(&hash_id(id))
+            .copied()
+            .filter(|&row| cache.metadata.sample_id(row) == id)
+    }
+
+    pub fn epoch_len(&self, opts: &ReadOptions) -> u64 {
+        opts.epoch_len.unwrap_or_else(|| self.len())
+    }
+
+    /// This rank's samples in a full epoch.
+    pub fn rank_len(&self, opts: &ReadOptions) -> u64 {
+        opts.split().rank_len(self.epoch_len(opts), 0)
+    }
+
+    pub fn order(&self, opts: &ReadOptions, weights: &WeightTable, epoch: u64) -> Vec<u64> {
+        let params = EpochParams {
+            seed: opts.seed,
+            epoch,
+            epoch_len: self.epoch_len(opts),
+            shuffle: opts.shuffle,
+        };
+        match &weights.weights {
+            None => epoch_order(params, Weights::Uniform(self.len())),
+            Some(w) => epoch_order(params, Weights::Weighted(w)),
+        }
+    }
+
+    /// Checks a state against this dataset and these options; returns (epoch, global position).
+    pub fn check_state(
+        &self,
+        state: &State,
+        opts: &ReadOptions,
+        weights: &WeightTable,
+    ) -> Result<(u64, u64)> {
+        if state.format_version != STATE_VERSION {
+            return Err(Error::State(format!(
+                "state format version {} is not {STATE_VERSION}",
+                state.format_version
+            )));
+        }
+        if state.fingerprint != self.fingerprint {
+            return Err(Error::State(format!(
+                "the state belongs to another dataset (fingerprint {}, this dataset is {}): \
+                 load it into a dataset built from the same caches in the same order",
+                state.fingerprint, self.fingerprint
+            )));
+        }
+        if state.weights_fingerprint != weights.fingerprint {
+            return Err(Error::State(format!(
+                "the state was taken under another weight table ({}, now {}): apply the same \
+                 samples metadata with set_samples_metadata before loading it",
+                state.weights_fingerprint, weights.fingerprint
+            )));
+        }
+        let epoch_len = self.epoch_len(opts);
+        if state.seed != opts.seed || state.shuffle != opts.shuffle || state.epoch_len != epoch_len
+        {
+            return Err(Error::State(format!(
+                "the state was taken with seed={} shuffle={} epoch_len={}, this reader has \
+                 seed={} shuffle={} epoch_len={}",
+                state.seed, state.shuffle, state.epoch_len, opts.seed, opts.shuffle, epoch_len
+            )));
+        }
+        if state.position > epoch_len {
+            return Err(Error::State(format!(
+                "position {} is past the epoch length {epoch_len}",
+                state.position
+            )));
+        }
+        Ok((state.epoch, state.position))
+    }
+
+    pub fn state(
+        &self,
+        opts: &ReadOptions,
+        weights: &WeightTable,
+        epoch: u64,
+        position: u64,
+    ) -> State {
+        State {
+            format_version: STATE_VERSION,
+            fingerprint: self.fingerprint.clone(),
+            weights_fingerprint: weights.fingerprint.clone(),
+            seed: opts.seed,
+            shuffle: opts.shuffle,
+            epoch_len: self.epoch_len(opts),
+            epoch,
+            position,
+            rank: opts.rank,
+            world_size: opts.world_size,
+        }
+    }
+
+    /// Verifies and, when compressed, decompresses one sample.
+    pub fn fetch(&self, global: u64) -> Result<Fetched> {
+        let (c, row) = self.locate(global);
+        let cache = &self.caches[c];
+        let (entry, header, payload_start) = cache.verify_record(row)?;
+        let payload = if header.flags & FLAG_LZ4 != 0 {
+            Payload::Owned(
+                cache
+                    .decode_payload(row, &entry, &header, payload_start)?
+                    .into_owned(),
+            )
+        } else {
+            Payload::Mapped {
+                shard: entry.shard,
+                offset: payload_start,
+                len: u64::from(header.stored_len),
+            }
+        };
+        Ok(Fetched {
+            cache: c as u32,
+            row,
+            payload,
+        })
+    }
+}
+
+/// Reads one rank's share of one epoch, ahead of the consumer on the pool.
+pub struct EpochReader {
+    pool: Arc<Pool>,
+    dataset: Arc<Dataset>,
+    order: Arc<Vec<u64>>,
+    split: RankSplit,
+    epoch_len: u64,
+    pub epoch: u64,
+    /// Global position this pass started from (0, or a loaded state's position).
+    start: u64,
+    len: u64,
+    submitted: u64,
+    yielded: u64,
+    in_flight: VecDeque<Arc<Slot<Vec<Result<Fetched>>>>>,
+    ready: VecDeque<Result<Fetched>>,
+    chunk: u64,
+    prefetch: u64,
+    failed: bool,
+}
+
+impl EpochReader {
+    pub fn new(
+        pool: Arc<Pool>,
+        dataset: Arc<Dataset>,
+        order: Arc<Vec<u64>>,
+        opts: &ReadOptions,
+        epoch: u64,
+        start: u64,
+    ) -> Self {
+        let split = opts.split();
+        let epoch_len = order.len() as u64;
+        let len = split.rank_len(epoch_len, start);
+        let prefetch = opts.prefetch_size as u64;
+        EpochReader {
+            pool,
+            dataset,
+            order,
+            split,
+            epoch_len,
+            epoch,
+            start,
+            len,
+            submitted: 0,
+            yielded: 0,
+            in_flight: VecDeque::new(),
+            ready: VecDeque::new(),
+            // Small chunks keep the first sample fast; a few per prefetch window keep workers busy.
+            chunk: (prefetch / 4).clamp(1, 64),
+            prefetch,
+            failed: false,
+        }
+    }
+
+    /// Samples this pass yields in all.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn remaining(&self) -> u64 {
+        self.len - self.yielded
+    }
+
+    /// Global position reached by what was yielded so far.
+    pub fn position(&self) -> u64 {
+        self.split
+            .global_progress(self.epoch_len, self.start, self.yielded)
+    }
+
+    fn fill(&mut self) -> Result<()> {
+        while self.submitted < self.len
+            && self.submitted - self.yielded + self.chunk <= self.prefetch.max(self.chunk)
+        {
+            let k0 = self.submitted;
+            let k1 = (k0 + self.chunk).min(self.len);
+            let globals: Vec<u64> = (k0..k1)
+                .map(|k| {
+                    self.order[self.split.global_position(self.epoch_len, self.start, k) as usize]
+                })
+                .collect();
+            let dataset = self.dataset.clone();
+            // One result per sample: a corrupt record fails only when its turn comes, after
+            // every good sample before it was delivered.
+            let slot = self
+                .pool
+                .submit(move || Ok(globals.into_iter().map(|g| dataset.fetch(g)).collect()))?;
+            self.in_flight.push_back(slot);
+            self.submitted = k1;
+        }
+        Ok(())
+    }
+
+    /// The next sample, waiting for the pool if it is not read yet. Call without the GIL.
+    pub fn next_sample(&mut self) -> Option<Result<Fetched>> {
+        if self.failed || self.yielded >= self.len {
+            return None;
+        }
+        // Chunks in flight belong to the parent's workers, which a forked child does not have.
+        if let Err(e) = self.pool.check_process() {
+            self.failed = true;
+            return Some(Err(e));
+        }
+        if self.ready.is_empty() {
+            if let Err(e) = self.fill() {
+                self.failed = true;
+                return Some(Err(e));
+            }
+            let slot = self
+                .in_flight
+                .pop_front()
+                .expect("fill submitted the next chunk");
+            match slot.wait() {
+                Ok(samples) => self.ready.extend(samples),
+                Err(e) => {
+                    self.failed = true;
+                    return Some(Err(e));
+                }
+            }
+        }
+        let sample = match self.ready.pop_front().expect("a chunk is never empty") {
+            Ok(s) => s,
+            Err(e) => {
+                self.failed = true;
+                return Some(Err(e));
+            }
+        };
+        self.yielded += 1;
+        // Keep the window full while the consumer works on this sample.
+        if let Err(e) = self.fill() {
+            self.failed = true;
+            return Some(Err(e));
+        }
+        Some(Ok(sample))
+    }
+}

@@ -1,0 +1,363 @@
+//! Storage format v1: byte layouts of shards, records and the index, and the manifest.
+//! `docs/storage-format.md` specifies the same thing for readers in other languages.
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+
+use crate::metadata::{Field, FieldType};
+
+pub const FORMAT_NAME: &str = "dataset-rt-cache";
+pub const FORMAT_VERSION: u32 = 1;
+pub const WRITER_VERSION: &str = concat!("dataset-rt ", env!("CARGO_PKG_VERSION"));
+pub const CHECKSUM_ALGO: &str = "xxh3-64";
+
+pub const MANIFEST_FILE: &str = "manifest.json";
+pub const METADATA_FILE: &str = "metadata.arrow";
+pub const INDEX_FILE: &str = "index.bin";
+pub const SHARDS_DIR: &str = "shards";
+
+/// Records and payloads start on this boundary (relative to the shard start), so a payload view
+/// can be reinterpreted as any numeric dtype without a copy.
+pub const ALIGN: u64 = 16;
+
+pub const SHARD_MAGIC: &[u8; 8] = b"DRTSHARD";
+pub const SHARD_HEADER_LEN: u64 = 16;
+pub const INDEX_MAGIC: &[u8; 8] = b"DRTINDEX";
+pub const INDEX_HEADER_LEN: u64 = 16;
+pub const INDEX_ENTRY_LEN: u64 = 32;
+pub const RECORD_MAGIC: &[u8; 4] = b"DRTR";
+pub const RECORD_HEADER_LEN: u64 = 40;
+/// Bytes of the record header covered by the record checksum (all but the checksum itself).
+pub const RECORD_HASHED_HEADER_LEN: usize = 32;
+
+pub const FLAG_LZ4: u32 = 1;
+pub const KNOWN_FLAGS: u32 = FLAG_LZ4;
+
+pub fn align_up(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+pub fn shard_file_name(shard: u32) -> String {
+    format!("{SHARDS_DIR}/{shard:06}.bin")
+}
+
+pub fn checksum_hex(value: u64) -> String {
+    format!("{value:016x}")
+}
+
+pub fn hash_bytes(bytes: &[u8]) -> u64 {
+    xxh3_64(bytes)
+}
+
+pub fn shard_header(shard: u32) -> [u8; SHARD_HEADER_LEN as usize] {
+    let mut h = [0u8; SHARD_HEADER_LEN as usize];
+    h[..8].copy_from_slice(SHARD_MAGIC);
+    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[12..16].copy_from_slice(&shard.to_le_bytes());
+    h
+}
+
+pub fn index_header() -> [u8; INDEX_HEADER_LEN as usize] {
+    let mut h = [0u8; INDEX_HEADER_LEN as usize];
+    h[..8].copy_from_slice(INDEX_MAGIC);
+    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[12..16].copy_from_slice(&(INDEX_ENTRY_LEN as u32).to_le_bytes());
+    h
+}
+
+/// The fixed-width header in front of every record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordHeader {
+    pub flags: u32,
+    pub meta_len: u32,
+    pub stored_len: u32,
+    pub raw_len: u32,
+    pub sample: u64,
+    pub checksum: u64,
+}
+
+impl RecordHeader {
+    fn hashed_prefix(&self) -> [u8; RECORD_HASHED_HEADER_LEN] {
+        let mut h = [0u8; RECORD_HASHED_HEADER_LEN];
+        h[..4].copy_from_slice(RECORD_MAGIC);
+        h[4..8].copy_from_slice(&self.flags.to_le_bytes());
+        h[8..12].copy_from_slice(&self.meta_len.to_le_bytes());
+        h[12..16].copy_from_slice(&self.stored_len.to_le_bytes());
+        h[16..20].copy_from_slice(&self.raw_len.to_le_bytes());
+        // 20..24 reserved, zero
+        h[24..32].copy_from_slice(&self.sample.to_le_bytes());
+        h
+    }
+
+    /// The record checksum: xxh3-64 over the hashed header, the metadata and the stored payload.
+    pub fn compute_checksum(&self, metadata: &[u8], payload: &[u8]) -> u64 {
+        let mut hasher = Xxh3::new();
+        hasher.update(&self.hashed_prefix());
+        hasher.update(metadata);
+        hasher.update(payload);
+        hasher.digest()
+    }
+
+    pub fn encode(&self) -> [u8; RECORD_HEADER_LEN as usize] {
+        let mut h = [0u8; RECORD_HEADER_LEN as usize];
+        h[..RECORD_HASHED_HEADER_LEN].copy_from_slice(&self.hashed_prefix());
+        h[32..40].copy_from_slice(&self.checksum.to_le_bytes());
+        h
+    }
+
+    /// Parses a header; `Err` says what is wrong with it.
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        if bytes.len() < RECORD_HEADER_LEN as usize {
+            return Err(format!(
+                "record header truncated: {} of {RECORD_HEADER_LEN} bytes",
+                bytes.len()
+            ));
+        }
+        if &bytes[..4] != RECORD_MAGIC {
+            return Err(format!("bad record magic {:02x?}", &bytes[..4]));
+        }
+        if bytes[20..24] != [0, 0, 0, 0] {
+            return Err("reserved record header bytes are not zero".into());
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().unwrap());
+        Ok(RecordHeader {
+            flags: u32_at(4),
+            meta_len: u32_at(8),
+            stored_len: u32_at(12),
+            raw_len: u32_at(16),
+            sample: u64_at(24),
+            checksum: u64_at(32),
+        })
+    }
+
+    /// Offset of the payload relative to the record start.
+    pub fn payload_offset(&self) -> u64 {
+        align_up(RECORD_HEADER_LEN + u64::from(self.meta_len))
+    }
+
+    /// Length of the whole record including the trailing alignment padding.
+    pub fn padded_len(&self) -> u64 {
+        align_up(self.payload_offset() + u64::from(self.stored_len))
+    }
+}
+
+/// One entry of `index.bin`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexEntry {
+    pub offset: u64,
+    pub shard: u32,
+    pub flags: u32,
+    pub stored_len: u32,
+    pub raw_len: u32,
+    pub checksum: u64,
+}
+
+impl IndexEntry {
+    pub fn encode(&self) -> [u8; INDEX_ENTRY_LEN as usize] {
+        let mut e = [0u8; INDEX_ENTRY_LEN as usize];
+        e[..8].copy_from_slice(&self.offset.to_le_bytes());
+        e[8..12].copy_from_slice(&self.shard.to_le_bytes());
+        e[12..16].copy_from_slice(&self.flags.to_le_bytes());
+        e[16..20].copy_from_slice(&self.stored_len.to_le_bytes());
+        e[20..24].copy_from_slice(&self.raw_len.to_le_bytes());
+        e[24..32].copy_from_slice(&self.checksum.to_le_bytes());
+        e
+    }
+
+    pub fn decode(e: &[u8]) -> Self {
+        let u32_at = |o: usize| u32::from_le_bytes(e[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(e[o..o + 8].try_into().unwrap());
+        IndexEntry {
+            offset: u64_at(0),
+            shard: u32_at(8),
+            flags: u32_at(12),
+            stored_len: u32_at(16),
+            raw_len: u32_at(20),
+            checksum: u64_at(24),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CompressionAlgo {
+    None,
+    Lz4,
+}
+
+/// Shard compression: `algo="lz4"` keeps a record compressed only when the compressed payload is
+/// at most `ratio` of the raw size; `algo="none"` requires `ratio=1.0`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Compression {
+    pub algo: CompressionAlgo,
+    pub ratio: f64,
+}
+
+impl Compression {
+    pub const NONE: Compression = Compression {
+        algo: CompressionAlgo::None,
+        ratio: 1.0,
+    };
+
+    pub fn new(algo: &str, ratio: f64) -> crate::Result<Self> {
+        let algo = match algo {
+            "none" => CompressionAlgo::None,
+            "lz4" => CompressionAlgo::Lz4,
+            other => {
+                return Err(crate::Error::config(
+                    "shard_compression",
+                    format!(
+                        "unknown algo {other:?}; supported: \"none\", \"lz4\" (zstd is not in v0.1)"
+                    ),
+                ))
+            }
+        };
+        let c = Compression { algo, ratio };
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn validate(&self) -> crate::Result<()> {
+        match self.algo {
+            CompressionAlgo::None if self.ratio != 1.0 => Err(crate::Error::config(
+                "shard_compression",
+                format!("algo=\"none\" requires ratio=1.0, got {}", self.ratio),
+            )),
+            CompressionAlgo::Lz4 if !(self.ratio > 0.0 && self.ratio <= 1.0) => {
+                Err(crate::Error::config(
+                    "shard_compression",
+                    format!(
+                        "algo=\"lz4\" needs 0 < ratio <= 1 (keep a record compressed when it \
+                         shrinks to at most ratio of its size), got {}",
+                        self.ratio
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileEntry {
+    pub file: String,
+    pub bytes: u64,
+    pub checksum: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardEntry {
+    pub file: String,
+    pub bytes: u64,
+    pub records: u64,
+    pub checksum: String,
+}
+
+/// Where `sample_id` comes from: the user's `sample_id` metadata key, or the record position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SampleIdSource {
+    Metadata,
+    Position,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format: String,
+    pub format_version: u32,
+    pub writer_version: String,
+    pub name: String,
+    pub num_samples: u64,
+    /// Every metadata key in first-sample order, `sample_id` included when the user gave it.
+    pub metadata_schema: Vec<Field>,
+    pub sample_id: SampleIdSource,
+    pub sample_id_type: FieldType,
+    pub compression: Compression,
+    pub checksum_algo: String,
+    pub alignment: u64,
+    pub raw_payload_bytes: u64,
+    pub stored_payload_bytes: u64,
+    pub index: FileEntry,
+    pub metadata: FileEntry,
+    pub shards: Vec<ShardEntry>,
+    /// Hash of everything above that identifies the content; a checkpoint carries it.
+    pub fingerprint: String,
+}
+
+impl Manifest {
+    /// The content fingerprint: xxh3-128 over the name, counts, schema and every file checksum.
+    pub fn compute_fingerprint(&self) -> String {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut put = |s: &str| {
+            h.update(&(s.len() as u64).to_le_bytes());
+            h.update(s.as_bytes());
+        };
+        put(FORMAT_NAME);
+        put(&self.format_version.to_string());
+        put(&self.name);
+        put(&self.num_samples.to_string());
+        for f in &self.metadata_schema {
+            put(&f.name);
+            put(f.dtype.as_str());
+        }
+        put(&self.index.checksum);
+        put(&self.metadata.checksum);
+        for s in &self.shards {
+            put(&s.checksum);
+        }
+        format!("{:032x}", h.digest128())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_header_round_trip_and_checksum_covers_every_field() {
+        let mut h = RecordHeader {
+            flags: FLAG_LZ4,
+            meta_len: 17,
+            stored_len: 100,
+            raw_len: 300,
+            sample: 9,
+            checksum: 0,
+        };
+        h.checksum = h.compute_checksum(b"m", b"p");
+        assert_eq!(RecordHeader::decode(&h.encode()).unwrap(), h);
+        let mut other = h;
+        other.sample = 10;
+        assert_ne!(other.compute_checksum(b"m", b"p"), h.checksum);
+        assert_ne!(h.compute_checksum(b"m", b"q"), h.checksum);
+        assert_eq!(h.payload_offset(), 64);
+        assert_eq!(h.padded_len(), 176);
+    }
+
+    #[test]
+    fn index_entry_round_trip() {
+        let e = IndexEntry {
+            offset: 1 << 40,
+            shard: 3,
+            flags: 1,
+            stored_len: 5,
+            raw_len: 6,
+            checksum: u64::MAX - 1,
+        };
+        assert_eq!(IndexEntry::decode(&e.encode()), e);
+    }
+
+    #[test]
+    fn compression_rules() {
+        assert!(Compression::new("none", 1.0).is_ok());
+        assert!(Compression::new("none", 0.5).is_err());
+        assert!(Compression::new("lz4", 0.9).is_ok());
+        assert!(Compression::new("lz4", 0.0).is_err());
+        assert!(Compression::new("lz4", f64::NAN).is_err());
+        assert!(Compression::new("zstd", 1.0).is_err());
+    }
+}

@@ -1,0 +1,15 @@
+//! DatasetRT core: the immutable cache format, its writer and reader, deterministic sampling and
+//! the worker pool. No Python here: the `dataset-rt-python` crate binds it.
+
+pub mod cache;
+pub mod dataset;
+pub mod error;
+pub mod format;
+pub mod metadata;
+pub mod pool;
+pub mod progress;
+pub mod sampler;
+pub mod samples;
+pub mod writer;
+
+pub use error::{Error, Result};

@@ -1,0 +1,365 @@
+//! Per-sample metadata: the schema, typed values, and the Arrow IPC table (`metadata.arrow`).
+
+use std::fs::File;
+use std::path::Path;
+use std::sync::Arc;
+
+use arrow_array::builder::{BooleanBuilder, Float64Builder, Int64Builder, StringBuilder};
+use arrow_array::cast::AsArray;
+use arrow_array::types::{Float64Type, Int64Type};
+use arrow_array::{Array, ArrayRef, RecordBatch};
+use arrow_schema::{DataType, Field as ArrowField, Schema, SchemaRef};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, IoContext, Result};
+
+/// The name of the identity column (and of the optional user metadata key feeding it).
+pub const SAMPLE_ID: &str = "sample_id";
+/// Rows per record batch in `metadata.arrow`: the writer's memory for metadata stays bounded.
+pub const BATCH_ROWS: usize = 65_536;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FieldType {
+    Bool,
+    Int,
+    Float,
+    Str,
+}
+
+impl FieldType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FieldType::Bool => "bool",
+            FieldType::Int => "int",
+            FieldType::Float => "float",
+            FieldType::Str => "str",
+        }
+    }
+
+    fn arrow(self) -> DataType {
+        match self {
+            FieldType::Bool => DataType::Boolean,
+            FieldType::Int => DataType::Int64,
+            FieldType::Float => DataType::Float64,
+            FieldType::Str => DataType::Utf8,
+        }
+    }
+
+    fn from_arrow(dt: &DataType) -> Option<Self> {
+        Some(match dt {
+            DataType::Boolean => FieldType::Bool,
+            DataType::Int64 => FieldType::Int,
+            DataType::Float64 => FieldType::Float,
+            DataType::Utf8 => FieldType::Str,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Field {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub dtype: FieldType,
+}
+
+/// One metadata value as given by the user.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MetaValue {
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(String),
+}
+
+impl MetaValue {
+    pub fn dtype(&self) -> FieldType {
+        match self {
+            MetaValue::Bool(_) => FieldType::Bool,
+            MetaValue::Int(_) => FieldType::Int,
+            MetaValue::Float(_) => FieldType::Float,
+            MetaValue::Str(_) => FieldType::Str,
+        }
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        match self {
+            MetaValue::Bool(b) => (*b).into(),
+            MetaValue::Int(i) => (*i).into(),
+            // JSON has no NaN or infinities; the schema says `float`, so the strings are unambiguous.
+            MetaValue::Float(f) if f.is_nan() => "NaN".into(),
+            MetaValue::Float(f) if f.is_infinite() => {
+                if *f > 0.0 { "Infinity" } else { "-Infinity" }.into()
+            }
+            MetaValue::Float(f) => (*f).into(),
+            MetaValue::Str(s) => s.as_str().into(),
+        }
+    }
+}
+
+/// A borrowed metadata value read back from the table.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MetaRef<'a> {
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(&'a str),
+}
+
+/// The metadata embedded in a record: a JSON object in schema order.
+pub fn record_metadata_json(fields: &[Field], values: &[MetaValue]) -> Vec<u8> {
+    let mut map = serde_json::Map::with_capacity(fields.len());
+    for (f, v) in fields.iter().zip(values) {
+        map.insert(f.name.clone(), v.to_json());
+    }
+    serde_json::to_vec(&serde_json::Value::Object(map)).expect("JSON of plain values")
+}
+
+/// The Arrow schema of `metadata.arrow`: `sample_id` first, then the other fields in order.
+pub fn arrow_schema(fields: &[Field], sample_id_type: FieldType) -> SchemaRef {
+    let mut cols = vec![ArrowField::new(SAMPLE_ID, sample_id_type.arrow(), false)];
+    cols.extend(
+        fields
+            .iter()
+            .filter(|f| f.name != SAMPLE_ID)
+            .map(|f| ArrowField::new(&f.name, f.dtype.arrow(), false)),
+    );
+    Arc::new(Schema::new(cols))
+}
+
+enum ColumnBuilder {
+    Bool(BooleanBuilder),
+    Int(Int64Builder),
+    Float(Float64Builder),
+    Str(StringBuilder),
+}
+
+impl ColumnBuilder {
+    fn new(dtype: FieldType) -> Self {
+        match dtype {
+            FieldType::Bool => ColumnBuilder::Bool(BooleanBuilder::with_capacity(BATCH_ROWS)),
+            FieldType::Int => ColumnBuilder::Int(Int64Builder::with_capacity(BATCH_ROWS)),
+            FieldType::Float => ColumnBuilder::Float(Float64Builder::with_capacity(BATCH_ROWS)),
+            FieldType::Str => ColumnBuilder::Str(StringBuilder::new()),
+        }
+    }
+
+    fn push(&mut self, v: &MetaValue) {
+        match (self, v) {
+            (ColumnBuilder::Bool(b), MetaValue::Bool(x)) => b.append_value(*x),
+            (ColumnBuilder::Int(b), MetaValue::Int(x)) => b.append_value(*x),
+            (ColumnBuilder::Float(b), MetaValue::Float(x)) => b.append_value(*x),
+            (ColumnBuilder::Str(b), MetaValue::Str(x)) => b.append_value(x),
+            _ => unreachable!("values are checked against the schema before they are pushed"),
+        }
+    }
+
+    fn finish(&mut self) -> ArrayRef {
+        match self {
+            ColumnBuilder::Bool(b) => Arc::new(b.finish()),
+            ColumnBuilder::Int(b) => Arc::new(b.finish()),
+            ColumnBuilder::Float(b) => Arc::new(b.finish()),
+            ColumnBuilder::Str(b) => Arc::new(b.finish()),
+        }
+    }
+}
+
+/// Streams rows into `metadata.arrow` in batches of `BATCH_ROWS`.
+pub struct MetadataWriter {
+    schema: SchemaRef,
+    /// For each arrow column, the position of its value in a row's `values` (schema order).
+    source_of_column: Vec<Option<usize>>,
+    builders: Vec<ColumnBuilder>,
+    rows_in_batch: usize,
+    writer: arrow_ipc::writer::FileWriter<std::io::BufWriter<File>>,
+    path: std::path::PathBuf,
+}
+
+impl MetadataWriter {
+    pub fn create(path: &Path, fields: &[Field], sample_id_type: FieldType) -> Result<Self> {
+        let schema = arrow_schema(fields, sample_id_type);
+        let file = File::create(path).ctx("create", path)?;
+        let writer = arrow_ipc::writer::FileWriter::try_new(std::io::BufWriter::new(file), &schema)
+            .map_err(|e| Error::io("write", path, std::io::Error::other(e)))?;
+        let mut source_of_column = vec![fields.iter().position(|f| f.name == SAMPLE_ID)];
+        source_of_column.extend(
+            fields
+                .iter()
+                .enumerate()
+                .filter(|(_, f)| f.name != SAMPLE_ID)
+                .map(|(i, _)| Some(i)),
+        );
+        let builders = schema
+            .fields()
+            .iter()
+            .map(|f| ColumnBuilder::new(FieldType::from_arrow(f.data_type()).unwrap()))
+            .collect();
+        Ok(MetadataWriter {
+            schema,
+            source_of_column,
+            builders,
+            rows_in_batch: 0,
+            writer,
+            path: path.to_owned(),
+        })
+    }
+
+    /// Appends one row. `sample_id` is the identity (the user's or the position).
+    pub fn push(&mut self, sample_id: &MetaValue, values: &[MetaValue]) -> Result<()> {
+        for (builder, source) in self.builders.iter_mut().zip(&self.source_of_column) {
+            match source {
+                Some(i) => builder.push(&values[*i]),
+                None => builder.push(sample_id),
+            }
+        }
+        self.rows_in_batch += 1;
+        if self.rows_in_batch == BATCH_ROWS {
+            self.flush_batch()?;
+        }
+        Ok(())
+    }
+
+    fn flush_batch(&mut self) -> Result<()> {
+        if self.rows_in_batch == 0 {
+            return Ok(());
+        }
+        let columns = self
+            .builders
+            .iter_mut()
+            .map(ColumnBuilder::finish)
+            .collect();
+        let batch = RecordBatch::try_new(self.schema.clone(), columns)
+            .map_err(|e| Error::io("write", &self.path, std::io::Error::other(e)))?;
+        self.writer
+            .write(&batch)
+            .map_err(|e| Error::io("write", &self.path, std::io::Error::other(e)))?;
+        self.rows_in_batch = 0;
+        Ok(())
+    }
+
+    /// Writes the last batch and the footer, and syncs the file.
+    pub fn finish(mut self) -> Result<()> {
+        self.flush_batch()?;
+        self.writer
+            .finish()
+            .map_err(|e| Error::io("write", &self.path, std::io::Error::other(e)))?;
+        let file = self
+            .writer
+            .into_inner()
+            .map_err(|e| Error::io("write", &self.path, std::io::Error::other(e)))?;
+        let file = file
+            .into_inner()
+            .map_err(|e| Error::io("write", &self.path, e.into_error()))?;
+        file.sync_all().ctx("sync", &self.path)
+    }
+}
+
+/// `metadata.arrow` loaded for lookups: record batches plus their starting rows.
+pub struct MetadataTable {
+    pub schema: SchemaRef,
+    pub batches: Vec<RecordBatch>,
+    starts: Vec<u64>,
+    rows: u64,
+    /// For each user field (schema order), its column in the table.
+    field_columns: Vec<usize>,
+    pub fields: Vec<Field>,
+}
+
+impl MetadataTable {
+    /// Decodes the IPC file held in `bytes` and checks it against the manifest's schema.
+    pub fn decode(
+        bytes: &[u8],
+        fields: &[Field],
+        sample_id_type: FieldType,
+        expected_rows: u64,
+    ) -> std::result::Result<Self, String> {
+        let reader = arrow_ipc::reader::FileReader::try_new(std::io::Cursor::new(bytes), None)
+            .map_err(|e| format!("not an Arrow IPC file: {e}"))?;
+        let expected = arrow_schema(fields, sample_id_type);
+        let schema = reader.schema();
+        let names = |s: &Schema| {
+            s.fields()
+                .iter()
+                .map(|f| format!("{}:{}", f.name(), f.data_type()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if schema.fields().len() != expected.fields().len()
+            || schema
+                .fields()
+                .iter()
+                .zip(expected.fields())
+                .any(|(a, b)| a.name() != b.name() || a.data_type() != b.data_type())
+        {
+            return Err(format!(
+                "schema [{}] does not match the manifest's [{}]",
+                names(&schema),
+                names(&expected)
+            ));
+        }
+        let mut batches = Vec::new();
+        let mut starts = Vec::new();
+        let mut rows = 0u64;
+        for batch in reader {
+            let batch = batch.map_err(|e| format!("unreadable record batch: {e}"))?;
+            if batch.columns().iter().any(|c| c.null_count() > 0) {
+                return Err("null values in metadata".into());
+            }
+            starts.push(rows);
+            rows += batch.num_rows() as u64;
+            batches.push(batch);
+        }
+        if rows != expected_rows {
+            return Err(format!("{rows} rows, the manifest says {expected_rows}"));
+        }
+        let field_columns = fields
+            .iter()
+            .map(|f| expected.index_of(&f.name).expect("schema checked above"))
+            .collect();
+        Ok(MetadataTable {
+            schema: expected,
+            batches,
+            starts,
+            rows,
+            field_columns,
+            fields: fields.to_vec(),
+        })
+    }
+
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
+
+    fn locate(&self, row: u64) -> (usize, usize) {
+        let b = self.starts.partition_point(|&s| s <= row) - 1;
+        (b, (row - self.starts[b]) as usize)
+    }
+
+    /// The value of column `col` (an Arrow column index) at `row`.
+    pub fn value(&self, col: usize, row: u64) -> MetaRef<'_> {
+        let (b, r) = self.locate(row);
+        let array = self.batches[b].column(col);
+        match array.data_type() {
+            DataType::Boolean => MetaRef::Bool(array.as_boolean().value(r)),
+            DataType::Int64 => MetaRef::Int(array.as_primitive::<Int64Type>().value(r)),
+            DataType::Float64 => MetaRef::Float(array.as_primitive::<Float64Type>().value(r)),
+            DataType::Utf8 => MetaRef::Str(array.as_string::<i32>().value(r)),
+            other => unreachable!("schema checked on load, found {other}"),
+        }
+    }
+
+    /// The user's metadata of one row, in schema order.
+    pub fn row(&self, row: u64) -> impl Iterator<Item = (&str, MetaRef<'_>)> + '_ {
+        self.fields
+            .iter()
+            .zip(&self.field_columns)
+            .map(move |(f, &c)| (f.name.as_str(), self.value(c, row)))
+    }
+
+    /// The identity of one row.
+    pub fn sample_id(&self, row: u64) -> MetaRef<'_> {
+        self.value(0, row)
+    }
+}

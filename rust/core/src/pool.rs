@@ -1,0 +1,192 @@
+//! The one worker pool of a `DatasetRuntime`: exactly `num_workers` threads, created once.
+//!
+//! Every job runs under `catch_unwind`, so a panic becomes an `Error::Runtime` for the caller
+//! instead of a dead thread. A pool records the pid that created it: threads do not survive
+//! `fork`, so a forked child gets a clear error instead of a job queue nobody serves.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{unbounded, Sender};
+
+use crate::error::{Error, Result};
+
+type Job = Box<dyn FnOnce() + Send + 'static>;
+
+pub struct Pool {
+    sender: Mutex<Option<Sender<Job>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    num_workers: usize,
+    pid: u32,
+}
+
+impl Pool {
+    pub fn new(num_workers: usize) -> Result<Arc<Pool>> {
+        if num_workers == 0 {
+            return Err(Error::config("num_workers", "must be at least 1"));
+        }
+        let (tx, rx) = unbounded::<Job>();
+        let mut threads = Vec::with_capacity(num_workers);
+        for i in 0..num_workers {
+            let rx = rx.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("dataset-rt-{i}"))
+                .spawn(move || {
+                    for job in rx.iter() {
+                        job();
+                    }
+                })
+                .map_err(|e| Error::Runtime(format!("cannot start worker thread {i}: {e}")))?;
+            threads.push(handle);
+        }
+        Ok(Arc::new(Pool {
+            sender: Mutex::new(Some(tx)),
+            threads: Mutex::new(threads),
+            num_workers,
+            pid: std::process::id(),
+        }))
+    }
+
+    pub fn num_workers(&self) -> usize {
+        self.num_workers
+    }
+
+    /// Errors in a forked child, where the pool's threads do not exist.
+    pub fn check_process(&self) -> Result<()> {
+        let now = std::process::id();
+        if now != self.pid {
+            return Err(Error::Runtime(format!(
+                "this DatasetRuntime was created in process {} and its threads do not exist in \
+                 forked process {now}; create a new DatasetRuntime in the child",
+                self.pid
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_usable(&self) -> Result<Sender<Job>> {
+        self.check_process()?;
+        self.sender
+            .lock()
+            .unwrap()
+            .clone()
+            .ok_or_else(|| Error::Runtime("the DatasetRuntime is closed".into()))
+    }
+
+    /// Runs `f` on a worker; its result (or its panic, as an error) arrives in the returned slot.
+    pub fn submit<T, F>(&self, f: F) -> Result<Arc<Slot<T>>>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Result<T> + Send + 'static,
+    {
+        let sender = self.check_usable()?;
+        let slot = Arc::new(Slot::new());
+        let out = slot.clone();
+        let job: Job = Box::new(move || {
+            let result = catch_unwind(AssertUnwindSafe(f))
+                .unwrap_or_else(|panic| Err(Error::Runtime(panic_message(&panic))));
+            out.put(result);
+        });
+        sender
+            .send(job)
+            .map_err(|_| Error::Runtime("the DatasetRuntime is closed".into()))?;
+        Ok(slot)
+    }
+
+    /// Runs `f` on a worker and waits for it.
+    pub fn run<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Result<T> + Send + 'static,
+    {
+        self.submit(f)?.wait()
+    }
+
+    /// Stops accepting work and joins the threads once queued jobs are done.
+    pub fn close(&self) {
+        if std::process::id() != self.pid {
+            return; // the threads belong to the parent
+        }
+        self.sender.lock().unwrap().take();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap());
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.sender.lock().unwrap().is_none()
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+pub fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into());
+    format!("a DatasetRT worker panicked: {what} (this is a bug; please report it)")
+}
+
+/// A one-shot result cell that a caller can wait on.
+pub struct Slot<T> {
+    value: Mutex<Option<Result<T>>>,
+    ready: Condvar,
+}
+
+impl<T> Slot<T> {
+    fn new() -> Self {
+        Slot {
+            value: Mutex::new(None),
+            ready: Condvar::new(),
+        }
+    }
+
+    fn put(&self, v: Result<T>) {
+        *self.value.lock().unwrap() = Some(v);
+        self.ready.notify_all();
+    }
+
+    pub fn wait(&self) -> Result<T> {
+        let mut guard = self.value.lock().unwrap();
+        loop {
+            if let Some(v) = guard.take() {
+                return v;
+            }
+            guard = self.ready.wait(guard).unwrap();
+        }
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.value.lock().unwrap().is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_jobs_and_turns_panics_into_errors() {
+        let pool = Pool::new(2).unwrap();
+        assert_eq!(pool.run(|| Ok(21 * 2)).unwrap(), 42);
+        let err = pool.run::<(), _>(|| panic!("boom")).unwrap_err();
+        assert!(err.to_string().contains("boom"), "{err}");
+        // The pool still works after a panic.
+        assert_eq!(pool.run(|| Ok(1)).unwrap(), 1);
+        pool.close();
+        assert!(pool.run(|| Ok(1)).is_err());
+    }
+
+    #[test]
+    fn zero_workers_is_refused() {
+        assert!(Pool::new(0).is_err());
+    }
+}

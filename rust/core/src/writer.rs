@@ -1,0 +1,812 @@
+//! Writing a cache: validation of every sample, encoding on the pool, ordered commit into shards,
+//! and atomic publication of the finished directory.
+//!
+//! The caller (the Python source's thread) pushes samples; they are grouped into small batches
+//! that pool workers encode (LZ4 under the ratio rule, record checksum) in parallel. Encoded
+//! batches are committed in order by whichever worker finishes the next one ("combining": no
+//! worker ever waits for another). At most `prefetch_size` samples are between push and commit,
+//! so memory stays flat for a source of any length.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::cache::{Cache, Validation};
+use crate::error::{Error, IoContext, Result};
+use crate::format::*;
+use crate::metadata::{
+    record_metadata_json, Field, FieldType, MetaValue, MetadataWriter, SAMPLE_ID,
+};
+use crate::pool::Pool;
+
+/// Default target size of one shard file.
+pub const DEFAULT_SHARD_SIZE: u64 = 256 << 20;
+/// A batch handed to one worker closes at this many payload bytes or samples.
+const BATCH_BYTES: usize = 1 << 20;
+const BATCH_SAMPLES: usize = 256;
+
+#[derive(Clone, Copy, Debug)]
+pub struct WriterOptions {
+    pub prefetch_size: usize,
+    pub compression: Compression,
+    pub validate: bool,
+    pub shard_size: u64,
+}
+
+impl WriterOptions {
+    pub fn validate(&self) -> Result<()> {
+        if self.prefetch_size == 0 {
+            return Err(Error::config(
+                "WriterConfig.prefetch_size",
+                "must be at least 1",
+            ));
+        }
+        if self.shard_size == 0 {
+            return Err(Error::config(
+                "WriterConfig.shard_size",
+                "must be at least 1 byte",
+            ));
+        }
+        self.compression.validate()
+    }
+}
+
+/// One sample as the source gave it; metadata keys in the source's order.
+pub struct SampleInput {
+    pub data: Vec<u8>,
+    pub metadata: Vec<(String, MetaValue)>,
+}
+
+/// A cache name must be one plain directory name.
+pub fn validate_name(name: &str) -> Result<()> {
+    let bad = name.is_empty()
+        || name == "."
+        || name == ".."
+        || name.starts_with('.')
+        || name.contains(['/', '\\', '\0']);
+    if bad {
+        return Err(Error::config(
+            "source name",
+            format!(
+                "{name:?} is not a plain directory name (non-empty, no '/', not starting with '.')"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// An exclusive lock on one cache name under a base directory, held while deciding whether to
+/// write and while writing. `flock` is released by the kernel when the holder dies, so a
+/// crashed writer never blocks the next run.
+pub struct CacheLock {
+    file: File,
+    pub base: PathBuf,
+    pub name: String,
+}
+
+impl CacheLock {
+    /// Blocks until the lock is held; creates `base` if needed.
+    pub fn acquire(base: &Path, name: &str) -> Result<CacheLock> {
+        validate_name(name)?;
+        fs::create_dir_all(base).ctx("create directory", base)?;
+        let path = base.join(format!(".{name}.lock"));
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .ctx("open lock file", &path)?;
+        loop {
+            // SAFETY: flock on a valid, owned descriptor.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                break;
+            }
+            let err = std::io::Error::last_os_error();
+            if err.kind() != std::io::ErrorKind::Interrupted {
+                return Err(Error::io("lock", &path, err));
+            }
+        }
+        Ok(CacheLock {
+            file,
+            base: base.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+
+    pub fn final_dir(&self) -> PathBuf {
+        self.base.join(&self.name)
+    }
+
+    /// Removes temporary directories of earlier writers of this name. Holding the lock proves
+    /// that none of them is alive.
+    pub fn remove_leftovers(&self) -> Result<usize> {
+        let prefix = format!(".{}.tmp-", self.name);
+        let mut removed = 0;
+        for entry in fs::read_dir(&self.base).ctx("list", &self.base)? {
+            let entry = entry.ctx("list", &self.base)?;
+            let file_name = entry.file_name();
+            let file_name = file_name.to_string_lossy();
+            // Exactly `.NAME.tmp-PID-NANOS`: never the temporary directory of another name
+            // that happens to start the same way.
+            let ours = file_name.strip_prefix(&prefix).is_some_and(|rest| {
+                rest.split_once('-').is_some_and(|(pid, nanos)| {
+                    !pid.is_empty()
+                        && !nanos.is_empty()
+                        && pid.bytes().all(|b| b.is_ascii_digit())
+                        && nanos.bytes().all(|b| b.is_ascii_digit())
+                })
+            });
+            if ours {
+                let path = entry.path();
+                fs::remove_dir_all(&path).ctx("remove leftover", &path)?;
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+}
+
+impl Drop for CacheLock {
+    fn drop(&mut self) {
+        // SAFETY: unlocking our own descriptor; closing it would release the lock anyway.
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+/// Hashes every byte it passes on, so file checksums cost no second read.
+struct HashingWriter<W: Write> {
+    inner: W,
+    hasher: Xxh3,
+    written: u64,
+}
+
+impl<W: Write> HashingWriter<W> {
+    fn new(inner: W) -> Self {
+        HashingWriter {
+            inner,
+            hasher: Xxh3::new(),
+            written: 0,
+        }
+    }
+}
+
+impl<W: Write> Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.written += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+fn finish_file(w: HashingWriter<BufWriter<File>>, path: &Path) -> Result<(u64, String)> {
+    let checksum = checksum_hex(w.hasher.digest());
+    let file = w
+        .inner
+        .into_inner()
+        .map_err(|e| Error::io("write", path, e.into_error()))?;
+    file.sync_all().ctx("sync", path)?;
+    Ok((w.written, checksum))
+}
+
+fn create_file(path: &Path) -> Result<HashingWriter<BufWriter<File>>> {
+    let f = File::create(path).ctx("create", path)?;
+    Ok(HashingWriter::new(BufWriter::with_capacity(1 << 20, f)))
+}
+
+fn sync_dir(path: &Path) -> Result<()> {
+    File::open(path)
+        .ctx("open", path)?
+        .sync_all()
+        .ctx("sync", path)
+}
+
+struct Encoded {
+    header: RecordHeader,
+    meta: Vec<u8>,
+    payload: Vec<u8>,
+    sample_id: MetaValue,
+    values: Vec<MetaValue>,
+}
+
+/// The files being written, touched by one committer at a time.
+struct Sink {
+    dir: PathBuf,
+    shard_size: u64,
+    shard: Option<HashingWriter<BufWriter<File>>>,
+    shard_no: u32,
+    shard_records: u64,
+    shards: Vec<ShardEntry>,
+    index: Option<HashingWriter<BufWriter<File>>>,
+    metadata: Option<MetadataWriter>,
+    raw_bytes: u64,
+    stored_bytes: u64,
+}
+
+const ZEROS: [u8; ALIGN as usize] = [0; ALIGN as usize];
+
+impl Sink {
+    fn close_shard(&mut self) -> Result<()> {
+        if let Some(w) = self.shard.take() {
+            let rel = shard_file_name(self.shard_no);
+            let (bytes, checksum) = finish_file(w, &self.dir.join(&rel))?;
+            self.shards.push(ShardEntry {
+                file: rel,
+                bytes,
+                records: self.shard_records,
+                checksum,
+            });
+            self.shard_no += 1;
+            self.shard_records = 0;
+        }
+        Ok(())
+    }
+
+    fn append(&mut self, rec: Encoded, sample: u64) -> Result<()> {
+        let len = rec.header.padded_len();
+        if let Some(w) = &self.shard {
+            if self.shard_records > 0 && w.written + len > self.shard_size {
+                self.close_shard()?;
+            }
+        }
+        if self.shard.is_none() {
+            let path = self.dir.join(shard_file_name(self.shard_no));
+            let mut w = create_file(&path)?;
+            w.write_all(&shard_header(self.shard_no))
+                .ctx("write", &path)?;
+            self.shard = Some(w);
+        }
+        let path = self.dir.join(shard_file_name(self.shard_no));
+        let w = self.shard.as_mut().expect("opened above");
+        let offset = w.written;
+        debug_assert_eq!(offset % ALIGN, 0);
+        let header_and_meta = RECORD_HEADER_LEN + rec.meta.len() as u64;
+        let pad1 = (rec.header.payload_offset() - header_and_meta) as usize;
+        let pad2 = (len - rec.header.payload_offset() - rec.payload.len() as u64) as usize;
+        (|| {
+            w.write_all(&rec.header.encode())?;
+            w.write_all(&rec.meta)?;
+            w.write_all(&ZEROS[..pad1])?;
+            w.write_all(&rec.payload)?;
+            w.write_all(&ZEROS[..pad2])
+        })()
+        .ctx("write", &path)?;
+        self.shard_records += 1;
+        let entry = IndexEntry {
+            offset,
+            shard: self.shard_no,
+            flags: rec.header.flags,
+            stored_len: rec.header.stored_len,
+            raw_len: rec.header.raw_len,
+            checksum: rec.header.checksum,
+        };
+        self.index
+            .as_mut()
+            .expect("open until finish")
+            .write_all(&entry.encode())
+            .ctx("write", &self.dir.join(INDEX_FILE))?;
+        self.raw_bytes += u64::from(rec.header.raw_len);
+        self.stored_bytes += u64::from(rec.header.stored_len);
+        debug_assert_eq!(rec.header.sample, sample);
+        self.metadata
+            .as_mut()
+            .expect("metadata writer opens with the first sample")
+            .push(&rec.sample_id, &rec.values)
+    }
+}
+
+struct CommitState {
+    next_batch: u64,
+    pending: BTreeMap<u64, Vec<Encoded>>,
+    committing: bool,
+    error: Option<String>,
+    first_error: Option<Error>,
+}
+
+struct Shared {
+    state: Mutex<CommitState>,
+    changed: Condvar,
+    sink: Mutex<Sink>,
+    committed_samples: AtomicU64,
+    committed_bytes: AtomicU64,
+    next_sample: AtomicU64,
+}
+
+impl Shared {
+    /// Hands an encoded batch over; commits every batch that is now next in line.
+    fn deliver(&self, seq: u64, batch: Result<Vec<Encoded>>) {
+        let mut st = self.state.lock().unwrap();
+        match batch {
+            Ok(b) => {
+                st.pending.insert(seq, b);
+            }
+            Err(e) => {
+                if st.first_error.is_none() {
+                    st.error = Some(e.to_string());
+                    st.first_error = Some(e);
+                }
+                self.changed.notify_all();
+                return;
+            }
+        }
+        if st.committing {
+            return; // the active committer will pick this batch up
+        }
+        st.committing = true;
+        loop {
+            if st.first_error.is_some() {
+                break;
+            }
+            let next = st.next_batch;
+            let Some(batch) = st.pending.remove(&next) else {
+                break;
+            };
+            st.next_batch += 1;
+            drop(st);
+            let result = self.commit(batch);
+            st = self.state.lock().unwrap();
+            if let Err(e) = result {
+                st.error = Some(e.to_string());
+                st.first_error = Some(e);
+            }
+            self.changed.notify_all();
+        }
+        st.committing = false;
+        self.changed.notify_all();
+    }
+
+    fn commit(&self, batch: Vec<Encoded>) -> Result<()> {
+        let mut sink = self.sink.lock().unwrap();
+        for rec in batch {
+            let bytes = u64::from(rec.header.raw_len);
+            let sample = self.next_sample.fetch_add(1, Ordering::Relaxed);
+            sink.append(rec, sample)?;
+            self.committed_samples.fetch_add(1, Ordering::Release);
+            self.committed_bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
+fn encode(
+    sample: u64,
+    input: SampleInput,
+    fields: &[Field],
+    compression: Compression,
+    sample_id: MetaValue,
+    values: Vec<MetaValue>,
+) -> Encoded {
+    let meta = record_metadata_json(fields, &values);
+    let raw_len = input.data.len() as u32;
+    let (flags, payload) = match compression.algo {
+        CompressionAlgo::Lz4 if !input.data.is_empty() => {
+            let compressed = lz4_flex::block::compress(&input.data);
+            if (compressed.len() as f64) <= compression.ratio * input.data.len() as f64 {
+                (FLAG_LZ4, compressed)
+            } else {
+                (0, input.data)
+            }
+        }
+        _ => (0, input.data),
+    };
+    let mut header = RecordHeader {
+        flags,
+        meta_len: meta.len() as u32,
+        stored_len: payload.len() as u32,
+        raw_len,
+        sample,
+        checksum: 0,
+    };
+    header.checksum = header.compute_checksum(&meta, &payload);
+    Encoded {
+        header,
+        meta,
+        payload,
+        sample_id,
+        values,
+    }
+}
+
+/// What `finish` published.
+pub struct Published {
+    pub dir: PathBuf,
+    pub samples: u64,
+    pub raw_bytes: u64,
+}
+
+type Pending = (u64, SampleInput, MetaValue, Vec<MetaValue>);
+
+/// Writes one cache into a temporary sibling directory and publishes it with one rename.
+pub struct CacheWriter {
+    pool: Arc<Pool>,
+    lock: CacheLock,
+    opts: WriterOptions,
+    tmp_dir: PathBuf,
+    shared: Arc<Shared>,
+    fields: Option<Arc<Vec<Field>>>,
+    id_source: SampleIdSource,
+    id_type: FieldType,
+    int_ids: HashSet<i64>,
+    str_ids: HashSet<u128>,
+    pushed: u64,
+    batch: Vec<Pending>,
+    batch_bytes: usize,
+    batches_submitted: u64,
+    published: bool,
+}
+
+impl CacheWriter {
+    /// Starts writing `lock.name` under `lock.base`; the caller holds the lock and has checked
+    /// that no published cache exists.
+    pub fn create(pool: Arc<Pool>, lock: CacheLock, opts: WriterOptions) -> Result<CacheWriter> {
+        opts.validate()?;
+        lock.remove_leftovers()?;
+        let nonce = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let tmp_dir = lock
+            .base
+            .join(format!(".{}.tmp-{}-{nonce}", lock.name, std::process::id()));
+        fs::create_dir(&tmp_dir).ctx("create directory", &tmp_dir)?;
+        let shards_dir = tmp_dir.join(SHARDS_DIR);
+        fs::create_dir(&shards_dir).ctx("create directory", &shards_dir)?;
+        let index_path = tmp_dir.join(INDEX_FILE);
+        let mut index = create_file(&index_path)?;
+        index.write_all(&index_header()).ctx("write", &index_path)?;
+        let sink = Sink {
+            dir: tmp_dir.clone(),
+            shard_size: opts.shard_size,
+            shard: None,
+            shard_no: 0,
+            shard_records: 0,
+            shards: Vec::new(),
+            index: Some(index),
+            metadata: None,
+            raw_bytes: 0,
+            stored_bytes: 0,
+        };
+        Ok(CacheWriter {
+            pool,
+            lock,
+            opts,
+            tmp_dir,
+            shared: Arc::new(Shared {
+                state: Mutex::new(CommitState {
+                    next_batch: 0,
+                    pending: BTreeMap::new(),
+                    committing: false,
+                    error: None,
+                    first_error: None,
+                }),
+                changed: Condvar::new(),
+                sink: Mutex::new(sink),
+                committed_samples: AtomicU64::new(0),
+                committed_bytes: AtomicU64::new(0),
+                next_sample: AtomicU64::new(0),
+            }),
+            fields: None,
+            id_source: SampleIdSource::Position,
+            id_type: FieldType::Int,
+            int_ids: HashSet::new(),
+            str_ids: HashSet::new(),
+            pushed: 0,
+            batch: Vec::new(),
+            batch_bytes: 0,
+            batches_submitted: 0,
+            published: false,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.lock.name
+    }
+
+    /// Samples and raw payload bytes committed to disk so far.
+    pub fn progress(&self) -> (u64, u64) {
+        (
+            self.shared.committed_samples.load(Ordering::Acquire),
+            self.shared.committed_bytes.load(Ordering::Relaxed),
+        )
+    }
+
+    fn invalid(&self, reason: impl Into<String>) -> Error {
+        Error::InvalidSample {
+            source_name: self.lock.name.clone(),
+            sample_index: self.pushed,
+            reason: reason.into(),
+        }
+    }
+
+    /// Checks one sample against the schema set by the first and queues it for writing.
+    pub fn push(&mut self, input: SampleInput) -> Result<()> {
+        if input.data.len() > u32::MAX as usize {
+            return Err(self.invalid(format!(
+                "payload of {} bytes exceeds the format's 4 GiB record limit",
+                input.data.len()
+            )));
+        }
+        if self.fields.is_none() {
+            self.init_schema(&input)?;
+        }
+        let fields = self.fields.clone().expect("schema set above");
+        let values = self.ordered_values(&fields, input.metadata.iter())?;
+        let sample_id = match self.id_source {
+            SampleIdSource::Position => MetaValue::Int(self.pushed as i64),
+            SampleIdSource::Metadata => {
+                let i = fields
+                    .iter()
+                    .position(|f| f.name == SAMPLE_ID)
+                    .expect("in schema");
+                let id = values[i].clone();
+                let fresh = match &id {
+                    MetaValue::Int(v) => self.int_ids.insert(*v),
+                    MetaValue::Str(s) => self
+                        .str_ids
+                        .insert(xxhash_rust::xxh3::xxh3_128(s.as_bytes())),
+                    _ => unreachable!("sample_id type checked by the schema"),
+                };
+                if !fresh {
+                    let shown = match &id {
+                        MetaValue::Int(v) => v.to_string(),
+                        MetaValue::Str(s) => format!("{s:?}"),
+                        _ => unreachable!("checked above"),
+                    };
+                    return Err(self.invalid(format!(
+                        "duplicate sample_id {shown}: sample ids must be unique within a cache"
+                    )));
+                }
+                id
+            }
+        };
+        self.batch_bytes += input.data.len();
+        let input = SampleInput {
+            data: input.data,
+            metadata: Vec::new(),
+        };
+        self.batch.push((self.pushed, input, sample_id, values));
+        self.pushed += 1;
+        if self.batch.len() >= BATCH_SAMPLES.min(self.opts.prefetch_size)
+            || self.batch_bytes >= BATCH_BYTES
+        {
+            self.submit_batch()?;
+        }
+        self.check_error()
+    }
+
+    fn init_schema(&mut self, first: &SampleInput) -> Result<()> {
+        let mut fields = Vec::with_capacity(first.metadata.len());
+        for (name, value) in &first.metadata {
+            fields.push(Field {
+                name: name.clone(),
+                dtype: value.dtype(),
+            });
+        }
+        if let Some(f) = fields.iter().find(|f| f.name == SAMPLE_ID) {
+            if !matches!(f.dtype, FieldType::Int | FieldType::Str) {
+                return Err(self.invalid(format!(
+                    "metadata \"sample_id\" must be an int or a str, got {}",
+                    f.dtype.as_str()
+                )));
+            }
+            self.id_source = SampleIdSource::Metadata;
+            self.id_type = f.dtype;
+        }
+        let meta_path = self.tmp_dir.join(METADATA_FILE);
+        let writer = MetadataWriter::create(&meta_path, &fields, self.id_type)?;
+        self.shared.sink.lock().unwrap().metadata = Some(writer);
+        self.fields = Some(Arc::new(fields));
+        Ok(())
+    }
+
+    fn ordered_values<'a>(
+        &self,
+        fields: &[Field],
+        given: impl Iterator<Item = &'a (String, MetaValue)>,
+    ) -> Result<Vec<MetaValue>> {
+        let mut values: Vec<Option<MetaValue>> = vec![None; fields.len()];
+        for (name, value) in given {
+            let Some(i) = fields.iter().position(|f| &f.name == name) else {
+                return Err(self.invalid(format!(
+                    "metadata key {name:?} is not in the schema set by sample 0 ({})",
+                    describe_schema(fields)
+                )));
+            };
+            if value.dtype() != fields[i].dtype {
+                return Err(self.invalid(format!(
+                    "metadata {name:?} is {}, but sample 0 made it {}",
+                    value.dtype().as_str(),
+                    fields[i].dtype.as_str()
+                )));
+            }
+            values[i] = Some(value.clone());
+        }
+        values
+            .into_iter()
+            .zip(fields)
+            .map(|(v, f)| {
+                v.ok_or_else(|| {
+                    self.invalid(format!(
+                        "metadata key {:?} is missing; the schema set by sample 0 is {}",
+                        f.name,
+                        describe_schema(fields)
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    fn check_error(&self) -> Result<()> {
+        let st = self.shared.state.lock().unwrap();
+        match &st.error {
+            Some(msg) => Err(Error::Runtime(format!(
+                "writing cache {:?} failed: {msg}",
+                self.lock.name
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn submit_batch(&mut self) -> Result<()> {
+        if self.batch.is_empty() {
+            return Ok(());
+        }
+        // Backpressure: wait until this batch fits within prefetch_size uncommitted samples.
+        let in_batch = self.batch.len() as u64;
+        {
+            let limit = self.opts.prefetch_size as u64;
+            let mut st = self.shared.state.lock().unwrap();
+            while st.first_error.is_none()
+                && self.pushed - self.shared.committed_samples.load(Ordering::Acquire)
+                    > limit.max(in_batch)
+            {
+                st = self.shared.changed.wait(st).unwrap();
+            }
+        }
+        let batch = std::mem::take(&mut self.batch);
+        self.batch_bytes = 0;
+        let seq = self.batches_submitted;
+        self.batches_submitted += 1;
+        let shared = self.shared.clone();
+        let fields = self.fields.clone().expect("schema set before any batch");
+        let compression = self.opts.compression;
+        self.pool.submit(move || {
+            // A panic must reach `deliver` as an error, or the writer would wait forever.
+            let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                batch
+                    .into_iter()
+                    .map(|(i, input, id, values)| {
+                        encode(i, input, &fields, compression, id, values)
+                    })
+                    .collect()
+            }))
+            .map_err(|panic| Error::Runtime(crate::pool::panic_message(&panic)));
+            shared.deliver(seq, encoded);
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    /// Waits for every queued sample, writes the manifest and publishes the cache.
+    pub fn finish(mut self) -> Result<Published> {
+        self.submit_batch()?;
+        {
+            let mut st = self.shared.state.lock().unwrap();
+            while st.first_error.is_none() && st.next_batch < self.batches_submitted {
+                st = self.shared.changed.wait(st).unwrap();
+            }
+            if let Some(e) = st.first_error.take() {
+                return Err(e);
+            }
+        }
+        if self.fields.is_none() {
+            // An empty source: an empty schema and positional ids.
+            let meta_path = self.tmp_dir.join(METADATA_FILE);
+            let writer = MetadataWriter::create(&meta_path, &[], FieldType::Int)?;
+            self.shared.sink.lock().unwrap().metadata = Some(writer);
+            self.fields = Some(Arc::new(Vec::new()));
+        }
+        let tmp = self.tmp_dir.clone();
+        let name = self.lock.name.clone();
+        let opts = self.opts;
+        let fields = self.fields.clone().unwrap();
+        let id_source = self.id_source;
+        let id_type = self.id_type;
+        let shared = self.shared.clone();
+        let num_samples = self.pushed;
+        // File finishing, syncing and validation are I/O: they run on the pool too.
+        self.pool.run(move || {
+            let mut sink = shared.sink.lock().unwrap();
+            sink.close_shard()?;
+            let meta_path = tmp.join(METADATA_FILE);
+            sink.metadata.take().expect("opened").finish()?;
+            let meta_bytes = fs::read(&meta_path).ctx("read", &meta_path)?;
+            let metadata = FileEntry {
+                file: METADATA_FILE.into(),
+                bytes: meta_bytes.len() as u64,
+                checksum: checksum_hex(hash_bytes(&meta_bytes)),
+            };
+            drop(meta_bytes);
+            let index_path = tmp.join(INDEX_FILE);
+            let index_writer = sink.index.take().expect("open until finish");
+            let (bytes, checksum) = finish_file(index_writer, &index_path)?;
+            let mut manifest = Manifest {
+                format: FORMAT_NAME.into(),
+                format_version: FORMAT_VERSION,
+                writer_version: WRITER_VERSION.into(),
+                name: name.clone(),
+                num_samples,
+                metadata_schema: (*fields).clone(),
+                sample_id: id_source,
+                sample_id_type: id_type,
+                compression: opts.compression,
+                checksum_algo: CHECKSUM_ALGO.into(),
+                alignment: ALIGN,
+                raw_payload_bytes: sink.raw_bytes,
+                stored_payload_bytes: sink.stored_bytes,
+                index: FileEntry {
+                    file: INDEX_FILE.into(),
+                    bytes,
+                    checksum,
+                },
+                metadata,
+                shards: std::mem::take(&mut sink.shards),
+                fingerprint: String::new(),
+            };
+            manifest.fingerprint = manifest.compute_fingerprint();
+            let manifest_path = tmp.join(MANIFEST_FILE);
+            let mut json = serde_json::to_vec_pretty(&manifest).expect("manifest serialises");
+            json.push(b'\n');
+            let mut f = File::create(&manifest_path).ctx("create", &manifest_path)?;
+            f.write_all(&json).ctx("write", &manifest_path)?;
+            f.sync_all().ctx("sync", &manifest_path)?;
+            sync_dir(&tmp.join(SHARDS_DIR))?;
+            sync_dir(&tmp)?;
+            if opts.validate {
+                Cache::open_as(&tmp, &name, Validation::Full)?.verify_all()?;
+            }
+            Ok(())
+        })?;
+        let final_dir = self.lock.final_dir();
+        fs::rename(&self.tmp_dir, &final_dir).ctx("publish (rename)", &final_dir)?;
+        self.published = true;
+        sync_dir(&self.lock.base)?;
+        let (samples, raw_bytes) = self.progress();
+        Ok(Published {
+            dir: final_dir,
+            samples,
+            raw_bytes,
+        })
+    }
+}
+
+fn describe_schema(fields: &[Field]) -> String {
+    let parts: Vec<String> = fields
+        .iter()
+        .map(|f| format!("{}: {}", f.name, f.dtype.as_str()))
+        .collect();
+    format!("{{{}}}", parts.join(", "))
+}
+
+impl Drop for CacheWriter {
+    fn drop(&mut self) {
+        if !self.published {
+            // Wait for in-flight jobs so none writes into a removed directory, then clean up.
+            let mut st = self.shared.state.lock().unwrap();
+            while st.first_error.is_none() && st.next_batch < self.batches_submitted {
+                st = self.shared.changed.wait(st).unwrap();
+            }
+            drop(st);
+            let _ = fs::remove_dir_all(&self.tmp_dir);
+        }
+    }
+}

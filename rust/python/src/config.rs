@@ -1,0 +1,95 @@
+//! Checks of config values at construction, so a bad value fails where it is written.
+
+use dataset_rt_core::dataset::ReadOptions;
+use dataset_rt_core::format::Compression;
+use dataset_rt_core::sampler::RankPolicy;
+use dataset_rt_core::writer::WriterOptions;
+use pyo3::prelude::*;
+
+use crate::errors::{ConfigError, IntoPyResult};
+
+fn unsigned(field: &str, value: &Bound<'_, PyAny>, min: u64) -> PyResult<u64> {
+    let bad = || {
+        ConfigError::new_err(format!(
+            "invalid {field}: expected an int >= {min}, got {}",
+            value.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))
+    };
+    if value.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(bad());
+    }
+    match value.extract::<u64>() {
+        Ok(v) if v >= min => Ok(v),
+        _ => Err(bad()),
+    }
+}
+
+fn optional(field: &str, value: Option<&Bound<'_, PyAny>>, min: u64) -> PyResult<Option<u64>> {
+    value
+        .filter(|v| !v.is_none())
+        .map(|v| unsigned(field, v, min))
+        .transpose()
+}
+
+#[pyfunction]
+pub fn check_compression(algo: &Bound<'_, PyAny>, ratio: &Bound<'_, PyAny>) -> PyResult<()> {
+    let algo: String = algo.extract().map_err(|_| {
+        ConfigError::new_err(format!(
+            "invalid ShardCompression.algo: expected \"none\" or \"lz4\", got {algo}"
+        ))
+    })?;
+    let ratio: f64 = ratio.extract().map_err(|_| {
+        ConfigError::new_err(format!(
+            "invalid ShardCompression.ratio: expected a float, got {ratio}"
+        ))
+    })?;
+    Compression::new(&algo, ratio).py_err().map(|_| ())
+}
+
+#[pyfunction]
+#[pyo3(signature = (*, seed, prefetch_size, rank, world_size, samples_per_epoch))]
+pub fn check_reader_config(
+    seed: &Bound<'_, PyAny>,
+    prefetch_size: &Bound<'_, PyAny>,
+    rank: Option<&Bound<'_, PyAny>>,
+    world_size: Option<&Bound<'_, PyAny>>,
+    samples_per_epoch: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let seed = unsigned("ReaderConfig.seed", seed, 0)?;
+    let prefetch = unsigned("ReaderConfig.prefetch_size", prefetch_size, 1)?;
+    let world_size = optional("ReaderConfig.world_size", world_size, 1)?;
+    let rank = optional("ReaderConfig.rank", rank, 0)?;
+    let epoch_len = optional("ReaderConfig.samples_per_epoch", samples_per_epoch, 0)?;
+    if rank.is_some() != world_size.is_some() {
+        return Err(ConfigError::new_err(
+            "invalid ReaderConfig: give rank and world_size together, or neither",
+        ));
+    }
+    ReadOptions {
+        seed,
+        shuffle: true,
+        prefetch_size: prefetch as usize,
+        epoch_len,
+        rank: rank.unwrap_or(0),
+        world_size: world_size.unwrap_or(1),
+        policy: RankPolicy::Pad,
+    }
+    .validate()
+    .py_err()
+}
+
+#[pyfunction]
+#[pyo3(signature = (*, prefetch_size, shard_size_bytes))]
+pub fn check_writer_config(
+    prefetch_size: &Bound<'_, PyAny>,
+    shard_size_bytes: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    WriterOptions {
+        prefetch_size: unsigned("WriterConfig.prefetch_size", prefetch_size, 1)? as usize,
+        compression: Compression::NONE,
+        validate: false,
+        shard_size: unsigned("WriterConfig.shard_size_bytes", shard_size_bytes, 1)?,
+    }
+    .validate()
+    .py_err()
+}

@@ -1,0 +1,445 @@
+//! `Dataset`, its iterator and `CachedSample`. Uncompressed payloads reach Python as slices of a
+//! Python-owned `mmap` of the shard: zero-copy under the abi3 limited API, and the slice keeps
+//! the map alive for as long as the user holds it.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use dataset_rt_core::cache::Cache;
+use dataset_rt_core::dataset::{
+    self as core, EpochReader, Payload, ReadOptions, State, WeightTable,
+};
+use dataset_rt_core::metadata::MetaRef;
+use dataset_rt_core::pool::Pool;
+use dataset_rt_core::sampler::{self, EpochParams, Weights};
+use dataset_rt_core::samples;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PySlice, PyString};
+
+use crate::errors::IntoPyResult;
+
+/// Python objects made once per cache: shard views (opened on first use) and metadata keys.
+struct PyCache {
+    shards: Vec<OnceLock<Py<PyAny>>>,
+    keys: Vec<Py<PyString>>,
+}
+
+struct PySide {
+    caches: Vec<PyCache>,
+}
+
+impl PySide {
+    fn shard_view<'py>(
+        &self,
+        py: Python<'py>,
+        cache: &Cache,
+        c: usize,
+        shard: u32,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let cell = &self.caches[c].shards[shard as usize];
+        if let Some(v) = cell.get() {
+            return Ok(v.bind(py).clone());
+        }
+        let path = cache.shard_path(shard);
+        let mmap = py.import("mmap")?;
+        let file = py.import("builtins")?.call_method1("open", (path, "rb"))?;
+        let fileno = file.call_method0("fileno")?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("access", mmap.getattr("ACCESS_READ")?)?;
+        let map = mmap.getattr("mmap")?.call((fileno, 0), Some(&kwargs));
+        file.call_method0("close")?;
+        let view = py
+            .import("builtins")?
+            .getattr("memoryview")?
+            .call1((map?,))?;
+        let _ = cell.set(view.clone().unbind());
+        Ok(cell.get().expect("set above").bind(py).clone())
+    }
+}
+
+/// Where the most recent pass stands, shared between a dataset and its iterator.
+struct Progress {
+    epoch: AtomicU64,
+    position: AtomicU64,
+    finished: AtomicBool,
+}
+
+struct EpochControl {
+    next_epoch: u64,
+    resume: Option<(u64, u64)>,
+    current: Option<Arc<Progress>>,
+    /// The last epoch order computed, reused when the same epoch is read again.
+    order: Option<(u64, String, Arc<Vec<u64>>)>,
+}
+
+#[pyclass(module = "dataset_rt._native", frozen)]
+pub struct Dataset {
+    pool: Arc<Pool>,
+    inner: Arc<core::Dataset>,
+    opts: ReadOptions,
+    weights: Mutex<WeightTable>,
+    control: Mutex<EpochControl>,
+    py_side: Arc<PySide>,
+}
+
+impl Dataset {
+    pub fn new(
+        py: Python<'_>,
+        pool: Arc<Pool>,
+        caches: Vec<Arc<Cache>>,
+        opts: ReadOptions,
+    ) -> PyResult<Self> {
+        let py_side = PySide {
+            caches: caches
+                .iter()
+                .map(|c| PyCache {
+                    shards: (0..c.num_shards()).map(|_| OnceLock::new()).collect(),
+                    keys: c
+                        .metadata
+                        .fields
+                        .iter()
+                        .map(|f| PyString::intern(py, &f.name).unbind())
+                        .collect(),
+                })
+                .collect(),
+        };
+        Ok(Dataset {
+            pool,
+            inner: Arc::new(core::Dataset::new(caches)),
+            opts,
+            weights: Mutex::new(WeightTable::uniform()),
+            control: Mutex::new(EpochControl {
+                next_epoch: 0,
+                resume: None,
+                current: None,
+                order: None,
+            }),
+            py_side: Arc::new(py_side),
+        })
+    }
+
+    fn current_state(&self) -> State {
+        let control = self.control.lock().unwrap();
+        let weights = self.weights.lock().unwrap();
+        let (epoch, position) = match (&control.resume, &control.current) {
+            (Some((e, p)), _) => (*e, *p),
+            (None, Some(p)) if p.finished.load(Ordering::Acquire) => {
+                (p.epoch.load(Ordering::Acquire) + 1, 0)
+            }
+            (None, Some(p)) => (
+                p.epoch.load(Ordering::Acquire),
+                p.position.load(Ordering::Acquire),
+            ),
+            (None, None) => (control.next_epoch, 0),
+        };
+        self.inner.state(&self.opts, &weights, epoch, position)
+    }
+}
+
+#[pymethods]
+impl Dataset {
+    /// This rank's samples per epoch.
+    fn __len__(&self) -> usize {
+        self.inner.rank_len(&self.opts) as usize
+    }
+
+    /// Samples in all loaded caches.
+    #[getter]
+    fn num_samples(&self) -> u64 {
+        self.inner.len()
+    }
+
+    #[getter]
+    fn cache_names(&self) -> Vec<String> {
+        self.inner
+            .caches
+            .iter()
+            .map(|c| c.name().to_owned())
+            .collect()
+    }
+
+    #[getter]
+    fn cache_dirs(&self) -> Vec<std::path::PathBuf> {
+        self.inner.caches.iter().map(|c| c.dir.clone()).collect()
+    }
+
+    #[getter]
+    fn rank(&self) -> u64 {
+        self.opts.rank
+    }
+
+    #[getter]
+    fn world_size(&self) -> u64 {
+        self.opts.world_size
+    }
+
+    #[getter]
+    fn fingerprint(&self) -> String {
+        self.inner.fingerprint().to_owned()
+    }
+
+    /// Starts the next pass: the next epoch, or the one a loaded state resumes.
+    fn __iter__(&self, py: Python<'_>) -> PyResult<DatasetIterator> {
+        let weights = self.weights.lock().unwrap().clone();
+        let (epoch, start, cached) = {
+            let mut control = self.control.lock().unwrap();
+            let (epoch, start) = control.resume.take().unwrap_or((control.next_epoch, 0));
+            control.next_epoch = epoch + 1;
+            let cached = control
+                .order
+                .as_ref()
+                .filter(|(e, fp, _)| *e == epoch && *fp == weights.fingerprint)
+                .map(|(_, _, o)| o.clone());
+            (epoch, start, cached)
+        };
+        let order = match cached {
+            Some(o) => o,
+            None => {
+                let inner = self.inner.clone();
+                let opts = self.opts;
+                let w = weights.clone();
+                let order = Arc::new(
+                    py.detach(|| self.pool.run(move || Ok(inner.order(&opts, &w, epoch))))
+                        .py_err()?,
+                );
+                self.control.lock().unwrap().order =
+                    Some((epoch, weights.fingerprint.clone(), order.clone()));
+                order
+            }
+        };
+        let progress = Arc::new(Progress {
+            epoch: AtomicU64::new(epoch),
+            position: AtomicU64::new(start),
+            finished: AtomicBool::new(false),
+        });
+        let reader = EpochReader::new(
+            self.pool.clone(),
+            self.inner.clone(),
+            order,
+            &self.opts,
+            epoch,
+            start,
+        );
+        if reader.is_empty() {
+            progress.finished.store(true, Ordering::Release);
+        }
+        self.control.lock().unwrap().current = Some(progress.clone());
+        Ok(DatasetIterator {
+            reader,
+            dataset: self.inner.clone(),
+            py_side: self.py_side.clone(),
+            progress,
+        })
+    }
+
+    /// Fixes the epoch of the next pass (and drops a loaded state's position).
+    fn set_epoch(&self, epoch: i64) -> PyResult<()> {
+        let epoch = u64::try_from(epoch).map_err(|_| {
+            crate::errors::ConfigError::new_err(format!("invalid epoch {epoch}: must be >= 0"))
+        })?;
+        let mut control = self.control.lock().unwrap();
+        control.next_epoch = epoch;
+        control.resume = None;
+        // The state now describes the start of that epoch, not the last pass.
+        control.current = None;
+        Ok(())
+    }
+
+    /// The iterator state as JSON text.
+    fn state_json(&self) -> String {
+        self.current_state().to_json()
+    }
+
+    /// The samples-metadata table as an Arrow IPC stream.
+    fn samples_metadata_ipc<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let weights = self.weights.lock().unwrap().clone();
+        let inner = self.inner.clone();
+        let bytes = py
+            .detach(|| self.pool.run(move || samples::export(&inner, &weights)))
+            .py_err()?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Validates an edited table (Arrow IPC stream) and applies its weights, or changes nothing.
+    fn set_samples_metadata_ipc(&self, py: Python<'_>, ipc: Vec<u8>) -> PyResult<()> {
+        let inner = self.inner.clone();
+        let table = py
+            .detach(|| self.pool.run(move || samples::import(&inner, &ipc)))
+            .py_err()?;
+        *self.weights.lock().unwrap() = table;
+        Ok(())
+    }
+
+    /// Makes the next pass resume exactly where the state was taken.
+    fn load_state_json(&self, text: &str) -> PyResult<()> {
+        let state = State::from_json(text).py_err()?;
+        let weights = self.weights.lock().unwrap().clone();
+        // Resuming under another world size re-splits the rest of the epoch from the same
+        // global position, so rank and world size are not compared.
+        let (epoch, position) = self
+            .inner
+            .check_state(&state, &self.opts, &weights)
+            .py_err()?;
+        let mut control = self.control.lock().unwrap();
+        control.resume = Some((epoch, position));
+        control.next_epoch = epoch;
+        Ok(())
+    }
+}
+
+#[pyclass(module = "dataset_rt._native")]
+pub struct DatasetIterator {
+    reader: EpochReader,
+    dataset: Arc<core::Dataset>,
+    py_side: Arc<PySide>,
+    progress: Arc<Progress>,
+}
+
+#[pymethods]
+impl DatasetIterator {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __len__(&self) -> usize {
+        self.reader.remaining() as usize
+    }
+
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.reader.epoch
+    }
+
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<CachedSample>> {
+        let reader = &mut self.reader;
+        let Some(fetched) = py.detach(|| reader.next_sample()) else {
+            self.progress.finished.store(true, Ordering::Release);
+            return Ok(None);
+        };
+        let fetched = fetched.py_err()?;
+        let c = fetched.cache as usize;
+        let cache = &self.dataset.caches[c];
+        let data = match fetched.payload {
+            Payload::Mapped { shard, offset, len } => {
+                let view = self.py_side.shard_view(py, cache, c, shard)?;
+                let slice = PySlice::new(py, offset as isize, (offset + len) as isize, 1);
+                view.get_item(slice)?
+            }
+            Payload::Owned(bytes) => PyBytes::new(py, &bytes).into_any(),
+        };
+        let metadata = PyDict::new(py);
+        for (key, (_, value)) in self.py_side.caches[c]
+            .keys
+            .iter()
+            .zip(cache.metadata.row(fetched.row))
+        {
+            match value {
+                MetaRef::Bool(b) => metadata.set_item(key, b)?,
+                MetaRef::Int(i) => metadata.set_item(key, i)?,
+                MetaRef::Float(f) => metadata.set_item(key, f)?,
+                MetaRef::Str(s) => metadata.set_item(key, s)?,
+            }
+        }
+        self.progress
+            .position
+            .store(self.reader.position(), Ordering::Release);
+        if self.reader.remaining() == 0 {
+            self.progress.finished.store(true, Ordering::Release);
+        }
+        Ok(Some(CachedSample {
+            data: data.unbind(),
+            metadata: metadata.unbind(),
+        }))
+    }
+}
+
+/// One sample: its payload bytes (a memoryview, or bytes when it was decompressed) and metadata.
+#[pyclass(module = "dataset_rt._native", frozen)]
+pub struct CachedSample {
+    #[pyo3(get)]
+    data: Py<PyAny>,
+    #[pyo3(get)]
+    metadata: Py<PyDict>,
+}
+
+#[pymethods]
+impl CachedSample {
+    #[new]
+    fn new(data: Py<PyAny>, metadata: Py<PyDict>) -> Self {
+        CachedSample { data, metadata }
+    }
+
+    #[classattr]
+    fn __match_args__() -> (&'static str, &'static str) {
+        ("data", "metadata")
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let data = self.data.bind(py);
+        let len = data.len().unwrap_or(0);
+        Ok(format!(
+            "CachedSample(data=<{} of {len} bytes>, metadata={})",
+            data.get_type().name()?,
+            self.metadata.bind(py).repr()?
+        ))
+    }
+}
+
+/// The epoch order as specified in docs/determinism.md (for tests and audits).
+#[pyfunction]
+#[pyo3(signature = (seed, epoch, num_samples, epoch_len=None, shuffle=true, weights=None))]
+pub fn epoch_order(
+    py: Python<'_>,
+    seed: u64,
+    epoch: u64,
+    num_samples: u64,
+    epoch_len: Option<u64>,
+    shuffle: bool,
+    weights: Option<Vec<f64>>,
+) -> PyResult<Vec<u64>> {
+    let params = EpochParams {
+        seed,
+        epoch,
+        epoch_len: epoch_len.unwrap_or(num_samples),
+        shuffle,
+    };
+    if num_samples == 0 && params.epoch_len > 0 {
+        return Err(crate::errors::ConfigError::new_err(format!(
+            "an epoch of {} samples needs at least one sample",
+            params.epoch_len
+        )));
+    }
+    if let Some(w) = &weights {
+        if w.len() as u64 != num_samples {
+            return Err(crate::errors::ConfigError::new_err(format!(
+                "{} weights for {num_samples} samples",
+                w.len()
+            )));
+        }
+        if let Some((i, x)) = w
+            .iter()
+            .enumerate()
+            .find(|(_, x)| !(x.is_finite() && **x > 0.0))
+        {
+            return Err(crate::errors::ConfigError::new_err(format!(
+                "weight {i} is {x}: weights must be positive and finite"
+            )));
+        }
+    }
+    Ok(py.detach(|| match &weights {
+        Some(w) => sampler::epoch_order(params, Weights::Weighted(w)),
+        None => sampler::epoch_order(params, Weights::Uniform(num_samples)),
+    }))
+}
+
+impl Dataset {
+    /// The core dataset, reading options and weights in force: the shared-memory loader
+    /// (`loader.rs`) reads the same order in its producer process.
+    pub(crate) fn reading(&self) -> (Arc<core::Dataset>, ReadOptions, WeightTable) {
+        (
+            self.inner.clone(),
+            self.opts,
+            self.weights.lock().unwrap().clone(),
+        )
+    }
+}

@@ -1,0 +1,140 @@
+//! Read-only access to one published cache for the `dataset-rt` command line: its validated
+//! manifest, a full verification, and raw records decoded with their embedded metadata. Every
+//! check is the core's; this file only locates the cache and converts the results.
+
+use std::path::{Path, PathBuf};
+
+use dataset_rt_core::cache::{Cache, Validation};
+use dataset_rt_core::format::{checksum_hex, FLAG_LZ4, MANIFEST_FILE};
+use dataset_rt_core::Error;
+use pyo3::exceptions::{PyFileNotFoundError, PyNotADirectoryError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::errors::IntoPyResult;
+
+/// Resolves `path` to a cache directory. A path that is not a directory holding `manifest.json`
+/// is not a cache at all: that is a `FileNotFoundError` / `NotADirectoryError`, kept apart from
+/// a cache that exists and fails validation (`CacheMalformedError`).
+fn cache_dir(path: &Path) -> PyResult<PathBuf> {
+    if !path.exists() {
+        return Err(PyFileNotFoundError::new_err(format!(
+            "no DatasetRT cache at {}: the path does not exist",
+            path.display()
+        )));
+    }
+    if !path.is_dir() {
+        return Err(PyNotADirectoryError::new_err(format!(
+            "no DatasetRT cache at {}: it is not a directory (a cache is a directory holding {MANIFEST_FILE})",
+            path.display()
+        )));
+    }
+    if !path.join(MANIFEST_FILE).exists() {
+        return Err(PyFileNotFoundError::new_err(format!(
+            "no DatasetRT cache at {}: it has no {MANIFEST_FILE}",
+            path.display()
+        )));
+    }
+    // The manifest must name the directory it lives in, so `.` or `cache/` need the real name.
+    std::fs::canonicalize(path)
+        .map_err(|e| Error::io("resolve", path, e))
+        .py_err()
+}
+
+fn open(py: Python<'_>, path: &Path, validation: Validation) -> PyResult<Cache> {
+    let dir = cache_dir(path)?;
+    py.detach(|| Cache::open(&dir, validation)).py_err()
+}
+
+/// The manifest of the cache at `path` as JSON text, after the structural validation every load
+/// runs (manifest, sizes, index and metadata checksums, shard headers).
+#[pyfunction]
+pub fn inspect_cache(py: Python<'_>, path: PathBuf) -> PyResult<String> {
+    let cache = open(py, &path, Validation::Structure)?;
+    // A published cache is never modified, so the file on disk is the manifest just validated.
+    let manifest = cache.dir.join(MANIFEST_FILE);
+    py.detach(|| std::fs::read_to_string(&manifest).map_err(|e| Error::io("read", &manifest, e)))
+        .py_err()
+}
+
+/// Verifies everything in the cache at `path`: structure, then every record's header and
+/// checksum (and LZ4 decoding), then every shard's whole-file checksum. Records go first so that
+/// damage inside a record is reported with its shard, offset and sample; the shard checksums
+/// then catch damage between records. Returns `(samples, shards)`; raises
+/// `CacheMalformedError` or `CorruptRecordError` naming the file and record.
+#[pyfunction]
+pub fn verify_cache(py: Python<'_>, path: PathBuf) -> PyResult<(u64, usize)> {
+    let dir = cache_dir(&path)?;
+    py.detach(|| {
+        let cache = Cache::open(&dir, Validation::Structure)?;
+        cache.verify_all()?;
+        Ok((cache.len(), cache.num_shards()))
+    })
+    .py_err()
+}
+
+/// One raw record as `head` shows it.
+type RecordInfo<'py> = (
+    u64,                 // sample
+    String,              // metadata embedded in the record, JSON text
+    u32,                 // shard number
+    String,              // shard file, relative to the cache directory
+    u64,                 // record offset in the shard
+    u32,                 // flags
+    &'static str,        // payload encoding: "lz4" or "raw"
+    u32,                 // stored payload length
+    u32,                 // raw (decoded) payload length
+    String,              // record checksum, hex
+    Bound<'py, PyBytes>, // first `preview_bytes` of the decoded payload
+);
+
+/// The first `n` records of the cache at `path`, each read from its shard and verified against
+/// its own checksum: location, sizes, the metadata embedded in the record (not `metadata.arrow`)
+/// and a preview of the decoded payload.
+#[pyfunction]
+#[pyo3(signature = (path, n, preview_bytes = 32))]
+pub fn head_records(
+    py: Python<'_>,
+    path: PathBuf,
+    n: u64,
+    preview_bytes: usize,
+) -> PyResult<Vec<RecordInfo<'_>>> {
+    let cache = open(py, &path, Validation::Structure)?;
+    let records = py
+        .detach(|| {
+            (0..n.min(cache.len()))
+                .map(|sample| {
+                    let metadata = cache.embedded_metadata(sample)?.to_string();
+                    let payload = cache.payload(sample)?;
+                    let preview = payload[..preview_bytes.min(payload.len())].to_vec();
+                    let e = cache.entry(sample);
+                    let shard_file = cache.manifest.shards[e.shard as usize].file.clone();
+                    let encoding = if e.flags & FLAG_LZ4 != 0 {
+                        "lz4"
+                    } else {
+                        "raw"
+                    };
+                    Ok((sample, metadata, e, shard_file, encoding, preview))
+                })
+                .collect::<dataset_rt_core::Result<Vec<_>>>()
+        })
+        .py_err()?;
+    Ok(records
+        .into_iter()
+        .map(|(sample, metadata, e, shard_file, encoding, preview)| {
+            (
+                sample,
+                metadata,
+                e.shard,
+                shard_file,
+                e.offset,
+                e.flags,
+                encoding,
+                e.stored_len,
+                e.raw_len,
+                checksum_hex(e.checksum),
+                PyBytes::new(py, &preview),
+            )
+        })
+        .collect())
+}

@@ -1,0 +1,31 @@
+//! `dataset_rt._native`: thin PyO3 bindings over `dataset-rt-core`. Every decision about
+//! correctness is made in the core; this crate converts values, releases the GIL around all I/O,
+//! compute and waiting, and maps core errors onto the Python exception tree.
+
+mod config;
+mod dataset;
+mod errors;
+mod inspect;
+mod progress;
+mod runtime;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("FORMAT_VERSION", dataset_rt_core::format::FORMAT_VERSION)?;
+    errors::register(m)?;
+    m.add_class::<runtime::Runtime>()?;
+    m.add_class::<dataset::Dataset>()?;
+    m.add_class::<dataset::DatasetIterator>()?;
+    m.add_class::<dataset::CachedSample>()?;
+    m.add_function(wrap_pyfunction!(dataset::epoch_order, m)?)?;
+    m.add_function(wrap_pyfunction!(config::check_compression, m)?)?;
+    m.add_function(wrap_pyfunction!(config::check_reader_config, m)?)?;
+    m.add_function(wrap_pyfunction!(config::check_writer_config, m)?)?;
+    m.add_function(wrap_pyfunction!(inspect::inspect_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(inspect::verify_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(inspect::head_records, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,96 @@
+//! A terminal-like sink over Python's `sys.stderr`, so progress lands wherever Python's stderr
+//! goes (a terminal, a log, pytest's capture). Off a terminal, cursor moves are dropped and every
+//! redraw becomes one plain line.
+
+use std::io;
+
+use dataset_rt_core::progress::TermLike;
+use pyo3::prelude::*;
+
+#[derive(Debug)]
+pub struct PyStderr {
+    tty: bool,
+}
+
+impl PyStderr {
+    pub fn new(py: Python<'_>) -> Self {
+        let tty = stderr(py)
+            .and_then(|s| s.call_method0("isatty"))
+            .and_then(|v| v.extract::<bool>())
+            .unwrap_or(false);
+        PyStderr { tty }
+    }
+
+    fn write(&self, s: &str) -> io::Result<()> {
+        Python::attach(|py| {
+            stderr(py)?.call_method1("write", (s,))?;
+            Ok::<_, PyErr>(())
+        })
+        .map_err(io::Error::other)
+    }
+}
+
+fn stderr(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    py.import("sys")?.getattr("stderr")
+}
+
+impl TermLike for PyStderr {
+    fn width(&self) -> u16 {
+        120
+    }
+    fn move_cursor_up(&self, n: usize) -> io::Result<()> {
+        if self.tty && n > 0 {
+            self.write(&format!("\x1b[{n}A"))?;
+        }
+        Ok(())
+    }
+    fn move_cursor_down(&self, n: usize) -> io::Result<()> {
+        if self.tty && n > 0 {
+            self.write(&format!("\x1b[{n}B"))?;
+        }
+        Ok(())
+    }
+    fn move_cursor_right(&self, n: usize) -> io::Result<()> {
+        if self.tty && n > 0 {
+            self.write(&format!("\x1b[{n}C"))?;
+        }
+        Ok(())
+    }
+    fn move_cursor_left(&self, n: usize) -> io::Result<()> {
+        if self.tty && n > 0 {
+            self.write(&format!("\x1b[{n}D"))?;
+        }
+        Ok(())
+    }
+    fn write_line(&self, s: &str) -> io::Result<()> {
+        self.write_str(s)?;
+        if self.tty {
+            self.write("\n")?;
+        }
+        Ok(())
+    }
+    fn write_str(&self, s: &str) -> io::Result<()> {
+        if self.tty {
+            return self.write(s);
+        }
+        // A log gets each redraw as one line, without the padding meant for a terminal.
+        let line = s.trim_end();
+        if line.is_empty() {
+            return Ok(());
+        }
+        self.write(&format!("{line}\n"))
+    }
+    fn clear_line(&self) -> io::Result<()> {
+        if self.tty {
+            self.write("\r\x1b[2K")?;
+        }
+        Ok(())
+    }
+    fn flush(&self) -> io::Result<()> {
+        Python::attach(|py| {
+            stderr(py)?.call_method0("flush")?;
+            Ok::<_, PyErr>(())
+        })
+        .map_err(io::Error::other)
+    }
+}

@@ -1,0 +1,434 @@
+//! `Runtime`: the worker pool, and `from_cache_sources`, which decides per source whether to
+//! load, write, report missing or malformed, and builds the dataset.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use dataset_rt_core::cache::{Cache, Validation};
+use dataset_rt_core::dataset::ReadOptions;
+use dataset_rt_core::format::Compression;
+use dataset_rt_core::metadata::MetaValue;
+use dataset_rt_core::pool::Pool;
+use dataset_rt_core::progress::{SourceProgress, WriteProgress};
+use dataset_rt_core::sampler::RankPolicy;
+use dataset_rt_core::writer::{validate_name, CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_core::Error;
+use pyo3::prelude::*;
+use pyo3::types::{
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple,
+};
+
+use crate::dataset::Dataset;
+use crate::errors::{ConfigError, IntoPyResult};
+use crate::progress::PyStderr;
+
+#[pyclass(module = "dataset_rt._native", frozen)]
+pub struct Runtime {
+    pub pool: Arc<Pool>,
+}
+
+/// One source's outcome: (kind, name, cache path, message, samples).
+type Outcome = (&'static str, String, PathBuf, Option<String>, Option<u64>);
+
+#[pymethods]
+impl Runtime {
+    #[new]
+    fn new(num_workers: i64) -> PyResult<Self> {
+        if num_workers < 1 {
+            return Err(ConfigError::new_err(format!(
+                "invalid DatasetRuntime.num_workers: must be at least 1, got {num_workers}"
+            )));
+        }
+        Ok(Runtime {
+            pool: Pool::new(num_workers as usize).py_err()?,
+        })
+    }
+
+    #[getter]
+    fn num_workers(&self) -> usize {
+        self.pool.num_workers()
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.pool.is_closed()
+    }
+
+    /// Stops the workers after the work already queued.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.pool.close());
+    }
+
+    /// Loads or writes every source, then opens the loaded caches as one dataset.
+    #[pyo3(signature = (sources, base_cache_dir, *, seed, shuffle, read_prefetch, read_validate,
+        rank, world_size, drop_last, samples_per_epoch, write_prefetch, algo, ratio,
+        show_progress, write_validate, shard_size))]
+    #[allow(clippy::too_many_arguments, clippy::wrong_self_convention)]
+    fn from_cache_sources(
+        &self,
+        py: Python<'_>,
+        sources: &Bound<'_, PyAny>,
+        base_cache_dir: PathBuf,
+        seed: u64,
+        shuffle: bool,
+        read_prefetch: usize,
+        read_validate: bool,
+        rank: u64,
+        world_size: u64,
+        drop_last: bool,
+        samples_per_epoch: Option<u64>,
+        write_prefetch: usize,
+        algo: &str,
+        ratio: f64,
+        show_progress: bool,
+        write_validate: bool,
+        shard_size: u64,
+    ) -> PyResult<(Option<Dataset>, Vec<Outcome>)> {
+        let read = ReadOptions {
+            seed,
+            shuffle,
+            prefetch_size: read_prefetch,
+            epoch_len: samples_per_epoch,
+            rank,
+            world_size,
+            policy: if drop_last {
+                RankPolicy::Drop
+            } else {
+                RankPolicy::Pad
+            },
+        };
+        read.validate().py_err()?;
+        let write = WriterOptions {
+            prefetch_size: write_prefetch,
+            compression: Compression::new(algo, ratio).py_err()?,
+            validate: write_validate,
+            shard_size,
+        };
+        write.validate().py_err()?;
+
+        let sources: Vec<Bound<'_, PyAny>> =
+            if sources.is_instance_of::<PyList>() || sources.is_instance_of::<PyTuple>() {
+                sources.try_iter()?.collect::<PyResult<_>>()?
+            } else {
+                vec![sources.clone()]
+            };
+        if sources.is_empty() {
+            return Err(ConfigError::new_err(
+                "from_cache_sources needs at least one source",
+            ));
+        }
+        // Every name is checked before anything is written.
+        let mut names = Vec::with_capacity(sources.len());
+        let mut seen = HashSet::new();
+        for (i, s) in sources.iter().enumerate() {
+            let name: String = s.getattr("name").and_then(|n| n.extract()).map_err(|_| {
+                ConfigError::new_err(format!(
+                    "source {i} ({}) has no str attribute `name`; every source needs one",
+                    type_name(s)
+                ))
+            })?;
+            validate_name(&name).py_err()?;
+            if !seen.insert(name.clone()) {
+                return Err(ConfigError::new_err(format!(
+                    "two sources are named {name:?}: each source writes base_cache_dir/name, so \
+                     names must be unique; nothing was written"
+                )));
+            }
+            names.push(name);
+        }
+
+        let validation = if read_validate {
+            Validation::Full
+        } else {
+            Validation::Structure
+        };
+        let mut progress = show_progress.then(|| WriteProgress::new(sources.len()));
+        let mut outcomes = Vec::with_capacity(sources.len());
+        let mut caches = Vec::new();
+        for (i, (source, name)) in sources.iter().zip(&names).enumerate() {
+            let path = base_cache_dir.join(name);
+            let (outcome, cache) = self.one_source(
+                py,
+                source,
+                i,
+                name,
+                &base_cache_dir,
+                &write,
+                validation,
+                progress.as_mut(),
+            )?;
+            outcomes.push((outcome.0, name.clone(), path, outcome.1, outcome.2));
+            if let Some(c) = cache {
+                caches.push(Arc::new(c));
+            }
+        }
+        if caches.is_empty() {
+            return Ok((None, outcomes));
+        }
+        let total: u64 = caches.iter().map(|c| c.len()).sum();
+        if total == 0 && read.epoch_len.is_some_and(|l| l > 0) {
+            return Err(ConfigError::new_err(format!(
+                "invalid ReaderConfig.samples_per_epoch: {} samples per epoch, but the loaded \
+                 caches hold no samples",
+                read.epoch_len.unwrap_or(0)
+            )));
+        }
+        let dataset = Dataset::new(py, self.pool.clone(), caches, read)?;
+        Ok((Some(dataset), outcomes))
+    }
+}
+
+type SourceResult = ((&'static str, Option<String>, Option<u64>), Option<Cache>);
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
+}
+
+impl Runtime {
+    #[allow(clippy::too_many_arguments)]
+    fn one_source(
+        &self,
+        py: Python<'_>,
+        source: &Bound<'_, PyAny>,
+        index: usize,
+        name: &str,
+        base: &Path,
+        write: &WriterOptions,
+        validation: Validation,
+        progress: Option<&mut WriteProgress>,
+    ) -> PyResult<SourceResult> {
+        // A published cache appears by one atomic rename, so an existing one is loaded without
+        // the lock: that works on read-only storage too.
+        let published = base.join(name);
+        if published.exists() {
+            return Ok(self.load_existing(py, &published, validation));
+        }
+        let lock = match py.detach(|| CacheLock::acquire(base, name)) {
+            Ok(l) => l,
+            Err(e) => return Ok((("write_error", Some(e.to_string()), None), None)),
+        };
+        let dir = lock.final_dir();
+        if dir.exists() {
+            // Another writer published it while this one waited for the lock.
+            drop(lock);
+            return Ok(self.load_existing(py, &dir, validation));
+        }
+        let iterable = source.get_type().hasattr("__iter__").unwrap_or(false);
+        if !iterable {
+            return Ok((
+                (
+                    "missing",
+                    Some(format!(
+                        "no cache at {} and the source ({}) is not iterable, so it cannot be written",
+                        dir.display(),
+                        type_name(source)
+                    )),
+                    None,
+                ),
+                None,
+            ));
+        }
+        let started = Instant::now();
+        let mut progress = progress;
+        let mut line = progress
+            .as_mut()
+            .map(|p| p.source(Box::new(PyStderr::new(py)), index, name));
+        let result = self.write_source(py, source, name, lock, write, line.as_mut());
+        if let Some(l) = line {
+            let (samples, bytes) = result.as_ref().map(|r| (r.1, r.2)).unwrap_or((0, 0));
+            l.finish(
+                samples,
+                bytes,
+                if result.is_ok() { "written" } else { "failed" },
+            );
+        }
+        if let (Some(p), Ok(_)) = (progress, &result) {
+            p.source_written(started.elapsed());
+        }
+        Ok(match result {
+            Ok((dir, n, _)) => match self.open_cache(py, &dir, validation) {
+                Ok(c) => (("written", None, Some(n)), Some(c)),
+                Err(e) => (
+                    (
+                        "write_error",
+                        Some(format!("written but not loadable: {e}")),
+                        None,
+                    ),
+                    None,
+                ),
+            },
+            Err(WriteFailure::Outcome(msg)) => (("write_error", Some(msg), None), None),
+            Err(WriteFailure::Raise(err)) => return Err(err),
+        })
+    }
+
+    fn load_existing(&self, py: Python<'_>, dir: &Path, validation: Validation) -> SourceResult {
+        match self.open_cache(py, dir, validation) {
+            Ok(c) => {
+                let n = c.len();
+                (("loaded", None, Some(n)), Some(c))
+            }
+            Err(e) => (("malformed", Some(e.to_string()), None), None),
+        }
+    }
+
+    /// Opens and validates a cache on the pool.
+    fn open_cache(
+        &self,
+        py: Python<'_>,
+        dir: &Path,
+        validation: Validation,
+    ) -> dataset_rt_core::Result<Cache> {
+        let dir = dir.to_owned();
+        py.detach(|| self.pool.run(move || Cache::open(&dir, validation)))
+    }
+
+    fn write_source(
+        &self,
+        py: Python<'_>,
+        source: &Bound<'_, PyAny>,
+        name: &str,
+        lock: CacheLock,
+        write: &WriterOptions,
+        mut line: Option<&mut SourceProgress>,
+    ) -> Result<(PathBuf, u64, u64), WriteFailure> {
+        let mut writer = py
+            .detach(|| CacheWriter::create(self.pool.clone(), lock, *write))
+            .map_err(WriteFailure::from)?;
+        let iter = source.try_iter().map_err(|e| {
+            WriteFailure::from_py(py, e, |d| format!("source {name:?}: iter() failed: {d}"))
+        })?;
+        let mut pushed = 0u64;
+        for (index, item) in iter.enumerate() {
+            let item = item.map_err(|e| {
+                WriteFailure::from_py(py, e, |d| {
+                    format!("source {name:?}, sample {index}: the source raised {d}")
+                })
+            })?;
+            let sample = to_sample(&item).map_err(|reason| {
+                WriteFailure::from(Error::InvalidSample {
+                    source_name: name.to_owned(),
+                    sample_index: index as u64,
+                    reason,
+                })
+            })?;
+            py.detach(|| writer.push(sample))
+                .map_err(WriteFailure::from)?;
+            pushed += 1;
+            if let Some(l) = line.as_deref_mut() {
+                let (s, b) = writer.progress();
+                l.update(s, b);
+            }
+        }
+        let published = py.detach(|| writer.finish()).map_err(WriteFailure::from)?;
+        debug_assert_eq!(published.samples, pushed);
+        Ok((published.dir, published.samples, published.raw_bytes))
+    }
+}
+
+/// Why a source was not written: an outcome to report, or an exception that must propagate
+/// (KeyboardInterrupt, SystemExit: the user stops the whole call, not one source).
+enum WriteFailure {
+    Outcome(String),
+    Raise(PyErr),
+}
+
+impl From<String> for WriteFailure {
+    fn from(msg: String) -> Self {
+        WriteFailure::Outcome(msg)
+    }
+}
+
+impl From<dataset_rt_core::Error> for WriteFailure {
+    fn from(err: dataset_rt_core::Error) -> Self {
+        WriteFailure::Outcome(err.to_string())
+    }
+}
+
+impl WriteFailure {
+    fn from_py(py: Python<'_>, err: PyErr, describe: impl FnOnce(String) -> String) -> Self {
+        if !err.is_instance_of::<pyo3::exceptions::PyException>(py) {
+            return WriteFailure::Raise(err);
+        }
+        WriteFailure::Outcome(describe(describe_py_err(py, &err)))
+    }
+}
+
+fn describe_py_err(py: Python<'_>, err: &PyErr) -> String {
+    let ty = err.get_type(py);
+    let ty = ty
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "Exception".into());
+    format!("{ty}: {}", err.value(py))
+}
+
+/// Converts one `CacheInput`: bytes-like data and a dict of primitive metadata.
+fn to_sample(item: &Bound<'_, PyAny>) -> Result<SampleInput, String> {
+    let (data, metadata) = match (item.getattr("data"), item.getattr("metadata")) {
+        (Ok(d), Ok(m)) => (d, m),
+        _ => {
+            return Err(format!(
+                "expected a CacheInput(data=..., metadata=...), got {}",
+                type_name(item)
+            ))
+        }
+    };
+    let data = if let Ok(b) = data.cast::<PyBytes>() {
+        b.as_bytes().to_vec()
+    } else if let Ok(b) = data.cast::<PyByteArray>() {
+        b.to_vec()
+    } else if data.is_instance_of::<PyMemoryView>() {
+        data.call_method0("tobytes")
+            .and_then(|b| b.cast_into::<PyBytes>().map_err(Into::into))
+            .map(|b| b.as_bytes().to_vec())
+            .map_err(|e| format!("data memoryview cannot be read: {e}"))?
+    } else {
+        return Err(format!(
+            "data must be bytes, bytearray or memoryview, got {} (convert arrays with .tobytes())",
+            type_name(&data)
+        ));
+    };
+    let dict = metadata
+        .cast::<PyDict>()
+        .map_err(|_| format!("metadata must be a dict, got {}", type_name(&metadata)))?;
+    let mut meta = Vec::with_capacity(dict.len());
+    for (k, v) in dict.iter() {
+        let key: String = k
+            .cast::<PyString>()
+            .map_err(|_| format!("metadata keys must be str, got {} key {k}", type_name(&k)))?
+            .to_str()
+            .map_err(|e| format!("metadata key {k:?} is not valid UTF-8: {e}"))?
+            .to_owned();
+        let value = if let Ok(b) = v.cast::<PyBool>() {
+            MetaValue::Bool(b.is_true())
+        } else if v.is_instance_of::<PyInt>() {
+            MetaValue::Int(v.extract::<i64>().map_err(|_| {
+                format!("metadata {key:?} = {v} does not fit a 64-bit signed integer")
+            })?)
+        } else if v.is_instance_of::<PyFloat>() {
+            MetaValue::Float(v.extract::<f64>().map_err(|e| e.to_string())?)
+        } else if let Ok(s) = v.cast::<PyString>() {
+            MetaValue::Str(
+                s.to_str()
+                    .map_err(|e| format!("metadata {key:?}: {e}"))?
+                    .to_owned(),
+            )
+        } else {
+            return Err(format!(
+                "metadata {key:?} has type {}; supported: bool, int, float, str",
+                type_name(&v)
+            ));
+        };
+        meta.push((key, value));
+    }
+    Ok(SampleInput {
+        data,
+        metadata: meta,
+    })
+}

@@ -1,0 +1,386 @@
+"""A corpus of damaged caches: each case gives its own exact error, and a damaged cache is reported
+as `CacheMalformed`, never overwritten, even when its source could rewrite it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dataset_rt import (
+    CacheLoaded,
+    CacheMalformed,
+    CacheSourcesDatasetError,
+    CacheSourcesDatasetSuccess,
+    CorruptRecordError,
+    DatasetRTError,
+    ReaderConfig,
+    WriterConfig,
+)
+from dataset_rt.testing import ListSource, corrupt_byte, make_source, truncate_file
+
+NAME = "victim"
+SHARD_SIZE = 1024
+NUM_SAMPLES = 12
+
+
+def source() -> ListSource:
+    return make_source(
+        NAME,
+        [(bytes([i]) * (40 + 7 * i), {"sample_id": f"id{i}", "i": i}) for i in range(NUM_SAMPLES)],
+    )
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    """One good cache, written once; each test damages its own copy."""
+    from dataset_rt import DatasetRuntime
+
+    base = tmp_path_factory.mktemp("pristine")
+    with DatasetRuntime(num_workers=2) as runtime:
+        result = runtime.from_cache_sources(
+            source(),
+            base,
+            writer_config=WriterConfig(show_progress=False, shard_size_bytes=SHARD_SIZE),
+        )
+    assert isinstance(result, CacheSourcesDatasetSuccess), result
+    manifest = json.loads((base / NAME / "manifest.json").read_text())
+    assert len(manifest["shards"]) >= 3  # the cases below damage shard 1
+    return base / NAME
+
+
+@pytest.fixture
+def cache(pristine, tmp_path) -> Path:
+    dest = tmp_path / "base" / NAME
+    shutil.copytree(pristine, dest)
+    return dest
+
+
+def load(runtime, cache_dir: Path, *, validate: bool, src=None):
+    return runtime.from_cache_sources(
+        src if src is not None else source(),
+        cache_dir.parent,
+        reader_config=ReaderConfig(shuffle=False, validate_cache=validate),
+        writer_config=WriterConfig(show_progress=False),
+    )
+
+
+def snapshot(cache_dir: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(cache_dir)): p.read_bytes()
+        for p in sorted(cache_dir.rglob("*"))
+        if p.is_file()
+    }
+
+
+def record_payload_offset(cache_dir: Path, sample: int) -> tuple[Path, int, int]:
+    """(shard path, record offset, payload offset) of `sample`, read the v1 way: index entry
+    `<offset u64, shard u32, ...>` after a 16-byte header, record header of 40 bytes with the
+    metadata length at byte 8, payload aligned to 16."""
+    index = (cache_dir / "index.bin").read_bytes()
+    offset, shard = struct.unpack_from("<QI", index, 16 + 32 * sample)
+    path = cache_dir / "shards" / f"{shard:06d}.bin"
+    header = path.read_bytes()[offset : offset + 40]
+    assert header[:4] == b"DRTR"
+    (meta_len,) = struct.unpack_from("<I", header, 8)
+    return path, offset, offset + (40 + meta_len + 15) // 16 * 16
+
+
+def edit_manifest(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(cache_dir: Path) -> None:
+        path = cache_dir / "manifest.json"
+        manifest = json.loads(path.read_text())
+        change(manifest)
+        path.write_text(json.dumps(manifest, indent=2))
+
+    return apply
+
+
+def set_in(*keys_and_value):
+    *keys, value = keys_and_value
+
+    def change(manifest):
+        target = manifest
+        for k in keys[:-1]:
+            target = target[k]
+        target[keys[-1]] = value
+
+    return change
+
+
+def bump(*keys, by=16):
+    def change(manifest):
+        target = manifest
+        for k in keys[:-1]:
+            target = target[k]
+        target[keys[-1]] += by
+
+    return change
+
+
+def flip_hex_digit(*keys):
+    def change(manifest):
+        target = manifest
+        for k in keys[:-1]:
+            target = target[k]
+        digits = target[keys[-1]]
+        target[keys[-1]] = ("1" if digits[0] == "0" else "0") + digits[1:]
+
+    return change
+
+
+def flip_payload(cache_dir: Path, sample: int = 7) -> None:
+    path, _, payload = record_payload_offset(cache_dir, sample)
+    corrupt_byte(path, payload + 3)
+
+
+def remove(rel: str) -> Callable[[Path], None]:
+    return lambda cache_dir: (cache_dir / rel).unlink()
+
+
+def truncate(rel: str) -> Callable[[Path], None]:
+    """Cuts off the second half of the file (the manifest's last byte alone is a newline)."""
+    return lambda cache_dir: truncate_file(cache_dir / rel, (cache_dir / rel).stat().st_size // 2)
+
+
+def flip(rel: str, offset: int) -> Callable[[Path], None]:
+    return lambda cache_dir: corrupt_byte(cache_dir / rel, offset) and None
+
+
+def write_manifest(text: bytes) -> Callable[[Path], None]:
+    return lambda cache_dir: (cache_dir / "manifest.json").write_bytes(text) and None
+
+
+# (damage, validate_cache, the file the message names, the words that say what mismatched)
+MALFORMED = {
+    # a flipped byte in each file
+    "manifest_flip_structure": (flip("manifest.json", 0), False, "manifest.json", ["invalid JSON"]),
+    "manifest_flip_checksum": (
+        edit_manifest(flip_hex_digit("index", "checksum")),
+        False,
+        "manifest.json",
+        ["fingerprint mismatch"],
+    ),
+    "manifest_flip_count": (
+        edit_manifest(bump("num_samples", by=1)),
+        False,
+        "manifest.json",
+        ["fingerprint mismatch"],
+    ),
+    "metadata_flip": (
+        flip("metadata.arrow", 200),
+        False,
+        "metadata.arrow",
+        ["checksum mismatch", "xxh3-64"],
+    ),
+    "index_flip": (flip("index.bin", -1), False, "index.bin", ["checksum mismatch"]),
+    "index_header_flip": (flip("index.bin", 0), False, "index.bin", ["checksum mismatch"]),
+    "shard_flip_validated": (flip_payload, True, "shards/000001.bin", ["checksum mismatch"]),
+    "shard_header_flip": (
+        flip("shards/000001.bin", 0),
+        False,
+        "shards/000001.bin",
+        ["bad shard header"],
+    ),
+    # truncation of each file
+    "manifest_truncated": (truncate("manifest.json"), False, "manifest.json", ["invalid JSON"]),
+    "index_truncated": (
+        truncate("index.bin"),
+        False,
+        "index.bin",
+        ["size is", "the manifest says"],
+    ),
+    "metadata_truncated": (
+        truncate("metadata.arrow"),
+        False,
+        "metadata.arrow",
+        ["size is", "the manifest says"],
+    ),
+    "shard_truncated": (
+        truncate("shards/000001.bin"),
+        False,
+        "shards/000001.bin",
+        ["size is", "the manifest says"],
+    ),
+    # a missing file
+    "manifest_missing": (remove("manifest.json"), False, "manifest.json", ["file is missing"]),
+    "index_missing": (remove("index.bin"), False, "index.bin", ["file is missing"]),
+    "metadata_missing": (remove("metadata.arrow"), False, "metadata.arrow", ["file is missing"]),
+    "shard_missing": (remove("shards/000001.bin"), False, "shards/000001.bin", ["file is missing"]),
+    "last_shard_missing_validated": (
+        lambda d: sorted((d / "shards").iterdir())[-1].unlink(),
+        True,
+        "shards/",
+        ["file is missing"],
+    ),
+    # bad JSON, unknown or wrong version, a foreign manifest
+    "bad_json": (write_manifest(b"{not json"), False, "manifest.json", ["invalid JSON"]),
+    "empty_manifest": (write_manifest(b""), False, "manifest.json", ["invalid JSON"]),
+    "manifest_not_object": (
+        write_manifest(b"[1, 2]"),
+        False,
+        "manifest.json",
+        ["not a DatasetRT manifest"],
+    ),
+    "version_99": (
+        edit_manifest(set_in("format_version", 99)),
+        False,
+        "manifest.json",
+        ["unsupported format version 99", "reads version 1"],
+    ),
+    "version_string": (
+        edit_manifest(set_in("format_version", "1")),
+        False,
+        "manifest.json",
+        ["format_version is missing or not an integer"],
+    ),
+    "version_missing": (
+        edit_manifest(lambda m: m.pop("format_version")),
+        False,
+        "manifest.json",
+        ["format_version is missing"],
+    ),
+    "foreign_format": (
+        edit_manifest(set_in("format", "parquet")),
+        False,
+        "manifest.json",
+        ['not a DatasetRT manifest: format is Some("parquet")'],
+    ),
+    "unknown_field": (
+        edit_manifest(set_in("surprise", 1)),
+        False,
+        "manifest.json",
+        ["invalid manifest", "unknown field", "surprise"],
+    ),
+    "other_cache_name": (
+        edit_manifest(set_in("name", "someone_else")),
+        False,
+        "manifest.json",
+        ['manifest names cache "someone_else"'],
+    ),
+    # wrong sizes in the manifest
+    "index_size_wrong": (
+        edit_manifest(bump("index", "bytes")),
+        False,
+        "index.bin",
+        [f"{NUM_SAMPLES} samples need {16 + 32 * NUM_SAMPLES}"],
+    ),
+    "metadata_size_wrong": (
+        edit_manifest(bump("metadata", "bytes")),
+        False,
+        "metadata.arrow",
+        ["size is", "the manifest says"],
+    ),
+    "shard_size_wrong": (
+        edit_manifest(bump("shards", 1, "bytes")),
+        False,
+        "shards/000001.bin",
+        ["size is", "the manifest says"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED, ids=list(MALFORMED))
+def test_damaged_cache_is_malformed_with_its_own_error(runtime, cache, case):
+    damage, validate, file, words = MALFORMED[case]
+    damage(cache)
+    before = snapshot(cache)
+    src = source()
+
+    result = load(runtime, cache, validate=validate, src=src)
+
+    assert isinstance(result, CacheSourcesDatasetError), result
+    (outcome,) = result.results
+    assert isinstance(outcome, CacheMalformed), outcome
+    assert outcome.name == NAME
+    assert outcome.path == cache
+    assert f'cache "{NAME}" is malformed' in outcome.message
+    assert file in outcome.message
+    for word in words:
+        assert word in outcome.message
+    assert outcome.message in result.message  # the summary carries the reason
+    # Never overwritten, and the source was not iterated to rebuild it.
+    assert src.iterations == 0
+    assert snapshot(cache) == before
+
+
+def test_size_mismatch_states_both_sizes(runtime, cache):
+    shard = cache / "shards" / "000001.bin"
+    size = shard.stat().st_size
+    truncate_file(shard, 16)
+    (outcome,) = load(runtime, cache, validate=False).results
+    assert f"size is {size - 16} bytes, the manifest says {size}" in outcome.message
+
+
+def test_good_copy_loads(runtime, cache):
+    """The corpus starts from a cache that loads, fully validated."""
+    result = load(runtime, cache, validate=True)
+    assert result.results == [CacheLoaded(NAME, cache, NUM_SAMPLES)]
+    assert len(list(result.dataset)) == NUM_SAMPLES
+
+
+def test_flipped_shard_byte_without_validation_fails_when_that_record_is_read(runtime, cache):
+    corrupted = 7
+    shard, record_offset, _ = record_payload_offset(cache, corrupted)
+    flip_payload(cache, corrupted)
+
+    result = load(runtime, cache, validate=False)
+
+    assert result.results == [CacheLoaded(NAME, cache, NUM_SAMPLES)]  # cheap load: shards unhashed
+    received = []
+    with pytest.raises(CorruptRecordError) as info:
+        for sample in result.dataset:
+            received.append(sample.metadata["i"])
+    message = str(info.value)
+    assert isinstance(info.value, DatasetRTError)
+    assert f'cache "{NAME}"' in message
+    assert str(shard) in message
+    assert f"offset {record_offset}" in message
+    assert f"sample {corrupted}" in message
+    assert "checksum mismatch" in message
+    # Every good record before the corrupt one reaches the loop; the corrupt one never does.
+    assert received == list(range(corrupted))
+
+
+def test_flipped_lz4_record_is_caught_before_decompression(runtime, tmp_path):
+    src = make_source("packed", [(b"compress me " * 100, {}) for _ in range(3)])
+    from dataset_rt import ShardCompression
+
+    written = runtime.from_cache_sources(
+        src,
+        tmp_path,
+        reader_config=ReaderConfig(shuffle=False),
+        writer_config=WriterConfig(
+            show_progress=False, shard_compression=ShardCompression(algo="lz4", ratio=0.5)
+        ),
+    )
+    assert isinstance(written, CacheSourcesDatasetSuccess)
+    flip_payload(tmp_path / "packed", 2)
+    loaded = runtime.from_cache_sources(
+        src,
+        tmp_path,
+        reader_config=ReaderConfig(shuffle=False),
+        writer_config=WriterConfig(show_progress=False),
+    )
+    with pytest.raises(CorruptRecordError, match=r"sample 2: checksum mismatch"):
+        list(loaded.dataset)
+
+
+def test_malformed_cache_does_not_block_other_sources(runtime, cache):
+    corrupt_byte(cache / "index.bin", -1)
+    good = make_source("healthy", [(b"h", {})])
+
+    result = runtime.from_cache_sources(
+        [source(), good],
+        cache.parent,
+        reader_config=ReaderConfig(shuffle=False),
+        writer_config=WriterConfig(show_progress=False),
+    )
+
+    assert isinstance(result, CacheSourcesDatasetSuccess)
+    assert [type(r).__name__ for r in result.results] == ["CacheMalformed", "CacheWritten"]
+    assert [bytes(s.data) for s in result.dataset] == [b"h"]
