@@ -108,7 +108,8 @@ pub enum MetaRef<'a> {
     Str(&'a str),
 }
 
-/// The metadata embedded in a record: a JSON object in schema order.
+/// The metadata embedded in a record: a JSON object (serde_json sorts its keys; readers must not
+/// depend on key order).
 pub fn record_metadata_json(fields: &[Field], values: &[MetaValue]) -> Vec<u8> {
     let mut map = serde_json::Map::with_capacity(fields.len());
     for (f, v) in fields.iter().zip(values) {

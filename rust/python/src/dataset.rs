@@ -327,19 +327,6 @@ impl DatasetIterator {
             }
             Payload::Owned(bytes) => PyBytes::new(py, &bytes).into_any(),
         };
-        let metadata = PyDict::new(py);
-        for (key, (_, value)) in self.py_side.caches[c]
-            .keys
-            .iter()
-            .zip(cache.metadata.row(fetched.row))
-        {
-            match value {
-                MetaRef::Bool(b) => metadata.set_item(key, b)?,
-                MetaRef::Int(i) => metadata.set_item(key, i)?,
-                MetaRef::Float(f) => metadata.set_item(key, f)?,
-                MetaRef::Str(s) => metadata.set_item(key, s)?,
-            }
-        }
         self.progress
             .position
             .store(self.reader.position(), Ordering::Release);
@@ -348,9 +335,23 @@ impl DatasetIterator {
         }
         Ok(Some(CachedSample {
             data: data.unbind(),
-            metadata: metadata.unbind(),
+            metadata: OnceLock::new(),
+            origin: Some(Origin {
+                dataset: self.dataset.clone(),
+                py_side: self.py_side.clone(),
+                cache: c,
+                row: fetched.row,
+            }),
         }))
     }
+}
+
+/// Where a sample's metadata lives, so its dict is built only when first asked for.
+struct Origin {
+    dataset: Arc<core::Dataset>,
+    py_side: Arc<PySide>,
+    cache: usize,
+    row: u64,
 }
 
 /// One sample: its payload bytes (a memoryview, or bytes when it was decompressed) and metadata.
@@ -358,15 +359,41 @@ impl DatasetIterator {
 pub struct CachedSample {
     #[pyo3(get)]
     data: Py<PyAny>,
-    #[pyo3(get)]
-    metadata: Py<PyDict>,
+    metadata: OnceLock<Py<PyDict>>,
+    origin: Option<Origin>,
 }
 
 #[pymethods]
 impl CachedSample {
     #[new]
     fn new(data: Py<PyAny>, metadata: Py<PyDict>) -> Self {
-        CachedSample { data, metadata }
+        CachedSample {
+            data,
+            metadata: OnceLock::from(metadata),
+            origin: None,
+        }
+    }
+
+    /// The sample's metadata (built on first access, then the same dict every time).
+    #[getter]
+    fn metadata(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        if let Some(m) = self.metadata.get() {
+            return Ok(m.clone_ref(py));
+        }
+        let origin = self.origin.as_ref().expect("a sample without a dict has an origin");
+        let dict = PyDict::new(py);
+        let cache = &origin.dataset.caches[origin.cache];
+        let keys = &origin.py_side.caches[origin.cache].keys;
+        for (key, (_, value)) in keys.iter().zip(cache.metadata.row(origin.row)) {
+            match value {
+                MetaRef::Bool(b) => dict.set_item(key, b)?,
+                MetaRef::Int(i) => dict.set_item(key, i)?,
+                MetaRef::Float(f) => dict.set_item(key, f)?,
+                MetaRef::Str(s) => dict.set_item(key, s)?,
+            }
+        }
+        let _ = self.metadata.set(dict.unbind());
+        Ok(self.metadata.get().expect("set above").clone_ref(py))
     }
 
     #[classattr]
@@ -380,7 +407,7 @@ impl CachedSample {
         Ok(format!(
             "CachedSample(data=<{} of {len} bytes>, metadata={})",
             data.get_type().name()?,
-            self.metadata.bind(py).repr()?
+            self.metadata(py)?.bind(py).repr()?
         ))
     }
 }
