@@ -245,6 +245,28 @@ def test_resume_under_another_world_size_property(
     resume_other_world(base_dir, n, first_world, k, second_world, drop_last, seed)
 
 
+def test_resume_chain_across_three_world_sizes(base_dir: Path) -> None:
+    # 4 ranks read 2 each, 3 ranks read 3 each, then 1 rank reads the rest: one epoch, once.
+    n, seed = 29, 5
+    order = _native.epoch_order(seed, 0, n)
+    received: list[int] = []
+    state = None
+    for world, k in ((4, 2), (3, 3), (1, None)):
+        with Ranks(base_dir, n, world, seed=seed) as datasets:
+            for d in datasets:
+                if state is not None:
+                    d.load_state_dict(state)
+            iterators = [iter(d) for d in datasets]
+            shares = [take(it, k) if k is not None else ids(it) for it in iterators]
+            states = [json.loads(json.dumps(d.state_dict())) for d in datasets]
+        assert len({s["position"] for s in states}) == 1
+        state = states[0]
+        received += [i for round_ in zip(*shares, strict=True) for i in round_]
+    assert received == order
+    assert state is not None
+    assert (state["epoch"], state["position"]) == (1, 0)
+
+
 # ---- where rank and world size come from
 
 
