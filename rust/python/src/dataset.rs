@@ -458,15 +458,3 @@ pub fn epoch_order(
         None => sampler::epoch_order(params, Weights::Uniform(num_samples)),
     }))
 }
-
-impl Dataset {
-    /// The core dataset, reading options and weights in force: the shared-memory loader
-    /// (`loader.rs`) reads the same order in its producer process.
-    pub(crate) fn reading(&self) -> (Arc<core::Dataset>, ReadOptions, WeightTable) {
-        (
-            self.inner.clone(),
-            self.opts,
-            self.weights.lock().unwrap().clone(),
-        )
-    }
-}
