@@ -1,4 +1,57 @@
-//! The shared-memory ring and control segment of the DatasetRT loader.
-//!
-//! The loader is being built (issue #4); this crate is part of the workspace so the layout
-//! stays as DESIGN.md describes it.
+//! DatasetRT's shared-memory loader transport: the control segment and ring of slots
+//! (`shm/LAYOUT.md` specifies every byte), cross-process waiting, segment lifecycle, and the
+//! producer loop. No Python here: `rust/python/src/loader.rs` binds it.
+
+pub mod batch;
+mod futex;
+pub mod layout;
+pub mod producer;
+pub mod ring;
+pub mod segment;
+
+use std::path::PathBuf;
+
+pub type Result<T, E = ShmError> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShmError {
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The segments are not what this build expects, or a party broke the protocol.
+    #[error("shared-memory loader: {0}")]
+    Protocol(String),
+
+    /// The owner asked every party to stop.
+    #[error("the loader was closed")]
+    Stopped,
+
+    /// The training process that owns the segments is gone.
+    #[error("the training process (pid {0}) is gone")]
+    OwnerGone(u64),
+
+    /// The producer recorded an error affecting this batch or an earlier one.
+    #[error("the producer failed at batch {batch}: {text}")]
+    ProducerFailed { kind: u32, batch: u64, text: String },
+
+    /// A batch does not fit a slot: it is refused, never truncated.
+    #[error(
+        "batch {batch} ({samples} samples) needs {needed} bytes but a ring slot holds {slot_size}: \
+         raise slot_size_bytes or lower batch_size"
+    )]
+    BatchTooLarge {
+        batch: u64,
+        samples: u64,
+        needed: u64,
+        slot_size: u64,
+    },
+
+    #[error(transparent)]
+    Core(#[from] dataset_rt_core::Error),
+}

@@ -1,0 +1,184 @@
+//! The producer: reads this rank's epoch order (the read path's sampling and per-record
+//! checksums), decompresses, and fills slots in global batch order, never more than the ring's
+//! slot count ahead of what the training loop received. Runs in its own process, without a GIL.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use dataset_rt_core::cache::{Cache, Validation};
+use dataset_rt_core::dataset::{Dataset, ReadOptions, WeightTable};
+use dataset_rt_core::Error as CoreError;
+use serde::{Deserialize, Serialize};
+
+use crate::batch::{batch_bytes, encode_metadata, write_batch, SampleOut};
+use crate::layout::*;
+use crate::ring::Ring;
+use crate::{Result, ShmError};
+
+/// What the producer needs beyond the control segment: written by the training process into a
+/// private directory, read once at start.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProducerSpec {
+    pub ctl_name: String,
+    pub cache_dirs: Vec<PathBuf>,
+    /// The dataset's fingerprint: the producer refuses caches that changed under the loader.
+    pub fingerprint: String,
+    pub weights_fingerprint: String,
+    /// The weight table as little-endian f64, one per sample; `None` = uniform.
+    pub weights_file: Option<PathBuf>,
+    pub seed: u64,
+    pub shuffle: bool,
+    pub epoch_len: Option<u64>,
+}
+
+pub fn write_weights(path: &Path, weights: &[f64]) -> Result<()> {
+    let bytes: Vec<u8> = weights.iter().flat_map(|w| w.to_le_bytes()).collect();
+    std::fs::write(path, bytes).map_err(|source| ShmError::Io {
+        op: "write",
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn read_weights(path: &Path) -> Result<Vec<f64>> {
+    let bytes = std::fs::read(path).map_err(|source| ShmError::Io {
+        op: "read",
+        path: path.to_owned(),
+        source,
+    })?;
+    if bytes.len() % 8 != 0 {
+        return Err(ShmError::Protocol(format!(
+            "{}: {} bytes is not a whole number of f64",
+            path.display(),
+            bytes.len()
+        )));
+    }
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+        .collect())
+}
+
+fn error_kind(err: &ShmError) -> u32 {
+    match err {
+        ShmError::Core(CoreError::Io { .. }) | ShmError::Io { .. } => ERR_IO,
+        ShmError::Core(CoreError::Malformed { .. }) => ERR_MALFORMED,
+        ShmError::Core(CoreError::CorruptRecord { .. }) => ERR_CORRUPT_RECORD,
+        ShmError::BatchTooLarge { .. } => ERR_BATCH_TOO_LARGE,
+        ShmError::Core(CoreError::State(_)) => ERR_STATE,
+        _ => ERR_OTHER,
+    }
+}
+
+/// Runs the producer of the pass `spec` names until it has written every batch, was stopped,
+/// or its owner is gone. Errors are also written into the control segment for the training loop.
+pub fn run(spec: &ProducerSpec) -> Result<()> {
+    let ring = Ring::attach(&spec.ctl_name)?;
+    // SAFETY: getpid cannot fail.
+    ring.set_producer(unsafe { libc::getpid() } as u64);
+    ring.mark_attached();
+    match fill(&ring, spec) {
+        Ok(()) | Err(ShmError::Stopped) => Ok(()),
+        Err(ShmError::OwnerGone(pid)) => {
+            // The training process died before it could remove the names: do it for it.
+            ring.unlink();
+            Err(ShmError::OwnerGone(pid))
+        }
+        Err(e) => {
+            ring.set_error(error_kind(&e), ring.produced(), &e.to_string());
+            Err(e)
+        }
+    }
+}
+
+fn fill(ring: &Ring, spec: &ProducerSpec) -> Result<()> {
+    let caches = spec
+        .cache_dirs
+        .iter()
+        .map(|d| Cache::open(d, Validation::Structure).map(Arc::new))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let ds = Dataset::new(caches);
+    if ds.fingerprint() != spec.fingerprint {
+        return Err(CoreError::State(format!(
+            "the caches changed under the loader: fingerprint {} is not the dataset's {}",
+            ds.fingerprint(),
+            spec.fingerprint
+        ))
+        .into());
+    }
+    let weights = match &spec.weights_file {
+        Some(path) => {
+            let w = read_weights(path)?;
+            if w.len() as u64 != ds.len() {
+                return Err(ShmError::Protocol(format!(
+                    "{} weights for {} samples",
+                    w.len(),
+                    ds.len()
+                )));
+            }
+            WeightTable::from_weights(w)
+        }
+        None => WeightTable::uniform(),
+    };
+    if weights.fingerprint != spec.weights_fingerprint {
+        return Err(ShmError::Protocol(format!(
+            "weight table {} is not the dataset's {}",
+            weights.fingerprint, spec.weights_fingerprint
+        )));
+    }
+    let pass = ring.pass();
+    let opts = ReadOptions {
+        seed: spec.seed,
+        shuffle: spec.shuffle,
+        prefetch_size: 1,
+        epoch_len: spec.epoch_len,
+        rank: pass.rank,
+        world_size: pass.world_size,
+        policy: pass.policy,
+    };
+    opts.validate()?;
+    if ds.epoch_len(&opts) != pass.epoch_len {
+        return Err(ShmError::Protocol(format!(
+            "epoch length {} is not the pass's {}",
+            ds.epoch_len(&opts),
+            pass.epoch_len
+        )));
+    }
+    let order = ds.order(&opts, &weights, pass.epoch);
+    let split = opts.split();
+    let slot_size = ring.geometry().slot_size;
+    for b in 0..pass.total_batches {
+        let k0 = b * pass.batch_size;
+        let k1 = (k0 + pass.batch_size).min(pass.rank_samples);
+        let samples = (k0..k1)
+            .map(|k| {
+                let global = order[split.global_position(pass.epoch_len, pass.start, k) as usize];
+                let (c, row) = ds.locate(global);
+                let cache = &ds.caches[c];
+                Ok(SampleOut {
+                    global,
+                    cache: c as u32,
+                    row,
+                    meta: encode_metadata(cache.metadata.row(row)),
+                    data: cache.payload(row)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let needed = batch_bytes(&samples);
+        if needed > slot_size {
+            return Err(ShmError::BatchTooLarge {
+                batch: b,
+                samples: samples.len() as u64,
+                needed,
+                slot_size,
+            });
+        }
+        ring.wait_fillable(b)?;
+        // SAFETY: the producer alone fills, after wait_fillable, and publishes after writing.
+        let slot = unsafe { ring.begin_fill(b) };
+        let used = write_batch(slot, b, &samples);
+        ring.publish(b, used);
+    }
+    Ok(())
+}

@@ -1,0 +1,581 @@
+//! The ring protocol over the two segments. Every shared field is accessed through atomics;
+//! slot contents are handed over by the slot word's Release/Acquire transitions.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use dataset_rt_core::sampler::{RankPolicy, RankSplit};
+
+use crate::futex;
+use crate::layout::*;
+use crate::segment::{self, Segment};
+use crate::{Result, ShmError};
+
+/// Longest sleep of any wait before it re-checks the stop flag, the owner and errors.
+pub const POLL: Duration = Duration::from_millis(100);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub num_slots: u32,
+    pub slot_size: u64,
+    pub max_consumers: u32,
+}
+
+/// What one pass (one `iter(loader)`) reads: fixed when the segments are created.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pass {
+    pub total_batches: u64,
+    pub batch_size: u64,
+    pub rank_samples: u64,
+    pub epoch: u64,
+    pub start: u64,
+    pub epoch_len: u64,
+    pub rank: u64,
+    pub world_size: u64,
+    pub policy: RankPolicy,
+    /// Parties other than the owner that must attach before the names are removed.
+    pub expected_attach: u32,
+}
+
+/// Who is waiting: a child exits when its owner is gone; the owner checks its children itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Owner,
+    Child,
+}
+
+pub struct Ring {
+    ctl: Segment,
+    ring: Segment,
+    geometry: Geometry,
+    owner_pid: u64,
+}
+
+// SAFETY: the struct only holds mappings; all cross-thread access goes through atomics or
+// through slot ownership handed over by the protocol.
+unsafe impl Send for Ring {}
+unsafe impl Sync for Ring {}
+
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn parent_pid() -> u64 {
+    // SAFETY: getppid cannot fail.
+    unsafe { libc::getppid() as u64 }
+}
+
+impl Ring {
+    /// Creates both segments for one pass (the owner, i.e. the training process).
+    pub fn create(owner_pid: u64, geometry: Geometry, pass: Pass) -> Result<Ring> {
+        if geometry.num_slots == 0 || geometry.slot_size == 0 || geometry.slot_size % PAGE != 0 {
+            return Err(ShmError::Protocol(format!(
+                "invalid ring geometry {geometry:?}: slots and a page-multiple slot size are required"
+            )));
+        }
+        let stem = segment::new_stem(owner_pid);
+        let ctl_name = format!("{stem}-ctl");
+        let ring_name = format!("{stem}-ring");
+        let ring_bytes = geometry.slot_size * u64::from(geometry.num_slots);
+        let ctl = Segment::create(
+            &ctl_name,
+            ctl_len(geometry.num_slots, geometry.max_consumers),
+        )?;
+        let ring = match Segment::create(&ring_name, ring_bytes) {
+            Ok(r) => r,
+            Err(e) => {
+                segment::unlink(&ctl_name);
+                return Err(e);
+            }
+        };
+        let r = Ring {
+            ctl,
+            ring,
+            geometry,
+            owner_pid,
+        };
+        // The segment is fresh (all zero, every slot FREE for batch 0); nobody else has it yet.
+        r.a32(C_VERSION).store(LAYOUT_VERSION, Ordering::Relaxed);
+        r.a32(C_NUM_SLOTS)
+            .store(geometry.num_slots, Ordering::Relaxed);
+        r.a64(C_SLOT_SIZE)
+            .store(geometry.slot_size, Ordering::Relaxed);
+        r.a64(C_RING_BYTES).store(ring_bytes, Ordering::Relaxed);
+        r.a32(C_MAX_CONSUMERS)
+            .store(geometry.max_consumers, Ordering::Relaxed);
+        r.a32(C_EXPECTED_ATTACH)
+            .store(pass.expected_attach, Ordering::Relaxed);
+        r.a64(C_OWNER_PID).store(owner_pid, Ordering::Relaxed);
+        r.a64(C_TOTAL_BATCHES)
+            .store(pass.total_batches, Ordering::Relaxed);
+        r.a64(C_BATCH_SIZE)
+            .store(pass.batch_size, Ordering::Relaxed);
+        r.a64(C_RANK_SAMPLES)
+            .store(pass.rank_samples, Ordering::Relaxed);
+        r.a64(C_EPOCH).store(pass.epoch, Ordering::Relaxed);
+        r.a64(C_START).store(pass.start, Ordering::Relaxed);
+        r.a64(C_EPOCH_LEN).store(pass.epoch_len, Ordering::Relaxed);
+        r.a64(C_RANK).store(pass.rank, Ordering::Relaxed);
+        r.a64(C_WORLD_SIZE)
+            .store(pass.world_size, Ordering::Relaxed);
+        r.a32(C_POLICY).store(
+            u32::from(pass.policy == RankPolicy::Drop),
+            Ordering::Relaxed,
+        );
+        r.a64(C_POSITION).store(pass.start, Ordering::Relaxed);
+        for i in 0..geometry.max_consumers as usize {
+            r.a64(r.consumer_base(i) + P_TICKET)
+                .store(u64::MAX, Ordering::Relaxed);
+        }
+        // The magic goes last: a segment with a magic is fully initialised.
+        // SAFETY: within the mapping; nobody else maps it before `create` returns.
+        unsafe { std::ptr::copy_nonoverlapping(CTL_MAGIC.as_ptr(), r.ctl.ptr().add(C_MAGIC), 8) };
+        std::sync::atomic::fence(Ordering::SeqCst);
+        Ok(r)
+    }
+
+    /// Opens a pass's segments by the control segment's name and checks magic, version and
+    /// geometry (a consumer or the producer).
+    pub fn attach(ctl_name: &str) -> Result<Ring> {
+        let Some(stem) = ctl_name.strip_suffix("-ctl") else {
+            return Err(ShmError::Protocol(format!(
+                "{ctl_name:?} is not a control segment name"
+            )));
+        };
+        let owner_pid = segment::owner_of(ctl_name)
+            .ok_or_else(|| ShmError::Protocol(format!("{ctl_name:?} carries no owner pid")))?;
+        let ctl = Segment::open(ctl_name)?;
+        let bad =
+            |reason: String| ShmError::Protocol(format!("control segment {ctl_name}: {reason}"));
+        if ctl.len() < C_SLOTS {
+            return Err(bad(format!("{} bytes is too short", ctl.len())));
+        }
+        // SAFETY: in range (checked above).
+        let magic = unsafe { std::slice::from_raw_parts(ctl.ptr(), 8) };
+        if magic != CTL_MAGIC {
+            return Err(bad("bad magic".into()));
+        }
+        let probe = Ring {
+            ring: Segment::open(&format!("{stem}-ring"))?,
+            ctl,
+            geometry: Geometry {
+                num_slots: 0,
+                slot_size: 0,
+                max_consumers: 0,
+            },
+            owner_pid,
+        };
+        let version = probe.a32(C_VERSION).load(Ordering::Relaxed);
+        if version != LAYOUT_VERSION {
+            return Err(bad(format!(
+                "layout version {version}, this build speaks {LAYOUT_VERSION}"
+            )));
+        }
+        let geometry = Geometry {
+            num_slots: probe.a32(C_NUM_SLOTS).load(Ordering::Relaxed),
+            slot_size: probe.a64(C_SLOT_SIZE).load(Ordering::Relaxed),
+            max_consumers: probe.a32(C_MAX_CONSUMERS).load(Ordering::Relaxed),
+        };
+        if (probe.ctl.len() as u64) < ctl_len(geometry.num_slots, geometry.max_consumers)
+            || probe.ring.len() as u64 != geometry.slot_size * u64::from(geometry.num_slots)
+            || probe.a64(C_OWNER_PID).load(Ordering::Relaxed) != owner_pid
+        {
+            return Err(bad(format!(
+                "geometry {geometry:?} does not match the segment sizes or name"
+            )));
+        }
+        Ok(Ring { geometry, ..probe })
+    }
+
+    fn a32(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off % 4 == 0 && off + 4 <= self.ctl.len());
+        // SAFETY: aligned, in range, and only ever accessed atomically by every party.
+        unsafe { &*(self.ctl.ptr().add(off) as *const AtomicU32) }
+    }
+
+    fn a64(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off % 8 == 0 && off + 8 <= self.ctl.len());
+        // SAFETY: as in `a32`.
+        unsafe { &*(self.ctl.ptr().add(off) as *const AtomicU64) }
+    }
+
+    fn slot_base(&self, slot: usize) -> usize {
+        C_SLOTS + slot * SLOT_ENTRY
+    }
+
+    fn consumer_base(&self, i: usize) -> usize {
+        C_SLOTS + self.geometry.num_slots as usize * SLOT_ENTRY + i * CONSUMER_ENTRY
+    }
+
+    fn slot_of(&self, batch: u64) -> usize {
+        (batch % u64::from(self.geometry.num_slots)) as usize
+    }
+
+    fn word(&self, batch: u64) -> &AtomicU32 {
+        self.a32(self.slot_base(self.slot_of(batch)) + S_WORD)
+    }
+
+    pub fn ctl_name(&self) -> &str {
+        &self.ctl.name
+    }
+
+    pub fn ring_name(&self) -> &str {
+        &self.ring.name
+    }
+
+    pub fn ring_len(&self) -> u64 {
+        self.ring.len() as u64
+    }
+
+    pub fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    pub fn owner_pid(&self) -> u64 {
+        self.owner_pid
+    }
+
+    pub fn total_batches(&self) -> u64 {
+        self.a64(C_TOTAL_BATCHES).load(Ordering::Relaxed)
+    }
+
+    pub fn batch_size(&self) -> u64 {
+        self.a64(C_BATCH_SIZE).load(Ordering::Relaxed)
+    }
+
+    pub fn rank_samples(&self) -> u64 {
+        self.a64(C_RANK_SAMPLES).load(Ordering::Relaxed)
+    }
+
+    /// The pass as the owner wrote it.
+    pub fn pass(&self) -> Pass {
+        Pass {
+            total_batches: self.total_batches(),
+            batch_size: self.batch_size(),
+            rank_samples: self.rank_samples(),
+            epoch: self.a64(C_EPOCH).load(Ordering::Relaxed),
+            start: self.a64(C_START).load(Ordering::Relaxed),
+            epoch_len: self.a64(C_EPOCH_LEN).load(Ordering::Relaxed),
+            rank: self.a64(C_RANK).load(Ordering::Relaxed),
+            world_size: self.a64(C_WORLD_SIZE).load(Ordering::Relaxed),
+            policy: if self.a32(C_POLICY).load(Ordering::Relaxed) == 1 {
+                RankPolicy::Drop
+            } else {
+                RankPolicy::Pad
+            },
+            expected_attach: self.a32(C_EXPECTED_ATTACH).load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts this party as holding both segments.
+    pub fn mark_attached(&self) {
+        self.a32(C_ATTACHED).fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Whether every expected party has attached, so the names may go.
+    pub fn all_attached(&self) -> bool {
+        self.a32(C_ATTACHED).load(Ordering::Acquire)
+            >= self.a32(C_EXPECTED_ATTACH).load(Ordering::Relaxed)
+    }
+
+    /// Removes both names from /dev/shm (the mappings stay valid).
+    pub fn unlink(&self) {
+        segment::unlink(&self.ctl.name);
+        segment::unlink(&self.ring.name);
+    }
+
+    fn wake_everyone(&self) {
+        futex::wake_all(self.a32(C_PRODUCER_WAKE));
+        for s in 0..self.geometry.num_slots as usize {
+            futex::wake_all(self.a32(self.slot_base(s) + S_WORD));
+        }
+    }
+
+    /// Tells every party to exit, and wakes them.
+    pub fn stop(&self) {
+        self.a32(C_STOP).store(1, Ordering::Release);
+        self.wake_everyone();
+    }
+
+    pub fn stopped(&self) -> bool {
+        self.a32(C_STOP).load(Ordering::Acquire) != 0
+    }
+
+    /// Records an error that affects `batch` and later ones; the first error wins.
+    pub fn set_error(&self, kind: u32, batch: u64, text: &str) -> bool {
+        if self
+            .a32(C_ERROR_KIND)
+            .compare_exchange(ERR_NONE, ERR_WRITING, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return false;
+        }
+        let mut len = text.len().min(ERROR_TEXT_MAX);
+        while !text.is_char_boundary(len) {
+            len -= 1;
+        }
+        // SAFETY: in range; only the CAS winner writes the text, readers wait for the kind.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), self.ctl.ptr().add(C_ERROR_TEXT), len)
+        };
+        self.a32(C_ERROR_LEN).store(len as u32, Ordering::Relaxed);
+        self.a64(C_ERROR_BATCH).store(batch, Ordering::Relaxed);
+        self.a32(C_ERROR_KIND).store(kind, Ordering::Release);
+        self.wake_everyone();
+        true
+    }
+
+    /// (kind, first affected batch, text) of the recorded error.
+    pub fn error(&self) -> Option<(u32, u64, String)> {
+        let kind = self.a32(C_ERROR_KIND).load(Ordering::Acquire);
+        if kind == ERR_NONE || kind == ERR_WRITING {
+            return None;
+        }
+        let len = (self.a32(C_ERROR_LEN).load(Ordering::Relaxed) as usize).min(ERROR_TEXT_MAX);
+        // SAFETY: in range; written before the Release store of the kind observed above.
+        let bytes = unsafe { std::slice::from_raw_parts(self.ctl.ptr().add(C_ERROR_TEXT), len) };
+        Some((
+            kind,
+            self.a64(C_ERROR_BATCH).load(Ordering::Relaxed),
+            String::from_utf8_lossy(bytes).into_owned(),
+        ))
+    }
+
+    pub fn produced(&self) -> u64 {
+        self.a64(C_PRODUCED).load(Ordering::Acquire)
+    }
+
+    pub fn delivered(&self) -> u64 {
+        self.a64(C_DELIVERED).load(Ordering::Acquire)
+    }
+
+    /// (epoch, global position) reached by what the training loop received, and whether the
+    /// whole pass was received.
+    pub fn progress(&self) -> (u64, u64, bool) {
+        let delivered = self.delivered();
+        (
+            self.a64(C_EPOCH).load(Ordering::Relaxed),
+            self.a64(C_POSITION).load(Ordering::Acquire),
+            delivered >= self.total_batches(),
+        )
+    }
+
+    pub fn set_producer(&self, pid: u64) {
+        self.a64(C_PRODUCER_PID).store(pid, Ordering::Release);
+        self.heartbeat(None);
+    }
+
+    pub fn producer_pid(&self) -> u64 {
+        self.a64(C_PRODUCER_PID).load(Ordering::Acquire)
+    }
+
+    /// Records that a party is alive: the producer (`None`) or consumer `i`.
+    pub fn heartbeat(&self, consumer: Option<usize>) {
+        let off = match consumer {
+            None => C_PRODUCER_HEARTBEAT,
+            Some(i) => self.consumer_base(i) + P_HEARTBEAT,
+        };
+        self.a64(off).store(monotonic_ns(), Ordering::Relaxed);
+    }
+
+    pub fn register_consumer(&self, i: usize, pid: u64) -> Result<()> {
+        if i >= self.geometry.max_consumers as usize {
+            return Err(ShmError::Protocol(format!(
+                "consumer {i} is past the {} the ring was made for",
+                self.geometry.max_consumers
+            )));
+        }
+        self.a64(self.consumer_base(i) + P_PID)
+            .store(pid, Ordering::Release);
+        self.heartbeat(Some(i));
+        Ok(())
+    }
+
+    fn check_live(&self, role: Role) -> Result<()> {
+        if self.stopped() {
+            return Err(ShmError::Stopped);
+        }
+        if role == Role::Child && parent_pid() != self.owner_pid {
+            return Err(ShmError::OwnerGone(self.owner_pid));
+        }
+        Ok(())
+    }
+
+    // ---- producer ----
+
+    /// Waits until batch `b` may be written: its slot is FREE and `b` is fewer than `num_slots`
+    /// batches ahead of what the training loop received (the prefetch bound).
+    pub fn wait_fillable(&self, b: u64) -> Result<()> {
+        let wake = self.a32(C_PRODUCER_WAKE);
+        let slots = u64::from(self.geometry.num_slots);
+        loop {
+            let seen = wake.load(Ordering::Acquire);
+            self.check_live(Role::Child)?;
+            self.heartbeat(None);
+            let free = word_state(self.word(b).load(Ordering::Acquire)) == FREE;
+            if free && b < self.delivered() + slots {
+                return Ok(());
+            }
+            futex::wait(wake, seen, POLL);
+        }
+    }
+
+    /// Marks batch `b`'s slot FILLING and returns it for writing.
+    ///
+    /// # Safety
+    /// Only the producer calls this, after `wait_fillable(b)`, and drops the slice before
+    /// `publish(b)`.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn begin_fill(&self, b: u64) -> &mut [u8] {
+        let s = self.slot_of(b);
+        self.a64(self.slot_base(s) + S_SEQ)
+            .store(b, Ordering::Relaxed);
+        self.a32(self.slot_base(s) + S_WORD)
+            .store(slot_word(b, FILLING), Ordering::Release);
+        let size = self.geometry.slot_size as usize;
+        std::slice::from_raw_parts_mut(self.ring.ptr().add(s * size), size)
+    }
+
+    /// Publishes batch `b` (its slot READY) and wakes the consumers waiting for it.
+    pub fn publish(&self, b: u64, used: u64) {
+        let base = self.slot_base(self.slot_of(b));
+        self.a64(base + S_USED).store(used, Ordering::Relaxed);
+        self.a32(base + S_WORD)
+            .store(slot_word(b, READY), Ordering::Release);
+        self.a64(C_PRODUCED).store(b + 1, Ordering::Release);
+        futex::wake_all(self.a32(base + S_WORD));
+    }
+
+    // ---- consumers ----
+
+    /// The next batch to process, or `None` when the pass has no more.
+    pub fn take_ticket(&self) -> Option<u64> {
+        let t = self.a64(C_NEXT_TICKET).fetch_add(1, Ordering::AcqRel);
+        (t < self.total_batches()).then_some(t)
+    }
+
+    /// Waits up to `timeout` for batch `t` to be READY and takes it (TAKEN). `Ok(false)`: not yet.
+    /// Errors: stopped, the owner gone (children), or a producer error at or before `t`.
+    pub fn wait_ready(
+        &self,
+        t: u64,
+        timeout: Duration,
+        role: Role,
+        consumer: Option<usize>,
+    ) -> Result<bool> {
+        let word = self.word(t);
+        let ready = slot_word(t, READY);
+        let deadline = Instant::now() + timeout;
+        loop {
+            let seen = word.load(Ordering::Acquire);
+            if seen == ready {
+                if word
+                    .compare_exchange(
+                        ready,
+                        slot_word(t, TAKEN),
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    )
+                    .is_ok()
+                {
+                    let base = self.slot_base(self.slot_of(t));
+                    // SAFETY: getpid cannot fail.
+                    self.a64(base + S_HOLDER)
+                        .store(unsafe { libc::getpid() } as u64, Ordering::Relaxed);
+                    if let Some(i) = consumer {
+                        self.a64(self.consumer_base(i) + P_TICKET)
+                            .store(t, Ordering::Relaxed);
+                    }
+                    return Ok(true);
+                }
+                return Err(ShmError::Protocol(format!(
+                    "batch {t} was taken by another consumer"
+                )));
+            }
+            self.check_live(role)?;
+            if let Some((kind, batch, text)) = self.error() {
+                if batch <= t {
+                    return Err(ShmError::ProducerFailed { kind, batch, text });
+                }
+            }
+            if let Some(i) = consumer {
+                self.heartbeat(Some(i));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(false);
+            }
+            futex::wait(word, seen, (deadline - now).min(POLL));
+        }
+    }
+
+    /// The bytes of batch `t`'s slot (valid while the caller holds it TAKEN).
+    pub fn slot(&self, t: u64) -> &[u8] {
+        let size = self.geometry.slot_size as usize;
+        // SAFETY: in range; the producer does not write a TAKEN slot.
+        unsafe { std::slice::from_raw_parts(self.ring.ptr().add(self.slot_of(t) * size), size) }
+    }
+
+    /// Offset of batch `t`'s slot in the ring segment.
+    pub fn slot_offset(&self, t: u64) -> u64 {
+        self.slot_of(t) as u64 * self.geometry.slot_size
+    }
+
+    /// Gives batch `t`'s slot back to the producer.
+    pub fn release(&self, t: u64, consumer: Option<usize>) -> Result<()> {
+        let word = self.word(t);
+        word.compare_exchange(
+            slot_word(t, TAKEN),
+            slot_word(t, FREE),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        )
+        .map_err(|w| {
+            ShmError::Protocol(format!(
+                "release of batch {t}: its slot word is {w:#x}, not TAKEN"
+            ))
+        })?;
+        if let Some(i) = consumer {
+            self.a64(self.consumer_base(i) + P_TICKET)
+                .store(u64::MAX, Ordering::Relaxed);
+        }
+        let wake = self.a32(C_PRODUCER_WAKE);
+        wake.fetch_add(1, Ordering::AcqRel);
+        futex::wake_all(wake);
+        futex::wake_all(word);
+        Ok(())
+    }
+
+    // ---- the training loop ----
+
+    /// Records that the training loop received batch `seq` (which must be the next one) and moves
+    /// the iterator state to the global position after it.
+    pub fn mark_delivered(&self, seq: u64) -> Result<()> {
+        let delivered = self.delivered();
+        if seq != delivered {
+            return Err(ShmError::Protocol(format!(
+                "batch {seq} delivered out of order: expected {delivered}"
+            )));
+        }
+        let pass = self.pass();
+        let samples = ((seq + 1).saturating_mul(pass.batch_size)).min(pass.rank_samples);
+        let split = RankSplit {
+            rank: pass.rank,
+            world_size: pass.world_size,
+            policy: pass.policy,
+        };
+        let position = split.global_progress(pass.epoch_len, pass.start, samples);
+        self.a64(C_POSITION).store(position, Ordering::Release);
+        self.a64(C_DELIVERED).store(seq + 1, Ordering::Release);
+        let wake = self.a32(C_PRODUCER_WAKE);
+        wake.fetch_add(1, Ordering::AcqRel);
+        futex::wake_all(wake);
+        Ok(())
+    }
+}
