@@ -380,7 +380,10 @@ impl CachedSample {
         if let Some(m) = self.metadata.get() {
             return Ok(m.clone_ref(py));
         }
-        let origin = self.origin.as_ref().expect("a sample without a dict has an origin");
+        let origin = self
+            .origin
+            .as_ref()
+            .expect("a sample without a dict has an origin");
         let dict = PyDict::new(py);
         let cache = &origin.dataset.caches[origin.cache];
         let keys = &origin.py_side.caches[origin.cache].keys;
@@ -457,4 +460,16 @@ pub fn epoch_order(
         Some(w) => sampler::epoch_order(params, Weights::Weighted(w)),
         None => sampler::epoch_order(params, Weights::Uniform(num_samples)),
     }))
+}
+
+impl Dataset {
+    /// The core dataset, reading options and weights in force: the shared-memory loader
+    /// (`loader.rs`) reads the same order in its producer process.
+    pub(crate) fn reading(&self) -> (Arc<core::Dataset>, ReadOptions, WeightTable) {
+        (
+            self.inner.clone(),
+            self.opts,
+            self.weights.lock().unwrap().clone(),
+        )
+    }
 }

@@ -6,6 +6,7 @@ mod config;
 mod dataset;
 mod errors;
 mod inspect;
+mod loader;
 mod progress;
 mod runtime;
 
@@ -27,5 +28,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(inspect::inspect_cache, m)?)?;
     m.add_function(wrap_pyfunction!(inspect::verify_cache, m)?)?;
     m.add_function(wrap_pyfunction!(inspect::head_records, m)?)?;
+    loader::register(m)?;
     Ok(())
 }
