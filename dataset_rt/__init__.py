@@ -2,6 +2,7 @@
 
 from dataset_rt._config import ReaderConfig, ShardCompression, WriterConfig
 from dataset_rt._dataset import CachedSample, Dataset
+from dataset_rt._loader import DataLoader
 from dataset_rt._native import (
     CacheMalformedError,
     ConfigError,
@@ -40,6 +41,7 @@ __all__ = [
     "CachedSample",
     "ConfigError",
     "CorruptRecordError",
+    "DataLoader",
     "Dataset",
     "DatasetRTError",
     "DatasetRuntime",

@@ -1,0 +1,537 @@
+"""The shared-memory loader: a Rust producer process fills a ring of batch slots in /dev/shm,
+``num_workers`` Python processes run ``transform`` / ``collate_fn`` on zero-copy views of them,
+and batches reach the training loop in global order. The ring protocol, the order, the batch
+layout and the iterator state are Rust's (``shm/``, ``rust/python/src/loader.rs``); this module
+starts and watches processes and moves results.
+
+Lifetimes of the zero-copy views (``CachedSample.data``, a ``memoryview`` into a slot):
+
+- ``num_workers=0``: valid until the next batch is requested (or the loader is closed); after
+  that they are released and any use raises ``ValueError``. Copy (``bytes(view)``) what must
+  live longer. A view still exported then (``numpy.frombuffer`` of it alive) raises
+  ``LoaderError`` instead of letting the slot be reused under it.
+- ``num_workers>0``: valid inside ``transform`` / ``collate_fn``; the result is pickled (views
+  become ``bytes``: one copy) before the slot is released.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import json
+import mmap
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from multiprocessing.context import BaseContext
+from typing import TYPE_CHECKING, Any
+
+from dataset_rt import _native
+from dataset_rt._native import CachedSample, ConfigError, LoaderError, RingClosed, WorkerError
+
+if TYPE_CHECKING:
+    from dataset_rt._dataset import Dataset
+
+__all__ = ["DataLoader"]
+
+SHM_DIR = "/dev/shm"
+DEFAULT_SLOT_SIZE = 16 * 1024 * 1024
+# How often the training loop checks its producer and workers while it waits.
+_POLL_S = 0.1
+# How long close() lets children exit on their own before killing them.
+_EXIT_GRACE_S = 2.0
+
+
+def _open_ring(name: str) -> int:
+    return os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+
+
+class _BatchViews:
+    """One batch's zero-copy views: slices of a Python-owned ``mmap`` of just its slot (abi3
+    has no buffer protocol for Rust). Releasing unmaps it, so a kept view raises ValueError
+    and nothing can ever read the slot once it is reused."""
+
+    __slots__ = ("map", "seq", "views", "whole")
+
+    def __init__(self, fd: int, seq: int, slot_offset: int, used: int, entries: list[Any]) -> None:
+        self.seq = seq
+        self.map = mmap.mmap(fd, used, offset=slot_offset)
+        self.whole = memoryview(self.map)
+        self.views = [self.whole[offset : offset + length] for offset, length, _ in entries]
+
+    def release(self) -> None:
+        """Raises LoaderError when something still exports the slot (numpy.frombuffer of a
+        view, say): the slot is then not handed back."""
+        for attempt in range(2):
+            try:
+                for view in self.views:
+                    view.release()
+                self.whole.release()
+                self.map.close()
+                return
+            except BufferError:
+                if attempt == 0:
+                    gc.collect()
+        raise LoaderError(
+            f"a view of batch {self.seq} is still exported (for example numpy.frombuffer of "
+            "sample.data is alive) when its ring slot must be reused: copy the bytes "
+            "(bytes(sample.data), numpy.array(...)) if they must outlive the batch"
+        )
+
+
+class _BatchPickler(pickle.Pickler):
+    """Pickles a worker's result; slot views become bytes (the one copy across processes)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, memoryview):
+            return bytes, (obj.tobytes(),)
+        if isinstance(obj, CachedSample):
+            data = obj.data
+            return CachedSample, (data if isinstance(data, bytes) else bytes(data), obj.metadata)
+        return NotImplemented
+
+
+def _dumps(message: tuple[str, int, Any]) -> bytes:
+    buffer = io.BytesIO()
+    _BatchPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return buffer.getvalue()
+
+
+def _apply(
+    samples: list[CachedSample],
+    transform: Callable[[CachedSample], Any] | None,
+    collate_fn: Callable[[list[Any]], Any] | None,
+) -> Any:
+    items: list[Any] = samples if transform is None else [transform(s) for s in samples]
+    return items if collate_fn is None else collate_fn(items)
+
+
+def _consumer_main(
+    ctl_name: str,
+    index: int,
+    owner_pid: int,
+    transform: Callable[[CachedSample], Any] | None,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    worker_init_fn: Callable[[int], None] | None,
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    """A consumer process: takes tickets, runs the user's functions on zero-copy views, sends
+    pickled results, releases slots. Exits when the pass ends, on close, or with its owner."""
+    try:
+        _native.set_parent_death_signal(owner_pid)
+    except RingClosed:
+        return
+    ring = _native.RingHandle.attach(ctl_name, index)
+    fd = _open_ring(ring.ring_name)
+    ring.mark_attached()
+    if worker_init_fn is not None:
+        worker_init_fn(index)
+    while (seq := ring.take_ticket()) is not None:
+        try:
+            entries = None
+            while entries is None:
+                entries = ring.wait_batch(seq, 1.0)
+        except RingClosed:
+            break
+        slot_offset, used, items = entries
+        views = _BatchViews(fd, seq, slot_offset, used, items)
+        try:
+            samples = [
+                CachedSample(v, meta) for v, (_, _, meta) in zip(views.views, items, strict=True)
+            ]
+            message = _dumps(("ok", seq, _apply(samples, transform, collate_fn)))
+        except BaseException:
+            message = _dumps(("err", seq, traceback.format_exc()))
+        # Everything that could reference the slot is gone before it is handed back.
+        samples = []
+        try:
+            views.release()
+        except LoaderError:
+            conn.send_bytes(_dumps(("err", seq, traceback.format_exc())))
+            break
+        ring.release(seq)
+        try:
+            conn.send_bytes(message)
+        except OSError:  # the training loop closed its end: it is shutting down
+            break
+    os.close(fd)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _LoaderIterator(Iterator[Any]):
+    """One pass (one epoch) of a :class:`DataLoader`."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self._loader = loader
+        self._owner = os.getpid()
+        self._closed = False
+        self._next = 0
+        self._ring: _native.RingHandle | None = None
+        self._producer: subprocess.Popen[bytes] | None = None
+        self._workers: list[multiprocessing.process.BaseProcess] = []
+        self._conns: list[multiprocessing.connection.Connection] = []
+        self._buffer: dict[int, tuple[str, Any]] = {}
+        self._fd: int | None = None
+        self._held: _BatchViews | None = None
+        self._unlinked = False
+        _native.reap_shm_leftovers()
+        self._dir = tempfile.mkdtemp(prefix="dataset-rt-loader-")
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        loader = self._loader
+        workers = loader.num_workers
+        num_slots = max(2, max(1, workers) * loader.prefetch_factor)
+        self._ring = ring = loader._plan.start_pass(
+            self._dir, num_slots, loader.slot_size_bytes, workers
+        )
+        self._total = ring.total_batches
+        if workers == 0:
+            self._fd = _open_ring(ring.ring_name)
+        # The producer imports dataset_rt from wherever this process did.
+        env = dict(os.environ)
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(_native.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        self._producer = subprocess.Popen(
+            [sys.executable, "-m", "dataset_rt._producer", str(self._owner), self._spec_path()],
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        for i in range(workers):
+            receiver, sender = loader._context.Pipe(duplex=False)
+            process = loader._context.Process(
+                target=_consumer_main,
+                args=(
+                    ring.ctl_name,
+                    i,
+                    self._owner,
+                    loader.transform,
+                    loader.collate_fn,
+                    loader.worker_init_fn,
+                    sender,
+                ),
+                name=f"dataset-rt-worker-{i}",
+                daemon=True,
+            )
+            process.start()
+            sender.close()
+            self._workers.append(process)
+            self._conns.append(receiver)
+
+    def _spec_path(self) -> str:
+        return os.path.join(self._dir, "spec.json")
+
+    def __iter__(self) -> _LoaderIterator:
+        return self
+
+    def __len__(self) -> int:
+        return max(0, self._total - self._next) if not self._closed else 0
+
+    @property
+    def pids(self) -> dict[str, Any]:
+        """The pass's processes: ``{"producer": pid, "workers": [pid, ...]}``."""
+        return {
+            "producer": self._producer.pid if self._producer else None,
+            "workers": [p.pid for p in self._workers],
+        }
+
+    @property
+    def segment_names(self) -> list[str]:
+        """The pass's /dev/shm names (removed once every process has mapped them)."""
+        return [self._ring.ctl_name, self._ring.ring_name] if self._ring else []
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        try:
+            self._release_held()
+            seq = self._next
+            if seq >= self._total:
+                self.close()
+                raise StopIteration
+            batch = self._inline(seq) if not self._workers else self._from_workers(seq)
+            self._await_attach(seq)
+            assert self._ring is not None
+            self._ring.mark_delivered(seq)
+            self._next = seq + 1
+            return batch
+        except StopIteration:
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- waiting, with the checks that turn a dead or failed party into an exception ----
+
+    def _check(self, seq: int, started: float) -> None:
+        ring = self._ring
+        assert ring is not None and self._producer is not None
+        if not self._unlinked and ring.all_attached():
+            ring.unlink()
+            self._unlinked = True
+        ring.check_error(seq)
+        code = self._producer.poll()
+        if code is not None and seq >= ring.produced:
+            ring.check_error(seq)
+            raise LoaderError(
+                f"the loader's producer process (pid {self._producer.pid}) "
+                f"{_describe_exit(code)} before writing batch {seq}"
+                + (f"; its error: {ring.error_text()}" if ring.error_text() else "")
+            )
+        timeout = self._loader.timeout
+        if timeout > 0 and time.monotonic() - started > timeout:
+            raise LoaderError(f"batch {seq} did not arrive within timeout={timeout} s")
+
+    def _await_attach(self, seq: int) -> None:
+        """Waits until every process mapped the segments, then removes their names: from the
+        first batch on, nothing of this loader is left in /dev/shm whatever gets killed."""
+        started = time.monotonic()
+        while not self._unlinked:
+            self._check(seq, started)
+            for i, process in enumerate(self._workers):
+                if not process.is_alive():
+                    raise LoaderError(
+                        f"loader worker {i} (pid {process.pid}) "
+                        f"{_describe_exit(process.exitcode)} while starting"
+                    )
+            if not self._unlinked:
+                time.sleep(0.005)
+
+    def _inline(self, seq: int) -> Any:
+        ring, fd = self._ring, self._fd
+        assert ring is not None and fd is not None
+        started = time.monotonic()
+        # The training process is the only consumer: its tickets are the batches in order.
+        ticket = ring.take_ticket()
+        if ticket != seq:
+            raise LoaderError(f"took ticket {ticket} for batch {seq}")
+        entries = None
+        while entries is None:
+            self._check(seq, started)
+            entries = ring.wait_batch(seq, _POLL_S)
+        slot_offset, used, items = entries
+        self._held = views = _BatchViews(fd, seq, slot_offset, used, items)
+        samples = [
+            CachedSample(v, meta) for v, (_, _, meta) in zip(views.views, items, strict=True)
+        ]
+        return _apply(samples, self._loader.transform, self._loader.collate_fn)
+
+    def _release_held(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            held.release()
+            assert self._ring is not None
+            self._ring.release(held.seq)
+
+    def _from_workers(self, seq: int) -> Any:
+        started = time.monotonic()
+        live = dict(
+            zip([p.sentinel for p in self._workers], range(len(self._workers)), strict=True)
+        )
+        conns = list(self._conns)
+        while seq not in self._buffer:
+            self._check(seq, started)
+            ready = multiprocessing.connection.wait(conns + list(live), timeout=_POLL_S)
+            for obj in ready:
+                if isinstance(obj, multiprocessing.connection.Connection):
+                    try:
+                        tag, t, payload = pickle.loads(obj.recv_bytes())
+                    except EOFError:
+                        conns.remove(obj)
+                        continue
+                    self._buffer[t] = (tag, payload)
+                elif isinstance(obj, int) and obj in live:
+                    process = self._workers[live[obj]]
+                    process.join(1.0)  # the sentinel fires just before the exit is reapable
+                    if process.exitcode is None:
+                        continue
+                    if process.exitcode != 0:
+                        raise LoaderError(
+                            f"loader worker {live[obj]} (pid {process.pid}) "
+                            f"{_describe_exit(process.exitcode)} while batch {seq} was awaited"
+                        )
+                    del live[obj]
+            if not live and not conns and seq not in self._buffer:
+                self._check(seq, started)
+                raise LoaderError(f"every loader worker exited before batch {seq} arrived")
+        tag, payload = self._buffer.pop(seq)
+        if tag == "err":
+            raise WorkerError(
+                f"transform or collate_fn raised in a loader worker on batch {seq}:\n{payload}"
+            )
+        return payload
+
+    # ---- shutdown ----
+
+    def close(self) -> None:
+        """Stops the producer and workers (killing those that do not exit within seconds),
+        removes the segments and keeps the state at what the loop received."""
+        if self._closed or os.getpid() != self._owner:
+            return
+        self._closed = True
+        ring = self._ring
+        if ring is not None:
+            ring.stop()
+        if self._held is not None:
+            held, self._held = self._held, None
+            # Still exported: that mapping lives on with its user; the ring is done anyway.
+            with contextlib.suppress(LoaderError):
+                held.release()
+        for conn in self._conns:
+            conn.close()
+        deadline = time.monotonic() + _EXIT_GRACE_S
+        for process in self._workers:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if self._producer is not None:
+            try:
+                self._producer.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._producer.kill()
+                self._producer.wait()
+        if ring is not None:
+            ring.unlink()
+            self._loader._plan.end_pass()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        self._buffer.clear()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._ring = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _context(value: str | BaseContext | None) -> Any:
+    # Any: typeshed's BaseContext lacks Process, which every concrete context has.
+    if value is None:
+        return multiprocessing.get_context()
+    if isinstance(value, str):
+        if value not in ("fork", "spawn"):
+            raise ConfigError(
+                f"invalid DataLoader.multiprocessing_context: {value!r}; use 'fork' or 'spawn'"
+            )
+        return multiprocessing.get_context(value)
+    return value
+
+
+class DataLoader:
+    """Batches of a :class:`~dataset_rt.Dataset` through the shared-memory loader.
+
+    - ``batch_size``: samples per batch; the last may be short unless ``drop_last``.
+    - ``num_workers``: processes running ``transform`` (per sample) and ``collate_fn`` (per
+      batch); ``0`` runs them in the training process on zero-copy views.
+    - ``collate_fn``: ``None`` yields each batch as a list.
+    - ``prefetch_factor``: ring slots per worker (at least 2 slots in all): how far the
+      producer may run ahead of the training loop.
+    - ``slot_size_bytes``: bytes of one slot; a batch that does not fit raises
+      ``LoaderError`` naming both sizes (it is never truncated).
+    - ``multiprocessing_context``: ``"fork"``, ``"spawn"`` or a context; ``None`` = Python's.
+    - ``timeout``: seconds to wait for one batch (``0`` = no limit).
+    - ``worker_init_fn``: called with the worker index at the start of each worker.
+
+    Each ``iter(loader)`` is one epoch (the next one, or the one a loaded state resumes).
+    :meth:`state_dict` reflects the batches the training loop has received.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        transform: Callable[[CachedSample], Any] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        drop_last: bool = False,
+        prefetch_factor: int = 2,
+        slot_size_bytes: int = DEFAULT_SLOT_SIZE,
+        multiprocessing_context: str | BaseContext | None = None,
+        timeout: float = 0.0,
+        worker_init_fn: Callable[[int], None] | None = None,
+    ) -> None:
+        for name, value, low in (
+            ("batch_size", batch_size, 1),
+            ("num_workers", num_workers, 0),
+            ("prefetch_factor", prefetch_factor, 1),
+            ("slot_size_bytes", slot_size_bytes, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"invalid DataLoader.{name}: {value!r} is not an int >= {low}")
+        if timeout < 0:
+            raise ConfigError(f"invalid DataLoader.timeout: {timeout!r} is negative")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.transform = transform
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self.prefetch_factor = prefetch_factor
+        self.slot_size_bytes = slot_size_bytes
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self._context = _context(multiprocessing_context)
+        self._plan = _native.LoaderPlan(dataset._native, batch_size, drop_last)
+        self._iterator: _LoaderIterator | None = None
+
+    def __iter__(self) -> _LoaderIterator:
+        self.close()
+        self._iterator = _LoaderIterator(self)
+        return self._iterator
+
+    def __len__(self) -> int:
+        """Batches per epoch of this rank."""
+        return len(self._plan)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Makes the next ``iter(loader)`` read ``epoch`` from its start."""
+        self._plan.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dataset's state format at the batches the training loop has received: resume it
+        with another ``num_workers``, ``batch_size`` or world size."""
+        state: dict[str, Any] = json.loads(self._plan.state_json())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes the next ``iter(loader)`` continue at the exact next sample of ``state``."""
+        self._plan.load_state_json(json.dumps(state))
+
+    def close(self) -> None:
+        """Stops the current pass's processes and removes its segments."""
+        if self._iterator is not None:
+            self._iterator.close()
+            self._iterator = None
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,125 @@
+"""``dataset_rt.torch.DataLoader``: the shared-memory loader as a real
+``torch.utils.data.DataLoader`` (``isinstance`` checks pass, ``len()`` is batches per epoch).
+
+Importing this module imports torch; ``dataset_rt`` itself never does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from multiprocessing.context import BaseContext
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils.data
+from torch.utils.data import default_collate
+
+from dataset_rt import _loader
+from dataset_rt._native import CachedSample, ConfigError
+
+if TYPE_CHECKING:
+    from dataset_rt._dataset import Dataset
+
+__all__ = ["DataLoader"]
+
+
+class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+    """A drop-in ``torch.utils.data.DataLoader`` over a DatasetRT dataset.
+
+    Takes torch's arguments plus ``transform`` (per sample, in the workers) and
+    ``slot_size_bytes``; collates with ``torch.utils.data.default_collate`` unless given
+    ``collate_fn``. The order is the dataset's (``ReaderConfig(seed=, shuffle=)``), so
+    ``shuffle``, ``sampler`` and ``batch_sampler`` are refused. ``persistent_workers`` is
+    accepted; workers are started for each epoch. ``generator`` is not used.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: str | BaseContext | None = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        transform: Callable[[CachedSample], Any] | None = None,
+        slot_size_bytes: int = _loader.DEFAULT_SLOT_SIZE,
+    ) -> None:
+        if shuffle or sampler is not None or batch_sampler is not None:
+            raise ConfigError(
+                "dataset_rt.torch.DataLoader reads the dataset's own order: set seed/shuffle in "
+                "ReaderConfig instead of shuffle=, sampler= or batch_sampler="
+            )
+        collate = default_collate if collate_fn is None else collate_fn
+        self._shm = _loader.DataLoader(
+            dataset,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            transform=transform,
+            collate_fn=collate,
+            drop_last=drop_last,
+            prefetch_factor=2 if prefetch_factor is None else prefetch_factor,
+            slot_size_bytes=slot_size_bytes,
+            multiprocessing_context=multiprocessing_context,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+        )
+        # torch's own constructor validates its arguments and sets the attributes frameworks
+        # read (batch_size, num_workers, pin_memory, ...); its sampler is never iterated.
+        super().__init__(
+            dataset,  # type: ignore[arg-type]
+            batch_size=batch_size,
+            num_workers=num_workers,
+            collate_fn=collate,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+        )
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        batches = iter(self._shm)
+        if not (self.pin_memory and torch.cuda.is_available()):
+            return batches
+        return self._pinned(batches)
+
+    def _pinned(self, batches: Iterator[Any]) -> Iterator[Any]:
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        for batch in batches:
+            yield pin_memory(batch, self.pin_memory_device or None)  # type: ignore[no-untyped-call]
+
+    def __len__(self) -> int:
+        return len(self._shm)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._shm.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._shm.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._shm.load_state_dict(state)
+
+    def close(self) -> None:
+        self._shm.close()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
