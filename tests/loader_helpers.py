@@ -1,0 +1,99 @@
+"""Shared pieces of the shared-memory loader tests (tests/test_loader*.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from dataset_rt import DatasetRuntime, ReaderConfig, WriterConfig
+from dataset_rt.testing import make_source
+
+SEED = 7
+
+
+def payload(i: int) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(1 + (i * 37) % 200))
+
+
+def source(n: int):
+    return make_source("loader", [(payload(i), {"i": i, "tag": f"s{i}"}) for i in range(n)])
+
+
+_runtime: list[DatasetRuntime] = []
+
+
+def load(base: Path, n: int, **reader):
+    """A dataset of `n` samples under `base` (written on first use), on one shared runtime."""
+    reader.setdefault("seed", SEED)
+    if not _runtime:
+        _runtime.append(DatasetRuntime(num_workers=2))
+    result = _runtime[0].from_cache_sources(
+        source(n),
+        base,
+        reader_config=ReaderConfig(**reader),
+        writer_config=WriterConfig(show_progress=False),
+    )
+    assert result.dataset is not None
+    return result.dataset
+
+
+def own_segments(pid: int | None = None) -> list[str]:
+    prefix = f"dataset-rt-{os.getpid() if pid is None else pid}-"
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+def children(pid: int | None = None) -> list[int]:
+    """Pids whose parent is `pid` (this process by default), zombies included."""
+    parent = os.getpid() if pid is None else pid
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and not _python_helper(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def _python_helper(pid: int) -> bool:
+    """multiprocessing's resource tracker: started once by the spawn context, lives as long as
+    this process, and is not the loader's."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+def gone(pid: int) -> bool:
+    """No process runs under `pid` (a zombie awaiting its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def wait_until(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Every loader test leaves no child process and nothing of this process in /dev/shm."""
+    yield
+    assert wait_until(lambda: not children(), 5), f"child processes left: {children()}"
+    assert own_segments() == [], f"segments left in /dev/shm: {own_segments()}"
