@@ -64,7 +64,7 @@ class _BatchViews:
 
     def __init__(self, fd: int, seq: int, slot_offset: int, used: int, entries: list[Any]) -> None:
         self.seq = seq
-        self.map = mmap.mmap(fd, used, offset=slot_offset)
+        self.map = mmap.mmap(fd, used, offset=slot_offset, access=mmap.ACCESS_READ)
         self.whole = memoryview(self.map)
         self.views = [self.whole[offset : offset + length] for offset, length, _ in entries]
 
@@ -191,7 +191,8 @@ class _LoaderIterator(Iterator[Any]):
         self._held: _BatchViews | None = None
         self._unlinked = False
         _native.reap_shm_leftovers()
-        self._dir = tempfile.mkdtemp(prefix="dataset-rt-loader-")
+        # Named like the segments (owner pid first), so a dead owner's directory is reaped too.
+        self._dir = tempfile.mkdtemp(prefix=f"dataset-rt-{self._owner}-spec-", dir=SHM_DIR)
         try:
             self._start()
         except BaseException:
@@ -288,6 +289,8 @@ class _LoaderIterator(Iterator[Any]):
         assert ring is not None and self._producer is not None
         if not self._unlinked and ring.all_attached():
             ring.unlink()
+            # Every party has read the spec and weights: nothing of this loader stays on disk.
+            shutil.rmtree(self._dir, ignore_errors=True)
             self._unlinked = True
         ring.check_error(seq)
         code = self._producer.poll()
@@ -429,14 +432,15 @@ class _LoaderIterator(Iterator[Any]):
 def _context(value: str | BaseContext | None) -> Any:
     # Any: typeshed's BaseContext lacks Process, which every concrete context has.
     if value is None:
-        return multiprocessing.get_context()
-    if isinstance(value, str):
-        if value not in ("fork", "spawn"):
-            raise ConfigError(
-                f"invalid DataLoader.multiprocessing_context: {value!r}; use 'fork' or 'spawn'"
-            )
-        return multiprocessing.get_context(value)
-    return value
+        # Python's default; where that is forkserver (Linux from 3.14), spawn instead.
+        default = multiprocessing.get_start_method()
+        return multiprocessing.get_context(default if default in ("fork", "spawn") else "spawn")
+    method = value if isinstance(value, str) else value.get_start_method()
+    if method not in ("fork", "spawn"):
+        raise ConfigError(
+            f"invalid DataLoader.multiprocessing_context: {method!r}; use 'fork' or 'spawn'"
+        )
+    return multiprocessing.get_context(method) if isinstance(value, str) else value
 
 
 class DataLoader:

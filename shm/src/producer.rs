@@ -77,8 +77,12 @@ pub fn run(spec: &ProducerSpec) -> Result<()> {
     let ring = Ring::attach(&spec.ctl_name)?;
     // SAFETY: getpid cannot fail.
     ring.set_producer(unsafe { libc::getpid() } as u64);
+    // The weights are read before this process counts as attached: once every party has
+    // attached, the owner removes the spec directory.
+    let weights = spec.weights_file.as_deref().map(read_weights).transpose();
     ring.mark_attached();
-    match fill(&ring, spec) {
+    let result = weights.and_then(|w| fill(&ring, spec, w));
+    match result {
         Ok(()) | Err(ShmError::Stopped) => Ok(()),
         Err(ShmError::OwnerGone(pid)) => {
             // The training process died before it could remove the names: do it for it.
@@ -92,7 +96,7 @@ pub fn run(spec: &ProducerSpec) -> Result<()> {
     }
 }
 
-fn fill(ring: &Ring, spec: &ProducerSpec) -> Result<()> {
+fn fill(ring: &Ring, spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
     let caches = spec
         .cache_dirs
         .iter()
@@ -107,9 +111,8 @@ fn fill(ring: &Ring, spec: &ProducerSpec) -> Result<()> {
         ))
         .into());
     }
-    let weights = match &spec.weights_file {
-        Some(path) => {
-            let w = read_weights(path)?;
+    let weights = match weights {
+        Some(w) => {
             if w.len() as u64 != ds.len() {
                 return Err(ShmError::Protocol(format!(
                     "{} weights for {} samples",

@@ -93,7 +93,13 @@ impl Segment {
 
 /// Removes a segment's name; its memory lives on until every mapping is gone.
 pub fn unlink(name: &str) {
-    let _ = std::fs::remove_file(path_of(name));
+    let path = path_of(name);
+    // The loader's private spec directory shares the naming scheme, so it is reaped alike.
+    if path.is_dir() {
+        let _ = std::fs::remove_dir_all(path);
+    } else {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 /// Whether a process with this pid exists (zombies count as gone: they run nothing).
