@@ -9,9 +9,12 @@ from dataset_rt._native import (
     CorruptRecordError,
     DatasetRTError,
     InvalidSampleError,
+    LoaderError,
+    RingClosed,
     RuntimeStateError,
     SamplesMetadataError,
     StateError,
+    WorkerError,
     __version__,
 )
 from dataset_rt._results import (
@@ -46,11 +49,14 @@ __all__ = [
     "DatasetRTError",
     "DatasetRuntime",
     "InvalidSampleError",
+    "LoaderError",
     "ReaderConfig",
+    "RingClosed",
     "RuntimeStateError",
     "SamplesMetadataError",
     "ShardCompression",
     "StateError",
+    "WorkerError",
     "WriterConfig",
     "__version__",
 ]
