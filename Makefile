@@ -16,7 +16,7 @@ BUILD_EXTENSION := MATURIN_PEP517_ARGS="--profile $(CARGO_PROFILE)" \
 # Extra flags for `make release`, e.g. RELEASE_ARGS="--zig --target aarch64-unknown-linux-gnu".
 RELEASE_ARGS ?=
 
-.PHONY: install build release lint test ci demo bench clean
+.PHONY: install build release build-all lint test ci demo bench clean
 
 ## install: toolchain prerequisites, Python deps (runtime, test, dev; torch once), then the build
 install:
@@ -36,6 +36,9 @@ build:
 ## release: optimised abi3 wheels (fat LTO, one codegen unit) into dist/
 release:
 	$(PYTHON) -m maturin build --release --out dist $(RELEASE_ARGS)
+
+## build-all: the seed README's name for `release`
+build-all: release
 
 ## lint: formatters, linters, type checker, and the stub checked against the built module
 lint:

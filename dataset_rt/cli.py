@@ -181,7 +181,8 @@ def _list_files(root: Path) -> list[str]:
 
 class _DirectorySource:
     """One sample per file under a directory, in sorted relative-path order, labelled by its
-    parent folder (the ImageFolder convention; ``""`` for files directly in the directory)."""
+    top-level folder: torchvision's ImageFolder convention, where every file below ``DIR/cls/``
+    (nested folders included) is of class ``cls``; ``""`` for files directly in the directory."""
 
     def __init__(self, name: str, root: Path) -> None:
         self.name = name
@@ -199,7 +200,7 @@ class _DirectorySource:
                     "sample_id": rel,
                     "path": rel,
                     "size": len(data),
-                    "label": PurePosixPath(rel).parent.name,
+                    "label": PurePosixPath(rel).parts[0] if "/" in rel else "",
                 },
             )
 
@@ -288,7 +289,7 @@ def _parser() -> argparse.ArgumentParser:
         help="pack a directory tree into a cache, one sample per file",
         description="Packs every file under DIR (sorted by relative path) into the cache CACHE "
         "(written as base CACHE/.. and name CACHE's last component). Metadata: sample_id and "
-        "path (relative POSIX path), size (bytes), label (parent folder name, '' at the top). "
+        "path (relative POSIX path), size (bytes), label (top-level folder name, '' at the top). "
         "An existing cache is reused, not rewritten.",
     )
     p.add_argument("dir", metavar="DIR", help="directory to pack")

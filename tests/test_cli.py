@@ -344,9 +344,9 @@ def test_pack_image_folder(
         assert meta["path"] == rel
         assert data == files[rel]
         assert meta["size"] == len(files[rel])
-        assert meta["label"] == (rel.rsplit("/", 2)[-2] if "/" in rel else "")
+        assert meta["label"] == (rel.split("/")[0] if "/" in rel else "")
     labels = {str(meta["sample_id"]): meta["label"] for _, meta in samples}
-    assert labels["dog/puppies/a.png"] == "puppies"
+    assert labels["dog/puppies/a.png"] == "dog"
     assert labels["README.txt"] == ""
 
     if compression == "lz4":
