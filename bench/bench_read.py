@@ -1,0 +1,649 @@
+"""In-process shuffled iteration: DatasetRT against its peers and the machine (issue 3).
+
+One run, one table. The same ~256 MiB of 4 KiB or 128 KiB payloads is stored once per contender
+(under ``$BENCH_DATA_DIR/read``, reused between runs), the page cache is warm, and every
+contender is iterated in its own fresh process (so peak RSS is its own), in rounds: each round
+runs every contender once, and a figure is the median over ``--repeats`` rounds. In a process the
+first pass is the warm-up (time to first sample is measured on it, from before the reader is
+opened); the measured passes follow, each over every sample in a fresh shuffled order, the loop
+body touching ``len()`` of each payload.
+
+Contenders:
+
+- ``floor``: a Python for-loop over an in-memory list of ``bytes`` (no storage at all);
+- ``dataset_rt``: ``for sample in dataset`` with ``shuffle=True``, body ``len(sample.data)``;
+- ``flat_view`` / ``flat_bytes``: one file of all payloads plus a numpy offsets index, ``mmap``,
+  ``numpy`` permutation, a generator yielding ``memoryview`` slices (zero copy) or ``bytes``;
+- ``flat_meta``: ``flat_view`` yielding what DatasetRT yields (an object with ``.data``, the
+  ``memoryview``, and ``.metadata``, a dict of ``sample_id`` and ``label``): the Python cost of
+  that output shape, without any storage logic;
+- ``torch_files``: ``DataLoader(batch_size=None, num_workers=0, shuffle=True)`` over a map-style
+  dataset of one file per sample (open + read per sample);
+- ``torch_flat``: the same ``DataLoader`` over the flat mmap file (``bytes`` per sample: torch's
+  default collate would turn a ``memoryview`` into a list of ints);
+- ``streaming``: MosaicML Streaming, MDS written locally, ``StreamingDataset(local=...,
+  shuffle=True, batch_size=1)``;
+- ``litdata``: LitData ``optimize()`` locally, ``StreamingDataset(dir, shuffle=True)``.
+
+The ceiling, measured in the same run: a numpy memcpy and a warm page-cache read of the flat file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import mmap
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import common
+import numpy as np
+
+CONTENDERS = [
+    "floor",
+    "dataset_rt",
+    "flat_view",
+    "flat_bytes",
+    "flat_meta",
+    "torch_files",
+    "torch_flat",
+    "streaming",
+    "streaming_pd",
+    "litdata",
+]
+LABELS = {
+    "floor": "floor (list of bytes)",
+    "dataset_rt": "DatasetRT",
+    "flat_view": "flat mmap, memoryview",
+    "flat_bytes": "flat mmap, bytes copy",
+    "flat_meta": "flat mmap, memoryview + metadata dict",
+    "torch_files": "torch DataLoader, file per sample",
+    "torch_flat": "torch DataLoader, flat mmap",
+    "streaming": "MosaicML Streaming (MDS), defaults",
+    "streaming_pd": "MosaicML Streaming (MDS), predownload=2048",
+    "litdata": "LitData",
+}
+# What each contender needs written (prepare step) besides the flat file.
+STORES = {
+    "dataset_rt": "drt",
+    "torch_files": "files",
+    "streaming": "mds",
+    "streaming_pd": "mds",
+    "litdata": "litdata",
+}
+# Samples per pass of the contenders too slow for a whole pass (a shuffled prefix of the epoch).
+PASS_CAP = {"streaming": 4096, "streaming_pd": 16384}
+STAMP_VERSION = 1
+MIN_MEASURE_S = float(os.environ.get("BENCH_MIN_MEASURE_S", "0.5"))
+MIN_PASSES = 3
+MAX_PASSES = 2000
+
+
+# --------------------------------------------------------------------------------------------
+# Data layout under <data-dir>/read/<size label>/
+
+
+class Layout:
+    def __init__(self, data_dir: Path, label: str) -> None:
+        self.label = label
+        self.size = common.SIZES[label]
+        self.count = common.num_samples(self.size)
+        self.root = data_dir / "read" / label
+        self.flat = self.root / "flat.bin"
+        self.offsets = self.root / "offsets.npy"
+
+    def store(self, kind: str) -> Path:
+        return self.root / kind
+
+    def stamp(self, kind: str) -> Path:
+        return self.root / f"{kind}.ok"
+
+    def stamp_text(self) -> str:
+        return json.dumps({"v": STAMP_VERSION, "count": self.count, "size": self.size})
+
+    def ready(self, kind: str) -> bool:
+        s = self.stamp(kind)
+        return s.exists() and s.read_text() == self.stamp_text()
+
+    def mark(self, kind: str) -> None:
+        self.stamp(kind).write_text(self.stamp_text())
+
+    def flat_map(self) -> tuple[mmap.mmap, list[int], list[int]]:
+        offs = np.load(self.offsets)
+        with open(self.flat, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return mm, offs[:-1].tolist(), offs[1:].tolist()
+
+
+def flat_payloads(lay: Layout) -> Iterable[tuple[int, memoryview]]:
+    mm, starts, ends = lay.flat_map()
+    mv = memoryview(mm)
+    for i, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        yield i, mv[s:e]
+
+
+def litdata_sample(item: tuple[str, int, int]) -> dict[str, bytes]:
+    """LitData's ``optimize`` worker function: one payload read from the flat file."""
+    path, start, size = item
+    with open(path, "rb") as f:
+        f.seek(start)
+        return {"data": f.read(size)}
+
+
+def prepare(lay: Layout, kind: str) -> None:
+    """Writes one contender's copy of the data (in a subprocess for the peers)."""
+    if kind == "flat":
+        lay.root.mkdir(parents=True, exist_ok=True)
+        buf = common.payload_buffer(lay.count, lay.size, seed=lay.size)
+        buf.tofile(lay.flat)
+        np.save(lay.offsets, np.arange(lay.count + 1, dtype=np.int64) * lay.size)
+    elif kind == "files":
+        out = common.reset_dir(lay.store("files"))
+        for i, p in flat_payloads(lay):
+            d = out / f"{i // 1000:04d}"
+            if i % 1000 == 0:
+                d.mkdir()
+            (d / f"{i:07d}.bin").write_bytes(p)
+    elif kind == "drt":
+        drt = common.import_dataset_rt()
+        base = common.reset_dir(lay.store("drt"))
+
+        class Source:
+            name = "bench"
+
+            def __iter__(self) -> Iterable[Any]:
+                for i, p in flat_payloads(lay):
+                    yield drt.CacheInput(data=p, metadata={"sample_id": i, "label": i % 1000})
+
+        with drt.DatasetRuntime(num_workers=2) as rt:
+            result = rt.from_cache_sources(
+                Source(), base, writer_config=drt.WriterConfig(show_progress=False)
+            )
+            if not isinstance(result, drt.CacheSourcesDatasetSuccess):
+                raise RuntimeError(result.message)
+    elif kind == "mds":
+        from streaming import MDSWriter
+
+        out = lay.store("mds")
+        common.reset_dir(out)
+        with MDSWriter(out=str(out), columns={"data": "bytes"}, compression=None) as w:
+            for _, p in flat_payloads(lay):
+                w.write({"data": bytes(p)})
+    elif kind == "litdata":
+        from litdata import optimize
+
+        out = lay.store("litdata")
+        common.reset_dir(out)
+        inputs = [(str(lay.flat), i * lay.size, lay.size) for i in range(lay.count)]
+        optimize(
+            fn=litdata_sample,
+            inputs=inputs,
+            output_dir=str(out),
+            chunk_bytes="64MB",
+            num_workers=2,
+            reorder_files=False,
+            verbose=False,
+        )
+    else:
+        raise ValueError(kind)
+    lay.mark(kind)
+
+
+# --------------------------------------------------------------------------------------------
+# Contenders, run in a worker process
+
+
+def loop(obj: Iterable[Any], kind: str) -> tuple[int, int]:
+    """One pass over ``obj``; the body touches ``len()`` of each payload (one loop per access
+    kind, so that no contender pays for a generic accessor)."""
+    n = b = 0
+    if kind == "bytes":
+        for x in obj:
+            b += len(x)
+            n += 1
+    elif kind == "attr":
+        for x in obj:
+            b += len(x.data)
+            n += 1
+    else:
+        for x in obj:
+            b += len(x["data"])
+            n += 1
+    return n, b
+
+
+def payload_len(x: Any, kind: str) -> int:
+    return len(x) if kind == "bytes" else len(x.data) if kind == "attr" else len(x["data"])
+
+
+def contender(name: str, lay: Layout, args: argparse.Namespace) -> tuple[Callable[[], Any], str]:
+    """Imports what ``name`` needs and returns (open, access kind): ``open()`` returns what one
+    pass iterates (a fresh shuffled order each call); the first call also opens the reader."""
+    if name == "floor":
+        mm, starts, ends = lay.flat_map()
+        data = [mm[s:e] for s, e in zip(starts, ends, strict=True)]
+        mm.close()
+        return (lambda: data), "bytes"
+    holder: dict[str, Any] = {}
+    if name == "dataset_rt":
+        drt = common.import_dataset_rt()
+        runtime = drt.DatasetRuntime(num_workers=args.workers)
+
+        class NameOnly:
+            name = "bench"
+
+        def open_drt() -> Any:
+            if "ds" not in holder:
+                result = runtime.from_cache_sources(
+                    NameOnly(),
+                    lay.store("drt"),
+                    reader_config=drt.ReaderConfig(
+                        seed=0, shuffle=True, prefetch_size=args.prefetch
+                    ),
+                    writer_config=drt.WriterConfig(show_progress=False),
+                )
+                if not isinstance(result, drt.CacheSourcesDatasetSuccess):
+                    raise RuntimeError(result.message)
+                holder["ds"] = result.dataset
+            return holder["ds"]
+
+        return open_drt, "attr"
+    if name in ("flat_view", "flat_bytes", "flat_meta"):
+        holder["epoch"] = 0
+        labels = [i % 1000 for i in range(lay.count)]
+
+        class Sample:
+            __slots__ = ("data", "metadata")
+
+            def __init__(self, data: memoryview, metadata: dict[str, int]) -> None:
+                self.data = data
+                self.metadata = metadata
+
+        def open_flat() -> Any:
+            if "mm" not in holder:
+                holder["mm"], holder["starts"], holder["ends"] = lay.flat_map()
+                holder["mv"] = memoryview(holder["mm"])
+            perm = np.random.default_rng(holder["epoch"]).permutation(lay.count).tolist()
+            holder["epoch"] += 1
+            starts, ends = holder["starts"], holder["ends"]
+            src = holder["mm"] if name == "flat_bytes" else holder["mv"]
+
+            def gen() -> Any:
+                for i in perm:
+                    yield src[starts[i] : ends[i]]
+
+            def gen_meta() -> Any:
+                for i in perm:
+                    yield Sample(src[starts[i] : ends[i]], {"sample_id": i, "label": labels[i]})
+
+            return gen_meta() if name == "flat_meta" else gen()
+
+        return open_flat, "attr" if name == "flat_meta" else "bytes"
+    if name in ("torch_files", "torch_flat"):
+        import torch.utils.data as tud
+
+        class FileDataset(tud.Dataset):  # type: ignore[type-arg]
+            def __init__(self) -> None:
+                root = lay.store("files")
+                self.paths = [
+                    str(root / f"{i // 1000:04d}" / f"{i:07d}.bin") for i in range(lay.count)
+                ]
+
+            def __len__(self) -> int:
+                return len(self.paths)
+
+            def __getitem__(self, i: int) -> bytes:
+                with open(self.paths[i], "rb") as f:
+                    return f.read()
+
+        class FlatDataset(tud.Dataset):  # type: ignore[type-arg]
+            def __init__(self) -> None:
+                self.mm, self.starts, self.ends = lay.flat_map()
+
+            def __len__(self) -> int:
+                return len(self.starts)
+
+            def __getitem__(self, i: int) -> bytes:
+                return self.mm[self.starts[i] : self.ends[i]]
+
+        def open_torch() -> Any:
+            if "dl" not in holder:
+                ds = FileDataset() if name == "torch_files" else FlatDataset()
+                holder["dl"] = tud.DataLoader(ds, batch_size=None, shuffle=True, num_workers=0)
+            return holder["dl"]
+
+        return open_torch, "bytes"
+    if name in ("streaming", "streaming_pd"):
+        from streaming import StreamingDataset
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        # Streaming's default predownload is 8 * batch_size: 8 samples ahead at batch_size=1.
+        extra = {"predownload": 2048} if name == "streaming_pd" else {}
+
+        def open_streaming() -> Any:
+            if "ds" not in holder:
+                holder["ds"] = StreamingDataset(
+                    local=str(lay.store("mds")),
+                    remote=None,
+                    shuffle=True,
+                    batch_size=1,
+                    **extra,
+                )
+            return holder["ds"]
+
+        return open_streaming, "dict"
+    if name == "litdata":
+        from litdata import StreamingDataset as LitDataset
+
+        def open_litdata() -> Any:
+            if "ds" not in holder:
+                holder["ds"] = LitDataset(str(lay.store("litdata")), shuffle=True)
+            return holder["ds"]
+
+        return open_litdata, "dict"
+    raise ValueError(name)
+
+
+def worker(name: str, lay: Layout, args: argparse.Namespace) -> dict[str, Any]:
+    open_fn, kind = contender(name, lay, args)
+    cap = PASS_CAP.get(name)
+
+    def one_pass() -> Iterable[Any]:
+        obj = open_fn()
+        return obj if cap is None else itertools.islice(obj, cap)
+
+    # Peak RSS counts from here: the reader's memory, not the imports (nor the floor's list).
+    peak_reset = common.reset_peak_rss()
+    base = common.proc_status_mib()
+    # Warm-up pass: opens the reader; the first sample is timed from before the open.
+    t0 = time.perf_counter()
+    ttfs = None
+    n = b = 0
+    for x in one_pass():
+        if ttfs is None:
+            ttfs = time.perf_counter() - t0
+        b += payload_len(x, kind)
+        n += 1
+    warm = time.perf_counter() - t0
+    passes, counts = [], [n]
+    measured = 0.0
+    while len(passes) < MAX_PASSES and (measured < MIN_MEASURE_S or len(passes) < MIN_PASSES):
+        t = time.perf_counter()
+        n, b = loop(one_pass(), kind)
+        dt = time.perf_counter() - t
+        passes.append(dt)
+        counts.append(n)
+        measured += dt
+    end = common.proc_status_mib()
+    return {
+        "contender": name,
+        "size": lay.label,
+        "ttfs_s": ttfs,
+        "warmup_s": warm,
+        "pass_s": passes,
+        "samples": counts,
+        "bytes": b,
+        "peak_rss_mib": end.get("VmHWM"),
+        "setup_rss_mib": base.get("VmRSS"),
+        "peak_reset": peak_reset,
+        "end_rss_anon_mib": end.get("RssAnon"),
+        "end_rss_file_mib": end.get("RssFile"),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The orchestrator
+
+
+def run_sub(argv: list[str], timeout: float) -> tuple[dict[str, Any] | None, str]:
+    """Runs this script in a fresh interpreter; the last stdout line is its JSON answer."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s"
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        # The last line of a traceback is the exception; keep it table-safe.
+        tail = (proc.stderr or proc.stdout).strip().splitlines() or ["no output"]
+        return None, f"exit {proc.returncode}: {tail[-1].strip()[-300:]}".replace("|", "/")
+    return json.loads(lines[-1]), proc.stderr
+
+
+def prepare_all(args: argparse.Namespace, contenders: list[str]) -> dict[str, str]:
+    """Writes every missing store; returns {"<size>/<kind>": error} for those that failed."""
+    errors: dict[str, str] = {}
+    kinds = ["flat", *sorted({STORES[c] for c in contenders if c in STORES})]
+    for label in args.sizes:
+        lay = Layout(args.data_dir, label)
+        for kind in kinds:
+            if lay.ready(kind):
+                continue
+            print(f"# preparing {label}/{kind}", file=sys.stderr)
+            t = time.perf_counter()
+            out, err = run_sub(
+                ["--prepare", kind, "--size", label, "--data-dir", str(args.data_dir)], 1800
+            )
+            if out is None:
+                errors[f"{label}/{kind}"] = err
+                print(f"#   failed: {err}", file=sys.stderr)
+            else:
+                print(f"#   {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    return errors
+
+
+def summarise(
+    runs: dict[str, list[dict[str, Any]]], errors: dict[str, str], lay: Layout
+) -> dict[str, Any]:
+    rows = []
+    for name, results in runs.items():
+        row: dict[str, Any] = {"contender": name, "label": LABELS[name], "size": lay.label}
+        ok = [r for r in results if "error" not in r]
+        if not ok:
+            row["error"] = results[0]["error"] if results else "not run"
+            rows.append(row)
+            continue
+        # One figure per process (median of its passes), then the median over the rounds.
+        per_round = [common.median(r["pass_s"]) for r in ok]
+        t = common.median(per_round)
+        n = ok[0]["samples"][-1]
+        row.update(
+            {
+                "samples": n,
+                "expected_samples": lay.count,
+                "pass_s": t,
+                "samples_per_s": n / t,
+                "mib_per_s": n * lay.size / t / common.MIB,
+                "ttfs_s": common.median(r["ttfs_s"] for r in ok),
+                "peak_rss_mib": common.median(r["peak_rss_mib"] for r in ok),
+                "rss_added_mib": common.median(r["peak_rss_mib"] - r["setup_rss_mib"] for r in ok),
+                "end_rss_file_mib": common.median(r["end_rss_file_mib"] for r in ok),
+                "rounds": len(ok),
+                # Aligned with the rounds (None where that round failed), for per-round ratios.
+                "per_round_samples_per_s": [
+                    None if "error" in r else r["samples"][-1] / common.median(r["pass_s"])
+                    for r in results
+                ],
+            }
+        )
+        rows.append(row)
+    by = {r["contender"]: r for r in rows}
+
+    def per_round(r: dict[str, Any], ref: str) -> list[float]:
+        """(this / ref) in each round where both ran: side by side, minutes apart at most."""
+        other = by.get(ref, {}).get("per_round_samples_per_s") or []
+        pairs = zip(r["per_round_samples_per_s"], other, strict=False)
+        return [a / b for a, b in pairs if a and b]
+
+    def ratio(r: dict[str, Any], ref: str) -> float | None:
+        """Median over the rounds of (this / ref)."""
+        values = per_round(r, ref)
+        return common.median(values) if values else None
+
+    for r in rows:
+        if "samples_per_s" not in r:
+            continue
+        r["vs_floor"] = ratio(r, "floor")
+        r["vs_dataset_rt"] = ratio(r, "dataset_rt")
+        r["dataset_rt_speedup"] = 1 / r["vs_dataset_rt"] if r["vs_dataset_rt"] else None
+        speedups = [1 / x for x in per_round(r, "dataset_rt")]
+        r["dataset_rt_speedup_rounds"] = speedups
+    return {"size": lay.label, "samples": lay.count, "bytes": lay.count * lay.size, "rows": rows}
+
+
+def speedup_cell(r: dict[str, Any]) -> str:
+    """DatasetRT's speed over this contender: the median, and the range over the rounds."""
+    mid, rounds = r.get("dataset_rt_speedup"), r.get("dataset_rt_speedup_rounds") or []
+    if mid is None:
+        return "-"
+    if r["contender"] == "dataset_rt" or len(rounds) < 2:
+        return common.fmt(mid)
+    return f"{common.fmt(mid)} ({common.fmt(min(rounds))}-{common.fmt(max(rounds))})"
+
+
+def print_table(res: dict[str, Any]) -> None:
+    ceil = res["ceiling"]
+    print(
+        f"\n### Machine ceiling: memcpy {ceil['memcpy_gib_per_s']:.2f} GiB/s, warm page-cache "
+        f"read {ceil['page_cache_gib_per_s']:.2f} GiB/s\n"
+    )
+    for table in res["tables"]:
+        size = common.SIZES[table["size"]]
+        print(f"\n### {table['size']} samples ({table['samples']:,} samples, shuffled)\n")
+        rows: list[list[Any]] = []
+        for r in table["rows"]:
+            if "error" in r:
+                rows.append([r["label"], f"n/a: {r['error'][:120]}", *["-"] * 7])
+                continue
+            rows.append(
+                [
+                    r["label"],
+                    r["samples_per_s"],
+                    r["mib_per_s"],
+                    r["ttfs_s"] * 1e3,
+                    r["peak_rss_mib"],
+                    r["rss_added_mib"],
+                    r.get("vs_floor"),
+                    speedup_cell(r),
+                    r["samples"],
+                ]
+            )
+        for key, what in (("memcpy", "memcpy"), ("page_cache", "page-cache read")):
+            rate = ceil[f"{key}_gib_per_s"] * 2**30
+            rows.append([f"ceiling: {what}", rate / size, rate / common.MIB, *["-"] * 6])
+        print(
+            common.markdown_table(
+                [
+                    "contender",
+                    "samples/s",
+                    "MiB/s",
+                    "1st sample ms",
+                    "peak RSS MiB",
+                    "RSS added MiB",
+                    "x floor",
+                    "DatasetRT x (range)",
+                    "samples/pass",
+                ],
+                rows,
+            )
+        )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=common.REPEATS)
+    parser.add_argument("--data-dir", type=Path, default=common.DATA_DIR)
+    parser.add_argument("--sizes", nargs="+", default=list(common.SIZES), choices=common.SIZES)
+    parser.add_argument("--only", nargs="+", choices=CONTENDERS, default=CONTENDERS)
+    parser.add_argument("--workers", type=int, default=2, help="DatasetRuntime(num_workers)")
+    parser.add_argument("--prefetch", type=int, default=64, help="ReaderConfig.prefetch_size")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per contender run")
+    parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--prepare", help=argparse.SUPPRESS)
+    parser.add_argument("--size", choices=common.SIZES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.prepare:
+        prepare(Layout(args.data_dir, args.size), args.prepare)
+        print(json.dumps({"ok": True}))
+        return {}
+    if args.worker:
+        print(json.dumps(worker(args.worker, Layout(args.data_dir, args.size), args)))
+        return {}
+
+    common.import_dataset_rt()
+    t0 = time.perf_counter()
+    errors = prepare_all(args, args.only)
+    res: dict[str, Any] = {
+        "machine": common.machine_info(),
+        "dataset_rt": common.dataset_rt_origin(),
+        "fs": common.filesystem_of(args.data_dir),
+        "data_dir": str(args.data_dir),
+        "repeats": args.repeats,
+        "workers": args.workers,
+        "prefetch": args.prefetch,
+        "python": sys.executable,
+        "command": " ".join(sys.argv),
+        "prepare_errors": errors,
+    }
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        s: {c: [] for c in args.only} for s in args.sizes
+    }
+    memcpy, page = [], []
+    for r in range(args.repeats):
+        memcpy.append(common.memcpy_rate())
+        page.append(common.page_cache_read_rate(Layout(args.data_dir, args.sizes[0]).flat))
+        print(
+            f"# round {r + 1}: memcpy {memcpy[-1] / 2**30:.2f} GiB/s, page cache "
+            f"{page[-1] / 2**30:.2f} GiB/s",
+            file=sys.stderr,
+        )
+        for label in args.sizes:
+            for name in args.only:
+                store = STORES.get(name, "flat")
+                if f"{label}/{store}" in errors or f"{label}/flat" in errors:
+                    err = errors.get(f"{label}/{store}") or errors[f"{label}/flat"]
+                    runs[label][name].append({"error": f"writing its data failed: {err}"})
+                    continue
+                argv_w = ["--worker", name, "--size", label, "--data-dir", str(args.data_dir)]
+                argv_w += ["--workers", str(args.workers), "--prefetch", str(args.prefetch)]
+                out, err = run_sub(argv_w, args.timeout)
+                if out is None:
+                    runs[label][name].append({"error": err})
+                    print(f"#   {label} {name}: FAILED {err}", file=sys.stderr)
+                    continue
+                runs[label][name].append(out)
+                sps = out["samples"][-1] / common.median(out["pass_s"])
+                print(
+                    f"#   {label} {name}: {sps:,.0f} samples/s, first sample "
+                    f"{out['ttfs_s'] * 1e3:.1f} ms",
+                    file=sys.stderr,
+                )
+    res["ceiling"] = {
+        "memcpy_gib_per_s": common.median(memcpy) / 2**30,
+        "page_cache_gib_per_s": common.median(page) / 2**30,
+        "memcpy_all": [x / 2**30 for x in memcpy],
+        "page_cache_all": [x / 2**30 for x in page],
+    }
+    res["tables"] = [summarise(runs[s], errors, Layout(args.data_dir, s)) for s in args.sizes]
+    res["raw"] = runs
+    res["seconds"] = time.perf_counter() - t0
+    common.write_results("read", res)
+    print_table(res)
+    return res
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
