@@ -44,6 +44,8 @@ class ReaderConfig:
     - ``drop_last``: ranks get equal shares by padding (repeating samples, the default) or, when
       ``True``, by dropping the tail of the epoch.
     - ``samples_per_epoch``: epoch length before the rank split; ``None`` = number of samples.
+      At most ``2**40``. The epoch order costs 8 bytes per sample: one larger than the machine's
+      memory raises ``MemoryError`` when a pass starts, and the dataset stays usable.
     """
 
     seed: int = 0

@@ -61,7 +61,9 @@ class CacheMissing:
 
 @dataclass(frozen=True, slots=True)
 class CacheMalformed:
-    """A cache exists but failed validation. It is never overwritten: remove it to rebuild."""
+    """A cache exists but failed validation (structure, sizes or checksums; the message names
+    the file). It is never overwritten: remove it to rebuild. A cache that cannot be read at all
+    (permission denied, an I/O error) is not malformed: that raises its ``OSError``."""
 
     name: str
     path: Path

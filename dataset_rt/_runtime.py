@@ -123,6 +123,13 @@ class DatasetRuntime:
         ``sources`` is one source or a list of them; a source has a ``name`` and, to be
         writable, iterates :class:`CacheInput`. Two sources with one name are refused before
         anything is written.
+
+        Each source's outcome is a result: loaded, written, missing, malformed (the cache fails
+        validation) or a write error. What is not about one source raises instead: a closed
+        runtime, or one used in a forked child, raises ``RuntimeStateError`` before anything is
+        created; an operating-system error while loading an existing cache (permission denied,
+        EIO) raises its ``OSError`` subclass with ``errno`` set, since the cache itself may be
+        fine. Loading a cache also removes temporary directories that dead writers of it left.
         """
         reader = reader_config if reader_config is not None else ReaderConfig()
         writer = writer_config if writer_config is not None else WriterConfig()

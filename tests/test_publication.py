@@ -3,6 +3,7 @@ writers of one cache both succeed with one published, valid cache."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -93,6 +95,63 @@ with DatasetRuntime(num_workers=1) as runtime:
     data = [bytes(s.data).decode() for s in result.dataset] if hasattr(result, "dataset") else []
     print(json.dumps({"kind": type(outcome).__name__, "detail": str(outcome), "data": data}))
 """
+
+
+# Runs one from_cache_sources call on `base` under the directory argv[1] as a user without the
+# root's powers (as root it drops to `nobody` after importing, like READ_ONLY_LOADER), and
+# prints the outcome, or the exception it raised with its errno.
+UNPRIVILEGED_CALL = r"""
+import json, os, sys, types
+from dataset_rt import CacheInput, DatasetRuntime, ReaderConfig, WriterConfig
+
+os.chdir(sys.argv[1])
+name, samples = sys.argv[2], int(sys.argv[3])
+if os.geteuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)
+
+class Source:
+    def __init__(self):
+        self.name = name
+
+    def __iter__(self):
+        return (CacheInput(f"{name}:{i}".encode(), {"i": i}) for i in range(samples))
+
+with DatasetRuntime(num_workers=1) as runtime:
+    try:
+        result = runtime.from_cache_sources(
+            Source() if samples else types.SimpleNamespace(name=name),
+            "base",
+            reader_config=ReaderConfig(shuffle=False),
+            writer_config=WriterConfig(show_progress=False),
+        )
+    except Exception as error:
+        report = {"raised": type(error).__name__, "errno": getattr(error, "errno", None),
+                  "detail": str(error)}
+    else:
+        outcome = result.results[0]
+        dataset = getattr(result, "dataset", [])
+        data = [bytes(s.data).decode() for s in dataset]
+        report = {"kind": type(outcome).__name__, "detail": str(outcome), "data": data}
+print(json.dumps(report))
+"""
+
+
+def unprivileged_call(tmp_path: Path, name: str, samples: int) -> dict:
+    tmp_path.chmod(0o711)  # the child enters it; pytest's parents stay private
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", UNPRIVILEGED_CALL, str(tmp_path), name, str(samples)],
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            timeout=120,
+        )
+    finally:
+        tmp_path.chmod(0o700)
+    assert done.returncode == 0, done.stderr
+    report: dict = json.loads(done.stdout.strip().splitlines()[-1])
+    return report
 
 
 def payload(i: int) -> bytes:
@@ -320,3 +379,80 @@ def test_existing_cache_loads_from_read_only_storage(runtime, tmp_path):
     assert report["kind"] == "CacheLoaded", report["detail"]
     assert report["data"] == ["read", "only"]
     assert sorted(p.name for p in base.iterdir()) == ["ro"]
+
+
+def test_loading_a_cache_reaps_leftovers_of_dead_writers_only(runtime, tmp_path):
+    """Without taking the lock (loading works on read-only storage): a live writer has a live
+    pid, so only directories of dead pids go."""
+    runtime.from_cache_sources(
+        make_source("kept", [(b"k", {})]), tmp_path, writer_config=WriterConfig(show_progress=False)
+    )
+    exited = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead = int(exited.stdout)
+
+    def leftover(name: str, pid: int, nanos: int) -> Path:
+        path = tmp_path / f".{name}.tmp-{pid}-{nanos}"
+        (path / "shards").mkdir(parents=True)
+        (path / "shards" / "000000.bin").write_bytes(b"half a shard")
+        return path
+
+    dead_dir = leftover("kept", dead, 1)
+    live_dirs = [leftover("kept", os.getpid(), 2), leftover("kept", 1, 3)]
+    other_name = leftover("kept2", dead, 4)
+
+    result = runtime.from_cache_sources(
+        make_source("kept", [(b"other", {})]),
+        tmp_path,
+        writer_config=WriterConfig(show_progress=False),
+    )
+
+    assert result.results == [CacheLoaded("kept", tmp_path / "kept", 1)]
+    assert not dead_dir.exists()
+    assert all(d.exists() for d in live_dirs)
+    assert other_name.exists()
+
+
+def test_a_cache_that_cannot_be_read_raises_its_os_error_instead_of_being_malformed(
+    runtime, tmp_path
+):
+    """Permission denied is a fact about the reader, not the cache: calling the cache malformed
+    would tell the user to delete a good one."""
+    base = tmp_path / "base"
+    runtime.from_cache_sources(
+        make_source("locked", [(b"x", {})]), base, writer_config=WriterConfig(show_progress=False)
+    )
+    index = base / "locked" / "index.bin"
+    index.chmod(0o000)
+    try:
+        report = unprivileged_call(tmp_path, "locked", samples=0)
+    finally:
+        index.chmod(0o644)
+
+    assert report.get("raised") == "PermissionError", report
+    assert report["errno"] == errno.EACCES
+    assert "index.bin" in report["detail"]
+    # Readable again, the very same cache loads.
+    again = runtime.from_cache_sources(SimpleNamespace(name="locked"), base)
+    assert again.results == [CacheLoaded("locked", base / "locked", 1)]
+
+
+def test_a_write_into_an_unlistable_base_directory_is_reported_written(tmp_path):
+    """A base directory the writer may enter and write but not list or open (mode 0333, a drop
+    box): leftovers cannot be looked for and the rename cannot be synced, yet the cache is
+    published, so the outcome is CacheWritten."""
+    base = tmp_path / "base"
+    base.mkdir()
+    base.chmod(0o333)
+    try:
+        report = unprivileged_call(tmp_path, "dropped", samples=3)
+    finally:
+        base.chmod(0o755)
+
+    assert report.get("kind") == "CacheWritten", report
+    assert report["data"] == ["dropped:0", "dropped:1", "dropped:2"]
+    assert sorted(p.name for p in base.iterdir()) == [".dropped.lock", "dropped"]

@@ -4,9 +4,13 @@ payloads, epoch lengths and bounded prefetch."""
 from __future__ import annotations
 
 import gc
+import json
 import mmap
 import os
+import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +246,27 @@ def test_views_stay_valid_after_dataset_and_runtime_are_gone(tmp_path: Path) -> 
         assert view.tobytes() == want
 
 
+def test_views_map_the_validated_shard_even_after_the_directory_is_replaced(
+    tmp_path: Path,
+) -> None:
+    """The core validates and verifies records in its own map of each shard; the zero-copy
+    views must map that same file, not whatever the path names when they are first made."""
+    first = make_source("swap", [(b"A" * 64 + bytes([i]), {"i": i}) for i in range(6)])
+    runtime, dataset = open_dataset(tmp_path, first, ReaderConfig(shuffle=False))
+    with runtime:
+        # Replace the cache before any view is made: away with it, and a different cache of the
+        # same name and the same layout (so every offset still lands on a payload) in its place.
+        shutil.rmtree(tmp_path / "swap")
+        second = make_source("swap", [(b"B" * 64 + bytes([i]), {"i": i}) for i in range(6)])
+        with DatasetRuntime(num_workers=1) as other:
+            other.from_cache_sources(second, tmp_path, writer_config=writer(NONE))
+        assert (tmp_path / "swap" / "manifest.json").exists()
+
+        samples = list(dataset)
+    assert all(isinstance(s.data, memoryview) for s in samples)
+    assert [bytes(s.data) for s in samples] == [b"A" * 64 + bytes([i]) for i in range(6)]
+
+
 def test_lz4_payloads_are_bytes(tmp_path: Path) -> None:
     runtime, dataset = open_dataset(tmp_path, source("c", 12), ReaderConfig(seed=1), LZ4)
     with runtime:
@@ -358,6 +383,70 @@ def test_samples_per_epoch_without_samples_is_refused(tmp_path: Path) -> None:
             writer_config=writer(NONE),
         )
         list(result.dataset)
+
+
+def test_samples_per_epoch_above_the_limit_is_refused() -> None:
+    ReaderConfig(samples_per_epoch=2**40)  # the documented limit itself is accepted
+    with pytest.raises(_native.ConfigError, match=r"samples_per_epoch.*2\*\*40"):
+        ReaderConfig(samples_per_epoch=2**40 + 1)
+    with pytest.raises(_native.ConfigError, match=r"2\*\*40"):
+        _native.epoch_order(0, 0, 10, 2**62)
+
+
+# A process that asks for epoch orders far larger than memory. Before these were checked, the
+# allocation aborted the interpreter; here every request must come back as a Python exception.
+HUGE_ORDERS = r"""
+import json, sys, types
+from dataset_rt import DatasetRuntime, ReaderConfig, WriterConfig, _native
+
+outcomes = {}
+
+def attempt(what, action):
+    try:
+        action()
+        outcomes[what] = "no error"
+    except Exception as error:
+        outcomes[what] = f"{type(error).__name__}: {error}"
+
+attempt("epoch_order", lambda: _native.epoch_order(0, 0, 10, 2**39))
+attempt("weighted_epoch_order", lambda: _native.epoch_order(0, 0, 2, 2**39, True, [1.0, 2.0]))
+with DatasetRuntime(num_workers=1) as runtime:
+    result = runtime.from_cache_sources(
+        types.SimpleNamespace(name="c"),
+        sys.argv[1],
+        reader_config=ReaderConfig(samples_per_epoch=2**39),
+        writer_config=WriterConfig(show_progress=False),
+    )
+    attempt("dataset", lambda: iter(result.dataset))
+    result.dataset.set_epoch(0)
+    attempt("state", lambda: result.dataset.state_dict())
+print(json.dumps(outcomes))
+"""
+
+
+def test_an_epoch_order_larger_than_memory_is_a_memory_error_not_an_abort(tmp_path: Path) -> None:
+    runtime, _ = open_dataset(tmp_path, source("c", 10))
+    runtime.close()
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", HUGE_ORDERS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
+    assert done.returncode == 0, done.stderr
+    outcomes = json.loads(done.stdout.strip().splitlines()[-1])
+    for what in ("epoch_order", "weighted_epoch_order", "dataset"):
+        assert outcomes[what].startswith("MemoryError: cannot allocate 4398046511104 bytes"), (
+            what,
+            outcomes[what],
+        )
+        assert "samples_per_epoch" in outcomes[what]
+    assert outcomes["state"] == "no error"  # the dataset is still usable
 
 
 @pytest.mark.parametrize("compression", [NONE, LZ4], ids=["none", "lz4"])

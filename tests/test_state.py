@@ -16,6 +16,7 @@ from dataset_rt import (
     Dataset,
     DatasetRuntime,
     ReaderConfig,
+    RuntimeStateError,
     StateError,
     WriterConfig,
     _native,
@@ -322,6 +323,86 @@ def test_resume_of_a_resumed_pass(base_dir: Path) -> None:
         ds.load_state_dict(state)
         received += ids(ds)
     assert received == full
+
+
+# ---- weights changed during a pass
+
+
+def test_state_after_new_weights_mid_pass_describes_the_pass_being_read(base_dir: Path) -> None:
+    """Weights set during a pass apply from the next pass, so a checkpoint taken mid-pass names
+    the weight table that pass reads under and resumes exactly that pass's order."""
+    source = positional_source("s10", 10)
+    reader = ReaderConfig(seed=4, samples_per_epoch=30)
+    new = [50.0 if i == 3 else 1.0 for i in range(10)]
+    full = _native.epoch_order(4, 0, 10, 30)
+    with Opened(base_dir, source, reader) as dataset:
+        uniform_state = dataset.state_dict()
+        iterator = iter(dataset)
+        head = take(iterator, 12)
+        weigh(dataset, new)
+        mid = roundtrip(dataset.state_dict())
+        assert (mid["epoch"], mid["position"]) == (0, 12)
+        assert mid["weights_fingerprint"] == uniform_state["weights_fingerprint"]
+        assert head + ids(iterator) == full
+        after = roundtrip(dataset.state_dict())  # the next pass reads under the new weights
+        assert (after["epoch"], after["position"]) == (1, 0)
+        assert after["weights_fingerprint"] != mid["weights_fingerprint"]
+    with Opened(base_dir, source, reader) as resumed:  # the weights that pass read under
+        resumed.load_state_dict(mid)
+        assert head + ids(resumed) == full
+    with Opened(base_dir, source, reader) as weighted:
+        weigh(weighted, new)
+        with pytest.raises(StateError, match="weight table"):
+            weighted.load_state_dict(mid)
+        weighted.load_state_dict(after)
+        assert ids(weighted) == _native.epoch_order(4, 1, 10, 30, True, new)
+
+
+def test_new_weights_after_loading_a_state_are_refused_at_the_next_pass(base_dir: Path) -> None:
+    source = positional_source("s10", 10)
+    with Opened(base_dir, source, ReaderConfig(seed=4)) as dataset:
+        take(iter(dataset), 3)
+        state = dataset.state_dict()
+    with Opened(base_dir, source, ReaderConfig(seed=4)) as dataset:
+        dataset.load_state_dict(state)
+        weigh(dataset, [float(i + 1) for i in range(10)])
+        with pytest.raises(StateError, match="weight table"):
+            iter(dataset)
+        assert dataset.state_dict() == state
+        weigh(dataset, [1.0] * 10)  # the state's (uniform) weights again: it resumes
+        assert ids(dataset) == _native.epoch_order(4, 0, 10)[3:]
+
+
+# ---- a pass that cannot start
+
+
+def test_failed_start_keeps_the_loaded_state(base_dir: Path) -> None:
+    source = positional_source("s10", 10)
+    with Opened(base_dir, source, ReaderConfig(seed=6)) as dataset:
+        dataset.set_epoch(3)
+        take(iter(dataset), 4)
+        state = dataset.state_dict()
+    opened = Opened(base_dir, source, ReaderConfig(seed=6))
+    opened.dataset.load_state_dict(state)
+    opened.runtime.close()
+    with pytest.raises(RuntimeStateError, match="closed"):
+        iter(opened.dataset)
+    # The checkpoint was not consumed: it is still what a new runtime would resume.
+    assert opened.dataset.state_dict() == state
+    with Opened(base_dir, source, ReaderConfig(seed=6)) as fresh:
+        fresh.load_state_dict(opened.dataset.state_dict())
+        assert ids(fresh) == _native.epoch_order(6, 3, 10)[4:]
+
+
+def test_failed_start_does_not_advance_the_epoch(base_dir: Path) -> None:
+    opened = Opened(base_dir, positional_source("s10", 10), ReaderConfig(seed=6))
+    opened.dataset.set_epoch(5)
+    opened.runtime.close()
+    for _ in range(2):
+        with pytest.raises(RuntimeStateError, match="closed"):
+            iter(opened.dataset)
+    state = opened.dataset.state_dict()
+    assert (state["epoch"], state["position"]) == (5, 0)
 
 
 # ---- refused states

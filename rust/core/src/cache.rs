@@ -16,6 +16,9 @@ pub struct Cache {
     pub manifest: Manifest,
     index: Mmap,
     shards: Vec<Mmap>,
+    /// The files `shards` map, kept open: whoever maps a shard again (the bindings' zero-copy
+    /// views) must map this file, whose bytes were validated, not whatever the path names now.
+    shard_files: Vec<File>,
     pub metadata: MetadataTable,
 }
 
@@ -28,7 +31,7 @@ pub enum Validation {
     Full,
 }
 
-fn map_file(cache: &str, dir: &Path, rel: &str, expected_len: u64) -> Result<Mmap> {
+fn map_file(cache: &str, dir: &Path, rel: &str, expected_len: u64) -> Result<(File, Mmap)> {
     let path = dir.join(rel);
     let file = match File::open(&path) {
         Ok(f) => f,
@@ -45,9 +48,14 @@ fn map_file(cache: &str, dir: &Path, rel: &str, expected_len: u64) -> Result<Mma
             format!("size is {len} bytes, the manifest says {expected_len}"),
         ));
     }
-    // SAFETY: published caches are immutable (never modified after the atomic rename), and every
-    // read re-verifies the bytes it uses against checksums before trusting them.
-    unsafe { Mmap::map(&file) }.ctx("mmap", &path)
+    // SAFETY: a published cache is immutable by contract: DatasetRT never modifies a file after
+    // the atomic rename, and every read verifies the bytes it uses against checksums before
+    // trusting them, so altered contents give an error, never wrong data. The map cannot protect
+    // against another process truncating the file while it is mapped: touching the lost pages
+    // then raises SIGBUS. Replacing the directory (rename, delete, rewrite) is safe: the map and
+    // `Cache::shard_file` keep the original inode.
+    let map = unsafe { Mmap::map(&file) }.ctx("mmap", &path)?;
+    Ok((file, map))
 }
 
 fn check_sum(cache: &str, path: &Path, bytes: &[u8], expected: &str) -> Result<()> {
@@ -206,14 +214,14 @@ impl Cache {
                 ),
             ));
         }
-        let index = map_file(&name, dir, INDEX_FILE, index_len)?;
+        let (_, index) = map_file(&name, dir, INDEX_FILE, index_len)?;
         check_sum(&name, &index_path, &index, &manifest.index.checksum)?;
         if index[..][..INDEX_HEADER_LEN as usize] != index_header() {
             return Err(Error::malformed(&name, &index_path, "bad index header"));
         }
 
         let meta_path = dir.join(METADATA_FILE);
-        let meta_map = map_file(&name, dir, METADATA_FILE, manifest.metadata.bytes)?;
+        let (_, meta_map) = map_file(&name, dir, METADATA_FILE, manifest.metadata.bytes)?;
         check_sum(&name, &meta_path, &meta_map, &manifest.metadata.checksum)?;
         let metadata = MetadataTable::decode(
             &meta_map,
@@ -224,9 +232,10 @@ impl Cache {
         .map_err(|reason| Error::malformed(&name, &meta_path, reason))?;
 
         let mut shards = Vec::with_capacity(manifest.shards.len());
+        let mut shard_files = Vec::with_capacity(manifest.shards.len());
         for (i, s) in manifest.shards.iter().enumerate() {
             let path = dir.join(&s.file);
-            let map = map_file(&name, dir, &s.file, s.bytes)?;
+            let (file, map) = map_file(&name, dir, &s.file, s.bytes)?;
             if map.len() < SHARD_HEADER_LEN as usize
                 || map[..SHARD_HEADER_LEN as usize] != shard_header(i as u32)
             {
@@ -236,12 +245,14 @@ impl Cache {
                 check_sum(&name, &path, &map, &s.checksum)?;
             }
             shards.push(map);
+            shard_files.push(file);
         }
         Ok(Cache {
             dir: dir.to_owned(),
             manifest,
             index,
             shards,
+            shard_files,
             metadata,
         })
     }
@@ -265,6 +276,12 @@ impl Cache {
 
     pub fn shard_path(&self, shard: u32) -> PathBuf {
         self.dir.join(shard_file_name(shard))
+    }
+
+    /// The open file of shard `shard`: the one validated and read here, even if the cache's
+    /// directory has been replaced since it was opened.
+    pub fn shard_file(&self, shard: u32) -> &File {
+        &self.shard_files[shard as usize]
     }
 
     pub fn num_shards(&self) -> usize {

@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::format::{SampleIdSource, FLAG_LZ4};
 use crate::metadata::MetaRef;
 use crate::pool::{Pool, Slot};
-use crate::sampler::{epoch_order, EpochParams, RankPolicy, RankSplit, Weights};
+use crate::sampler::{try_epoch_order, EpochParams, RankPolicy, RankSplit, Weights, MAX_EPOCH_LEN};
 
 pub const STATE_VERSION: u32 = 1;
 
@@ -39,6 +39,12 @@ impl ReadOptions {
             return Err(Error::config(
                 "ReaderConfig.world_size",
                 "must be at least 1",
+            ));
+        }
+        if let Some(len) = self.epoch_len.filter(|&l| l > MAX_EPOCH_LEN) {
+            return Err(Error::config(
+                "ReaderConfig.samples_per_epoch",
+                format!("{len} is above the limit of 2**40 = {MAX_EPOCH_LEN}"),
             ));
         }
         if self.rank >= self.world_size {
@@ -233,7 +239,13 @@ impl Dataset {
         opts.split().rank_len(self.epoch_len(opts), 0)
     }
 
-    pub fn order(&self, opts: &ReadOptions, weights: &WeightTable, epoch: u64) -> Vec<u64> {
+    /// The epoch's order, or [`Error::OutOfMemory`] when it does not fit in memory.
+    pub fn try_order(
+        &self,
+        opts: &ReadOptions,
+        weights: &WeightTable,
+        epoch: u64,
+    ) -> Result<Vec<u64>> {
         let params = EpochParams {
             seed: opts.seed,
             epoch,
@@ -241,8 +253,8 @@ impl Dataset {
             shuffle: opts.shuffle,
         };
         match &weights.weights {
-            None => epoch_order(params, Weights::Uniform(self.len())),
-            Some(w) => epoch_order(params, Weights::Weighted(w)),
+            None => try_epoch_order(params, Weights::Uniform(self.len())),
+            Some(w) => try_epoch_order(params, Weights::Weighted(w)),
         }
     }
 
@@ -298,10 +310,22 @@ impl Dataset {
         epoch: u64,
         position: u64,
     ) -> State {
+        self.state_under(opts, &weights.fingerprint, epoch, position)
+    }
+
+    /// The state of a pass read under the weight table `weights_fingerprint`, which need not
+    /// be the table in force now: a pass keeps the weights it started with.
+    pub fn state_under(
+        &self,
+        opts: &ReadOptions,
+        weights_fingerprint: &str,
+        epoch: u64,
+        position: u64,
+    ) -> State {
         State {
             format_version: STATE_VERSION,
             fingerprint: self.fingerprint.clone(),
-            weights_fingerprint: weights.fingerprint.clone(),
+            weights_fingerprint: weights_fingerprint.to_owned(),
             seed: opts.seed,
             shuffle: opts.shuffle,
             epoch_len: self.epoch_len(opts),

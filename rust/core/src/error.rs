@@ -58,6 +58,14 @@ pub enum Error {
     #[error("state refused: {0}")]
     State(String),
 
+    /// Memory for a structure the work needs cannot be had; nothing was changed.
+    #[error("cannot allocate {bytes} bytes for {what}: {advice}")]
+    OutOfMemory {
+        what: String,
+        bytes: u64,
+        advice: &'static str,
+    },
+
     /// The worker pool cannot run the work (closed, used from a forked child, a worker panicked).
     #[error("{0}")]
     Runtime(String),

@@ -65,7 +65,12 @@ impl Pool {
         Ok(())
     }
 
-    fn check_usable(&self) -> Result<Sender<Job>> {
+    /// Errors when no job can run: the pool is closed, or this is a forked child.
+    pub fn check_usable(&self) -> Result<()> {
+        self.sender().map(|_| ())
+    }
+
+    fn sender(&self) -> Result<Sender<Job>> {
         self.check_process()?;
         self.sender
             .lock()
@@ -80,7 +85,7 @@ impl Pool {
         T: Send + 'static,
         F: FnOnce() -> Result<T> + Send + 'static,
     {
-        let sender = self.check_usable()?;
+        let sender = self.sender()?;
         let slot = Arc::new(Slot::new());
         let out = slot.clone();
         let job: Job = Box::new(move || {

@@ -11,8 +11,16 @@
 use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
 
+use crate::error::{Error, Result};
+
 /// Version of the order algorithm; bump whenever any output changes.
 pub const SAMPLER_VERSION: u32 = 1;
+
+/// Largest epoch length (positions per epoch, before the rank split) a reader accepts: 2^40.
+/// The order costs 8 bytes per position, so even this bound is far beyond any machine's memory;
+/// it only keeps absurd values out of configs. What memory allows is checked when an order is
+/// computed (see [`try_epoch_order`]).
+pub const MAX_EPOCH_LEN: u64 = 1 << 40;
 
 /// Last 16 bytes of the ChaCha key: separates this stream from any other use of (seed, epoch).
 const KEY_TAG: &[u8; 16] = b"dataset-rt/epoch";
@@ -145,19 +153,53 @@ fn shuffle_in_place<R: RngCore>(rng: &mut R, v: &mut [u64]) {
     }
 }
 
-/// Order without the PRNG construction, so tests can watch the stream.
+/// The machine's physical memory in bytes, when the OS says.
+fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf only reads system configuration.
+    let (pages, page_size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    (pages > 0 && page_size > 0).then(|| (pages as u64).saturating_mul(page_size as u64))
+}
+
+/// An empty vector with room for an epoch order of `epoch_len` positions. An infallible
+/// allocation aborts the process when memory is short (no unwinding, nothing to catch), so this
+/// refuses an order larger than physical memory up front and turns any other allocation failure
+/// into the same error.
+fn reserve_order(epoch_len: u64) -> Result<Vec<u64>> {
+    let bytes = epoch_len.saturating_mul(8);
+    let too_large = || Error::OutOfMemory {
+        what: format!("the epoch order of {epoch_len} positions (8 bytes each)"),
+        bytes,
+        advice: "lower ReaderConfig.samples_per_epoch",
+    };
+    if physical_memory().is_some_and(|m| bytes > m) {
+        return Err(too_large());
+    }
+    let mut order = Vec::new();
+    let len = usize::try_from(epoch_len).map_err(|_| too_large())?;
+    order.try_reserve_exact(len).map_err(|_| too_large())?;
+    Ok(order)
+}
+
+/// Order without the PRNG construction, so tests can watch the stream. `order` is empty with
+/// room for `epoch_len` positions.
 fn epoch_order_with<R: RngCore>(
     rng: &mut R,
     params: EpochParams,
     weights: Weights<'_>,
+    mut order: Vec<u64>,
 ) -> Vec<u64> {
     let l = params.epoch_len;
     let n = weights.len();
     debug_assert!(n > 0 || l == 0, "epoch_len > 0 needs at least one sample");
+    debug_assert!(order.is_empty() && order.capacity() as u64 >= l);
     if n == 0 || l == 0 {
-        return Vec::new();
+        return order;
     }
-    let mut order = Vec::with_capacity(capacity(l));
     match weights {
         // Only the output vector is allocated on this path.
         Weights::Uniform(n) if l == n => order.extend(0..n),
@@ -188,9 +230,25 @@ fn epoch_order_with<R: RngCore>(
 
 /// The epoch's order: `epoch_len` global sample indices. Preconditions: `n > 0` when
 /// `epoch_len > 0` (debug_asserted; an empty order is returned otherwise), weights positive
-/// and finite. Peak memory is the returned vector (8 bytes per entry).
+/// and finite. Peak memory is the returned vector (8 bytes per entry); when that memory cannot
+/// be had the result is [`Error::OutOfMemory`] and nothing was allocated.
+pub fn try_epoch_order(params: EpochParams, weights: Weights<'_>) -> Result<Vec<u64>> {
+    let order = reserve_order(params.epoch_len)?;
+    Ok(epoch_order_with(
+        &mut epoch_rng(&params),
+        params,
+        weights,
+        order,
+    ))
+}
+
+/// [`try_epoch_order`] for callers that treat a lack of memory as fatal.
+///
+/// # Panics
+/// When the order does not fit in memory (a panic, which a pool job turns into an error,
+/// rather than the abort of an infallible allocation).
 pub fn epoch_order(params: EpochParams, weights: Weights<'_>) -> Vec<u64> {
-    epoch_order_with(&mut epoch_rng(&params), params, weights)
+    try_epoch_order(params, weights).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Per-sample counts for the epoch (length n, sums to `epoch_len`). Makes the same counts
@@ -294,6 +352,10 @@ mod tests {
         fn fill_bytes(&mut self, _: &mut [u8]) {
             unreachable!("the sampler only draws u64")
         }
+    }
+
+    fn order_with<R: RngCore>(rng: &mut R, p: EpochParams, weights: Weights<'_>) -> Vec<u64> {
+        epoch_order_with(rng, p, weights, reserve_order(p.epoch_len).unwrap())
     }
 
     fn counts_with<R: RngCore>(rng: &mut R, l: u64, weights: Weights<'_>) -> Vec<u64> {
@@ -511,7 +573,7 @@ mod tests {
                 vec![1; n as usize]
             );
             let mut rng2 = epoch_rng(&p);
-            epoch_order_with(&mut rng2, p, Weights::Uniform(n));
+            order_with(&mut rng2, p, Weights::Uniform(n));
             // ChaCha counts 32-bit words consumed; 0 means no draw at all.
             assert_eq!(rng.get_word_pos(), 0);
             assert_eq!(rng2.get_word_pos(), 0);
@@ -532,15 +594,13 @@ mod tests {
             counts_with(&mut rng, l, weights);
             assert_eq!(rng.get_word_pos(), 2, "one u64 = two words");
             let mut rng = epoch_rng(&p);
-            epoch_order_with(&mut rng, p, weights);
+            order_with(&mut rng, p, weights);
             assert_eq!(rng.get_word_pos(), 2, "unshuffled order adds no draws");
         }
         // Empty epochs draw nothing.
         let mut rng = epoch_rng(&params(9, 9, 0, true));
         assert_eq!(counts_with(&mut rng, 0, Weights::Weighted(&w)), [0, 0, 0]);
-        assert!(
-            epoch_order_with(&mut rng, params(9, 9, 0, true), Weights::Weighted(&w)).is_empty()
-        );
+        assert!(order_with(&mut rng, params(9, 9, 0, true), Weights::Weighted(&w)).is_empty());
         assert_eq!(rng.get_word_pos(), 0);
     }
 
@@ -560,7 +620,7 @@ mod tests {
         assert_eq!(epoch_order(p, Weights::Uniform(4)), v);
         // Fisher–Yates draws len - 1 values.
         let mut rng = epoch_rng(&p);
-        epoch_order_with(&mut rng, p, Weights::Uniform(4));
+        order_with(&mut rng, p, Weights::Uniform(4));
         assert_eq!(rng.get_word_pos(), 2 * 9);
     }
 
@@ -850,6 +910,25 @@ mod tests {
         assert_eq!(
             big.global_position(u64::MAX, 1, (1 << 63) - 2),
             u64::MAX - 1
+        );
+    }
+
+    #[test]
+    fn an_order_larger_than_memory_is_an_error_not_an_abort() {
+        // 2^39 positions need 4 TiB: refused before any allocation is attempted.
+        let p = params(0, 0, 1 << 39, true);
+        let err = try_epoch_order(p, Weights::Uniform(10)).unwrap_err();
+        assert!(
+            matches!(err, Error::OutOfMemory { bytes, .. } if bytes == 1 << 42),
+            "{err}"
+        );
+        assert!(err.to_string().contains("samples_per_epoch"), "{err}");
+        let panic = std::panic::catch_unwind(|| epoch_order(p, Weights::Uniform(10))).unwrap_err();
+        assert!(crate::pool::panic_message(&panic).contains("cannot allocate"));
+        // An ordinary order still comes back whole.
+        assert_eq!(
+            try_epoch_order(params(0, 0, 5, false), Weights::Uniform(5)).unwrap(),
+            [0, 1, 2, 3, 4]
         );
     }
 }

@@ -124,32 +124,65 @@ impl CacheLock {
     }
 
     /// Removes temporary directories of earlier writers of this name. Holding the lock proves
-    /// that none of them is alive.
-    pub fn remove_leftovers(&self) -> Result<usize> {
-        let prefix = format!(".{}.tmp-", self.name);
-        let mut removed = 0;
-        for entry in fs::read_dir(&self.base).ctx("list", &self.base)? {
-            let entry = entry.ctx("list", &self.base)?;
-            let file_name = entry.file_name();
-            let file_name = file_name.to_string_lossy();
-            // Exactly `.NAME.tmp-PID-NANOS`: never the temporary directory of another name
-            // that happens to start the same way.
-            let ours = file_name.strip_prefix(&prefix).is_some_and(|rest| {
-                rest.split_once('-').is_some_and(|(pid, nanos)| {
-                    !pid.is_empty()
-                        && !nanos.is_empty()
-                        && pid.bytes().all(|b| b.is_ascii_digit())
-                        && nanos.bytes().all(|b| b.is_ascii_digit())
-                })
-            });
-            if ours {
-                let path = entry.path();
-                fs::remove_dir_all(&path).ctx("remove leftover", &path)?;
-                removed += 1;
-            }
-        }
-        Ok(removed)
+    /// that none of them is alive. Best effort, like [`reap_dead_leftovers`]: garbage that
+    /// cannot be listed or removed never fails a write.
+    pub fn remove_leftovers(&self) -> usize {
+        remove_leftovers_where(&self.base, &self.name, |_| true)
     }
+}
+
+/// The writer's pid in `file_name` when it is exactly `.NAME.tmp-PID-NANOS`: never the
+/// temporary directory of another name that happens to start the same way.
+fn leftover_pid(file_name: &str, name: &str) -> Option<i32> {
+    let rest = file_name
+        .strip_prefix('.')?
+        .strip_prefix(name)?
+        .strip_prefix(".tmp-")?;
+    let (pid, nanos) = rest.split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(pid) || !digits(nanos) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// Whether a process with this pid exists (on this machine). `kill(pid, 0)` delivers nothing;
+/// only ESRCH proves the process gone (EPERM means it exists under another user).
+fn pid_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return true; // not a single process: never judged dead
+    }
+    // SAFETY: signal 0 only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Removes the leftovers of `name` in `base` whose writer pid satisfies `remove`; returns how
+/// many went. Errors (unreadable base, read-only storage, another process removing the same
+/// directory first) are ignored: removing garbage is never worth failing the caller.
+fn remove_leftovers_where(base: &Path, name: &str, remove: impl Fn(i32) -> bool) -> usize {
+    let Ok(entries) = fs::read_dir(base) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(pid) = leftover_pid(&file_name.to_string_lossy(), name) else {
+            continue;
+        };
+        if remove(pid) && fs::remove_dir_all(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// Removes the temporary directories of writers of `name` under `base` whose process is gone,
+/// without taking the lock (loading works on read-only storage). A live writer holds the lock
+/// and has a live pid, so its directory is never touched; our own pid is alive, so neither is
+/// a writer in this process.
+pub fn reap_dead_leftovers(base: &Path, name: &str) -> usize {
+    remove_leftovers_where(base, name, |pid| !pid_alive(pid))
 }
 
 impl Drop for CacheLock {
@@ -312,6 +345,13 @@ struct CommitState {
     first_error: Option<Error>,
 }
 
+fn record_error(st: &mut CommitState, e: Error) {
+    if st.error.is_none() {
+        st.error = Some(e.to_string());
+        st.first_error = Some(e);
+    }
+}
+
 struct Shared {
     state: Mutex<CommitState>,
     changed: Condvar,
@@ -322,6 +362,13 @@ struct Shared {
 }
 
 impl Shared {
+    /// Records the write's first error; later ones add nothing.
+    fn fail(&self, e: Error) {
+        let mut st = self.state.lock().unwrap();
+        record_error(&mut st, e);
+        self.changed.notify_all();
+    }
+
     /// Hands an encoded batch over; commits every batch that is now next in line.
     fn deliver(&self, seq: u64, batch: Result<Vec<Encoded>>) {
         let mut st = self.state.lock().unwrap();
@@ -330,10 +377,7 @@ impl Shared {
                 st.pending.insert(seq, b);
             }
             Err(e) => {
-                if st.first_error.is_none() {
-                    st.error = Some(e.to_string());
-                    st.first_error = Some(e);
-                }
+                record_error(&mut st, e);
                 self.changed.notify_all();
                 return;
             }
@@ -352,11 +396,15 @@ impl Shared {
             };
             st.next_batch += 1;
             drop(st);
-            let result = self.commit(batch);
+            // A panic must not leave `committing` set: `finish` and `drop` wait on it.
+            let result =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.commit(batch)))
+                    .unwrap_or_else(|panic| {
+                        Err(Error::Runtime(crate::pool::panic_message(&panic)))
+                    });
             st = self.state.lock().unwrap();
             if let Err(e) = result {
-                st.error = Some(e.to_string());
-                st.first_error = Some(e);
+                record_error(&mut st, e);
             }
             self.changed.notify_all();
         }
@@ -449,7 +497,9 @@ impl CacheWriter {
     /// that no published cache exists.
     pub fn create(pool: Arc<Pool>, lock: CacheLock, opts: WriterOptions) -> Result<CacheWriter> {
         opts.validate()?;
-        lock.remove_leftovers()?;
+        // Before anything is created: a closed pool or a forked child could never finish.
+        pool.check_usable()?;
+        lock.remove_leftovers();
         let nonce = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
@@ -675,11 +725,10 @@ impl CacheWriter {
         let batch = std::mem::take(&mut self.batch);
         self.batch_bytes = 0;
         let seq = self.batches_submitted;
-        self.batches_submitted += 1;
         let shared = self.shared.clone();
         let fields = self.fields.clone().expect("schema set before any batch");
         let compression = self.opts.compression;
-        self.pool.submit(move || {
+        let submitted = self.pool.submit(move || {
             // A panic must reach `deliver` as an error, or the writer would wait forever.
             let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 batch
@@ -692,21 +741,41 @@ impl CacheWriter {
             .map_err(|panic| Error::Runtime(crate::pool::panic_message(&panic)));
             shared.deliver(seq, encoded);
             Ok(())
-        })?;
-        Ok(())
+        });
+        match submitted {
+            // Counted only once a worker will deliver it: `finish` and `drop` wait for every
+            // counted batch.
+            Ok(_) => {
+                self.batches_submitted += 1;
+                Ok(())
+            }
+            Err(e) => {
+                // The batch is lost, so this cache can never be finished.
+                self.shared.fail(Error::Runtime(e.to_string()));
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits until every counted batch is committed (or the write failed) and no commit is
+    /// still writing into the temporary directory.
+    fn wait_for_commits(&self) -> std::sync::MutexGuard<'_, CommitState> {
+        let mut st = self.shared.state.lock().unwrap();
+        while st.committing || (st.first_error.is_none() && st.next_batch < self.batches_submitted)
+        {
+            st = self.shared.changed.wait(st).unwrap();
+        }
+        st
     }
 
     /// Waits for every queued sample, writes the manifest and publishes the cache.
     pub fn finish(mut self) -> Result<Published> {
         self.submit_batch()?;
-        {
-            let mut st = self.shared.state.lock().unwrap();
-            while st.first_error.is_none() && st.next_batch < self.batches_submitted {
-                st = self.shared.changed.wait(st).unwrap();
-            }
-            if let Some(e) = st.first_error.take() {
-                return Err(e);
-            }
+        // `next_batch` counts a batch when its commit starts, so the last one may still be
+        // appending: the shards are closed only once no commit is in progress.
+        let failed = self.wait_for_commits().first_error.take();
+        if let Some(e) = failed {
+            return Err(e);
         }
         if self.fields.is_none() {
             // An empty source: an empty schema and positional ids.
@@ -779,7 +848,11 @@ impl CacheWriter {
         let final_dir = self.lock.final_dir();
         fs::rename(&self.tmp_dir, &final_dir).ctx("publish (rename)", &final_dir)?;
         self.published = true;
-        sync_dir(&self.lock.base)?;
+        // The cache is published (complete, verified, visible) once the rename is done. Syncing
+        // the parent only makes the rename survive a power loss; if that fails (a base directory
+        // that cannot be opened for reading, say), reporting the published cache as a failed
+        // write would be false, and a lost rename leaves no cache, which the next run rewrites.
+        let _ = sync_dir(&self.lock.base);
         let (samples, raw_bytes) = self.progress();
         Ok(Published {
             dir: final_dir,
@@ -800,12 +873,10 @@ fn describe_schema(fields: &[Field]) -> String {
 impl Drop for CacheWriter {
     fn drop(&mut self) {
         if !self.published {
-            // Wait for in-flight jobs so none writes into a removed directory, then clean up.
-            let mut st = self.shared.state.lock().unwrap();
-            while st.first_error.is_none() && st.next_batch < self.batches_submitted {
-                st = self.shared.changed.wait(st).unwrap();
-            }
-            drop(st);
+            // Wait until no commit can write into the directory, then clean up. Batches still
+            // being encoded may deliver later; after an error (or with every batch committed)
+            // a delivery commits nothing.
+            drop(self.wait_for_commits());
             let _ = fs::remove_dir_all(&self.tmp_dir);
         }
     }

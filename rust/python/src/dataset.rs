@@ -2,6 +2,7 @@
 //! Python-owned `mmap` of the shard: zero-copy under the abi3 limited API, and the slice keeps
 //! the map alive for as long as the user holds it.
 
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -40,14 +41,23 @@ impl PySide {
         if let Some(v) = cell.get() {
             return Ok(v.bind(py).clone());
         }
-        let path = cache.shard_path(shard);
+        // Map the very file the core validated and verifies records against, through a
+        // duplicate of its descriptor (mmap keeps its own): opening the path again could map
+        // another file if the cache directory was replaced since the dataset was opened.
+        let file = cache.shard_file(shard).try_clone().map_err(|e| {
+            crate::errors::to_py(dataset_rt_core::Error::io(
+                "duplicate the descriptor of",
+                cache.shard_path(shard),
+                e,
+            ))
+        })?;
         let mmap = py.import("mmap")?;
-        let file = py.import("builtins")?.call_method1("open", (path, "rb"))?;
-        let fileno = file.call_method0("fileno")?;
         let kwargs = PyDict::new(py);
         kwargs.set_item("access", mmap.getattr("ACCESS_READ")?)?;
-        let map = mmap.getattr("mmap")?.call((fileno, 0), Some(&kwargs));
-        file.call_method0("close")?;
+        let map = mmap
+            .getattr("mmap")?
+            .call((file.as_raw_fd(), 0), Some(&kwargs));
+        drop(file);
         let view = py
             .import("builtins")?
             .getattr("memoryview")?
@@ -62,11 +72,21 @@ struct Progress {
     epoch: AtomicU64,
     position: AtomicU64,
     finished: AtomicBool,
+    /// The weight table the pass reads under. Weights set during a pass apply from the next
+    /// one, so a state taken mid-pass must name this table, not the one in force.
+    weights_fingerprint: String,
+}
+
+/// A loaded state that the next pass resumes.
+struct Resume {
+    epoch: u64,
+    position: u64,
+    weights_fingerprint: String,
 }
 
 struct EpochControl {
     next_epoch: u64,
-    resume: Option<(u64, u64)>,
+    resume: Option<Resume>,
     current: Option<Arc<Progress>>,
     /// The last epoch order computed, reused when the same epoch is read again.
     order: Option<(u64, String, Arc<Vec<u64>>)>,
@@ -121,18 +141,24 @@ impl Dataset {
     fn current_state(&self) -> State {
         let control = self.control.lock().unwrap();
         let weights = self.weights.lock().unwrap();
-        let (epoch, position) = match (&control.resume, &control.current) {
-            (Some((e, p)), _) => (*e, *p),
-            (None, Some(p)) if p.finished.load(Ordering::Acquire) => {
-                (p.epoch.load(Ordering::Acquire) + 1, 0)
-            }
+        // A position inside a pass belongs to that pass's order, and so to its weights; the
+        // start of a pass not begun yet reads under the weights in force.
+        let (epoch, position, weights_fingerprint) = match (&control.resume, &control.current) {
+            (Some(r), _) => (r.epoch, r.position, r.weights_fingerprint.as_str()),
+            (None, Some(p)) if p.finished.load(Ordering::Acquire) => (
+                p.epoch.load(Ordering::Acquire) + 1,
+                0,
+                weights.fingerprint.as_str(),
+            ),
             (None, Some(p)) => (
                 p.epoch.load(Ordering::Acquire),
                 p.position.load(Ordering::Acquire),
+                p.weights_fingerprint.as_str(),
             ),
-            (None, None) => (control.next_epoch, 0),
+            (None, None) => (control.next_epoch, 0, weights.fingerprint.as_str()),
         };
-        self.inner.state(&self.opts, &weights, epoch, position)
+        self.inner
+            .state_under(&self.opts, weights_fingerprint, epoch, position)
     }
 }
 
@@ -178,13 +204,26 @@ impl Dataset {
         self.inner.fingerprint().to_owned()
     }
 
-    /// Starts the next pass: the next epoch, or the one a loaded state resumes.
+    /// Starts the next pass: the next epoch, or the one a loaded state resumes. The loaded
+    /// state and the epoch counter change only once the pass has started, so a failure here
+    /// (a closed runtime, say) leaves `state_dict()` as it was.
     fn __iter__(&self, py: Python<'_>) -> PyResult<DatasetIterator> {
         let weights = self.weights.lock().unwrap().clone();
         let (epoch, start, cached) = {
-            let mut control = self.control.lock().unwrap();
-            let (epoch, start) = control.resume.take().unwrap_or((control.next_epoch, 0));
-            control.next_epoch = epoch + 1;
+            let control = self.control.lock().unwrap();
+            let (epoch, start) = match &control.resume {
+                Some(r) if r.weights_fingerprint != weights.fingerprint => {
+                    return Err(crate::errors::StateError::new_err(format!(
+                        "the loaded state (epoch {}, position {}) was taken under weight table \
+                         {}, but set_samples_metadata has since put {} in force: apply the \
+                         state's weights again to resume it, or call set_epoch to start a new \
+                         epoch instead",
+                        r.epoch, r.position, r.weights_fingerprint, weights.fingerprint
+                    )));
+                }
+                Some(r) => (r.epoch, r.position),
+                None => (control.next_epoch, 0),
+            };
             let cached = control
                 .order
                 .as_ref()
@@ -192,30 +231,31 @@ impl Dataset {
                 .map(|(_, _, o)| o.clone());
             (epoch, start, cached)
         };
+        // A forked child must not start a pass: its cached order would hide that the pool's
+        // threads are gone until the first sample.
+        self.pool.check_usable().py_err()?;
         let order = match cached {
             Some(o) => o,
             None => {
                 let inner = self.inner.clone();
                 let opts = self.opts;
                 let w = weights.clone();
-                let order = Arc::new(
-                    py.detach(|| self.pool.run(move || Ok(inner.order(&opts, &w, epoch))))
+                Arc::new(
+                    py.detach(|| self.pool.run(move || inner.try_order(&opts, &w, epoch)))
                         .py_err()?,
-                );
-                self.control.lock().unwrap().order =
-                    Some((epoch, weights.fingerprint.clone(), order.clone()));
-                order
+                )
             }
         };
         let progress = Arc::new(Progress {
             epoch: AtomicU64::new(epoch),
             position: AtomicU64::new(start),
             finished: AtomicBool::new(false),
+            weights_fingerprint: weights.fingerprint.clone(),
         });
         let reader = EpochReader::new(
             self.pool.clone(),
             self.inner.clone(),
-            order,
+            order.clone(),
             &self.opts,
             epoch,
             start,
@@ -223,7 +263,12 @@ impl Dataset {
         if reader.is_empty() {
             progress.finished.store(true, Ordering::Release);
         }
-        self.control.lock().unwrap().current = Some(progress.clone());
+        let mut control = self.control.lock().unwrap();
+        control.resume = None;
+        control.next_epoch = epoch + 1;
+        control.order = Some((epoch, weights.fingerprint, order));
+        control.current = Some(progress.clone());
+        drop(control);
         Ok(DatasetIterator {
             reader,
             dataset: self.inner.clone(),
@@ -281,7 +326,11 @@ impl Dataset {
             .check_state(&state, &self.opts, &weights)
             .py_err()?;
         let mut control = self.control.lock().unwrap();
-        control.resume = Some((epoch, position));
+        control.resume = Some(Resume {
+            epoch,
+            position,
+            weights_fingerprint: weights.fingerprint,
+        });
         control.next_epoch = epoch;
         Ok(())
     }
@@ -433,6 +482,13 @@ pub fn epoch_order(
         epoch_len: epoch_len.unwrap_or(num_samples),
         shuffle,
     };
+    if params.epoch_len > sampler::MAX_EPOCH_LEN {
+        return Err(crate::errors::ConfigError::new_err(format!(
+            "an epoch of {} samples is above the limit of 2**40 = {}",
+            params.epoch_len,
+            sampler::MAX_EPOCH_LEN
+        )));
+    }
     if num_samples == 0 && params.epoch_len > 0 {
         return Err(crate::errors::ConfigError::new_err(format!(
             "an epoch of {} samples needs at least one sample",
@@ -456,10 +512,20 @@ pub fn epoch_order(
             )));
         }
     }
-    Ok(py.detach(|| match &weights {
-        Some(w) => sampler::epoch_order(params, Weights::Weighted(w)),
-        None => sampler::epoch_order(params, Weights::Uniform(num_samples)),
-    }))
+    // Not on a pool (this function has none): a local catch_unwind keeps a panic from
+    // crossing into Python as PanicException.
+    py.detach(|| {
+        std::panic::catch_unwind(|| match &weights {
+            Some(w) => sampler::try_epoch_order(params, Weights::Weighted(w)),
+            None => sampler::try_epoch_order(params, Weights::Uniform(num_samples)),
+        })
+        .unwrap_or_else(|panic| {
+            Err(dataset_rt_core::Error::Runtime(
+                dataset_rt_core::pool::panic_message(&panic),
+            ))
+        })
+    })
+    .py_err()
 }
 
 impl Dataset {

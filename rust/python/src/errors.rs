@@ -2,7 +2,9 @@
 
 use dataset_rt_core::Error;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyFileNotFoundError, PyOSError, PyPermissionError};
+use pyo3::exceptions::{
+    PyException, PyFileNotFoundError, PyMemoryError, PyOSError, PyPermissionError,
+};
 use pyo3::prelude::*;
 
 create_exception!(
@@ -74,11 +76,15 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 pub fn to_py(err: Error) -> PyErr {
     let msg = err.to_string();
     match err {
-        Error::Io { source, .. } => match source.kind() {
-            std::io::ErrorKind::NotFound => PyFileNotFoundError::new_err(msg),
-            std::io::ErrorKind::PermissionDenied => PyPermissionError::new_err(msg),
-            _ => PyOSError::new_err(msg),
+        Error::Io { source, .. } => match (source.raw_os_error(), source.kind()) {
+            // `OSError(errno, message)` becomes the matching subclass (PermissionError for
+            // EACCES, FileNotFoundError for ENOENT ...) and keeps `errno`.
+            (Some(errno), _) => PyOSError::new_err((errno, msg)),
+            (None, std::io::ErrorKind::NotFound) => PyFileNotFoundError::new_err(msg),
+            (None, std::io::ErrorKind::PermissionDenied) => PyPermissionError::new_err(msg),
+            (None, _) => PyOSError::new_err(msg),
         },
+        Error::OutOfMemory { .. } => PyMemoryError::new_err(msg),
         Error::Malformed { .. } => CacheMalformedError::new_err(msg),
         Error::CorruptRecord { .. } => CorruptRecordError::new_err(msg),
         Error::InvalidSample { .. } => InvalidSampleError::new_err(msg),

@@ -13,7 +13,9 @@ use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::progress::{SourceProgress, WriteProgress};
 use dataset_rt_core::sampler::RankPolicy;
-use dataset_rt_core::writer::{validate_name, CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_core::writer::{
+    reap_dead_leftovers, validate_name, CacheLock, CacheWriter, SampleInput, WriterOptions,
+};
 use dataset_rt_core::Error;
 use pyo3::prelude::*;
 use pyo3::types::{
@@ -21,7 +23,7 @@ use pyo3::types::{
 };
 
 use crate::dataset::Dataset;
-use crate::errors::{ConfigError, IntoPyResult};
+use crate::errors::{to_py, ConfigError, IntoPyResult};
 use crate::progress::PyStderr;
 
 #[pyclass(module = "dataset_rt._native", frozen)]
@@ -86,6 +88,9 @@ impl Runtime {
         write_validate: bool,
         shard_size: u64,
     ) -> PyResult<(Option<Dataset>, Vec<Outcome>)> {
+        // A closed runtime, or one inherited by a forked child, can do nothing: say so before
+        // anything is created or any source is judged.
+        self.pool.check_usable().py_err()?;
         let read = ReadOptions {
             seed,
             shuffle,
@@ -206,7 +211,7 @@ impl Runtime {
         // the lock: that works on read-only storage too.
         let published = base.join(name);
         if published.exists() {
-            return Ok(self.load_existing(py, &published, validation));
+            return self.load_existing(py, &published, validation);
         }
         let lock = match py.detach(|| CacheLock::acquire(base, name)) {
             Ok(l) => l,
@@ -216,7 +221,7 @@ impl Runtime {
         if dir.exists() {
             // Another writer published it while this one waited for the lock.
             drop(lock);
-            return Ok(self.load_existing(py, &dir, validation));
+            return self.load_existing(py, &dir, validation);
         }
         let iterable = source.get_type().hasattr("__iter__").unwrap_or(false);
         if !iterable {
@@ -253,7 +258,7 @@ impl Runtime {
         Ok(match result {
             Ok((dir, n, _)) => match self.open_cache(py, &dir, validation) {
                 Ok(c) => (("written", None, Some(n)), Some(c)),
-                Err(e) => (
+                Err(e) if is_malformed(&e) => (
                     (
                         "write_error",
                         Some(format!("written but not loadable: {e}")),
@@ -261,19 +266,41 @@ impl Runtime {
                     ),
                     None,
                 ),
+                Err(e) => return Err(to_py(e)),
             },
             Err(WriteFailure::Outcome(msg)) => (("write_error", Some(msg), None), None),
             Err(WriteFailure::Raise(err)) => return Err(err),
         })
     }
 
-    fn load_existing(&self, py: Python<'_>, dir: &Path, validation: Validation) -> SourceResult {
-        match self.open_cache(py, dir, validation) {
+    /// Loads a published cache, first removing the temporary directories its dead writers left.
+    ///
+    /// Only a cache that fails validation is "malformed". Anything else is not a property of
+    /// the cache and raises: a runtime error (`RuntimeStateError`), and an I/O error with its
+    /// OSError kind and errno (`PermissionError`, `OSError` for EIO ...), since reporting a cache
+    /// that could not be read as malformed would tell the user to delete a good cache.
+    fn load_existing(
+        &self,
+        py: Python<'_>,
+        dir: &Path,
+        validation: Validation,
+    ) -> PyResult<SourceResult> {
+        let owned = dir.to_owned();
+        let opened = py.detach(|| {
+            self.pool.run(move || {
+                if let (Some(base), Some(name)) = (owned.parent(), owned.file_name()) {
+                    reap_dead_leftovers(base, &name.to_string_lossy());
+                }
+                Cache::open(&owned, validation)
+            })
+        });
+        match opened {
             Ok(c) => {
                 let n = c.len();
-                (("loaded", None, Some(n)), Some(c))
+                Ok((("loaded", None, Some(n)), Some(c)))
             }
-            Err(e) => (("malformed", Some(e.to_string()), None), None),
+            Err(e) if is_malformed(&e) => Ok((("malformed", Some(e.to_string()), None), None)),
+            Err(e) => Err(to_py(e)),
         }
     }
 
@@ -329,6 +356,11 @@ impl Runtime {
         debug_assert_eq!(published.samples, pushed);
         Ok((published.dir, published.samples, published.raw_bytes))
     }
+}
+
+/// Whether opening a cache failed because the cache itself is bad (its files fail validation).
+fn is_malformed(err: &Error) -> bool {
+    matches!(err, Error::Malformed { .. } | Error::CorruptRecord { .. })
 }
 
 /// Why a source was not written: an outcome to report, or an exception that must propagate
