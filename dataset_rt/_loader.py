@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
-from dataset_rt import _native
+from dataset_rt import _native, _producer
 from dataset_rt._native import CachedSample, ConfigError, LoaderError, RingClosed, WorkerError
 
 if TYPE_CHECKING:
@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 __all__ = ["DataLoader"]
 
 SHM_DIR = "/dev/shm"
-DEFAULT_SLOT_SIZE = 16 * 1024 * 1024
+# Seconds a live producer or worker may show no sign of life before the loop gives up on it.
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0
 # How often the training loop checks its producer and workers while it waits.
 _POLL_S = 0.1
 # How long close() lets children exit on their own before killing them.
@@ -125,23 +126,48 @@ def _consumer_main(
     conn: multiprocessing.connection.Connection,
 ) -> None:
     """A consumer process: takes tickets, runs the user's functions on zero-copy views, sends
-    pickled results, releases slots. Exits when the pass ends, on close, or with its owner."""
+    pickled results, releases slots. Exits with code 0 when the pass ends, on close, or with its
+    owner. Anything else that ends it early (a parent that is not the owner, ``worker_init_fn``
+    raised, a protocol error) is sent to the training loop as ``("fatal", index, (stage,
+    traceback))`` before it exits with code 1."""
     try:
         _native.set_parent_death_signal(owner_pid)
     except RingClosed:
-        return
-    ring = _native.RingHandle.attach(ctl_name, index)
-    fd = _open_ring(ring.ring_name)
-    ring.mark_attached()
-    if worker_init_fn is not None:
-        worker_init_fn(index)
+        # Never attached, so a silent exit could leave the loop waiting for it: say why.
+        with contextlib.suppress(OSError):
+            conn.send_bytes(_dumps(("fatal", index, ("loader", traceback.format_exc()))))
+        sys.exit(1)
+    stage = "loader"
+    try:
+        ring = _native.RingHandle.attach(ctl_name, index)
+        fd = _open_ring(ring.ring_name)
+        ring.mark_attached()
+        if worker_init_fn is not None:
+            stage = "worker_init_fn"
+            worker_init_fn(index)
+            stage = "loader"
+        _consume(ring, fd, transform, collate_fn, conn)
+        os.close(fd)
+        ring.retire()
+    except RingClosed:
+        return  # stopped, the owner is gone, or the producer failed: the training loop knows
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.send_bytes(_dumps(("fatal", index, (stage, traceback.format_exc()))))
+        sys.exit(1)
+
+
+def _consume(
+    ring: _native.RingHandle,
+    fd: int,
+    transform: Callable[[CachedSample], Any] | None,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    conn: multiprocessing.connection.Connection,
+) -> None:
     while (seq := ring.take_ticket()) is not None:
-        try:
-            entries = None
-            while entries is None:
-                entries = ring.wait_batch(seq, 1.0)
-        except RingClosed:
-            break
+        entries = None
+        while entries is None:
+            entries = ring.wait_batch(seq, 1.0)
         slot_offset, used, items = entries
         views = _BatchViews(fd, seq, slot_offset, used, items)
         try:
@@ -157,13 +183,12 @@ def _consumer_main(
             views.release()
         except LoaderError:
             conn.send_bytes(_dumps(("err", seq, traceback.format_exc())))
-            break
+            return
         ring.release(seq)
         try:
             conn.send_bytes(message)
         except OSError:  # the training loop closed its end: it is shutting down
-            break
-    os.close(fd)
+            return
 
 
 def _describe_exit(code: int | None) -> str:
@@ -186,10 +211,15 @@ class _LoaderIterator(Iterator[Any]):
         self._producer: subprocess.Popen[bytes] | None = None
         self._workers: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
+        # Workers whose pipe is still open, and those that exited cleanly (pass done).
+        self._open: set[int] = set()
+        self._exited: set[int] = set()
         self._buffer: dict[int, tuple[str, Any]] = {}
         self._fd: int | None = None
         self._held: _BatchViews | None = None
         self._unlinked = False
+        self._total = 0
+        self._slot_size = 0
         _native.reap_shm_leftovers()
         # Named like the segments (owner pid first), so a dead owner's directory is reaped too.
         self._dir = tempfile.mkdtemp(prefix=f"dataset-rt-{self._owner}-spec-", dir=SHM_DIR)
@@ -207,16 +237,11 @@ class _LoaderIterator(Iterator[Any]):
             self._dir, num_slots, loader.slot_size_bytes, workers
         )
         self._total = ring.total_batches
+        self._slot_size = ring.slot_size
         if workers == 0:
             self._fd = _open_ring(ring.ring_name)
-        # The producer imports dataset_rt from wherever this process did.
-        env = dict(os.environ)
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(_native.__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         self._producer = subprocess.Popen(
-            [sys.executable, "-m", "dataset_rt._producer", str(self._owner), self._spec_path()],
-            stdin=subprocess.DEVNULL,
-            env=env,
+            _producer.command(self._owner, self._spec_path()), stdin=subprocess.DEVNULL
         )
         for i in range(workers):
             receiver, sender = loader._context.Pipe(duplex=False)
@@ -234,10 +259,18 @@ class _LoaderIterator(Iterator[Any]):
                 name=f"dataset-rt-worker-{i}",
                 daemon=True,
             )
-            process.start()
-            sender.close()
+            try:
+                process.start()
+            except BaseException:
+                receiver.close()
+                raise
+            finally:
+                sender.close()
             self._workers.append(process)
             self._conns.append(receiver)
+            self._open.add(i)
+        # Every process runs: only now does the pass use up a loaded state or the epoch.
+        loader._plan.commit_pass(ring)
 
     def _spec_path(self) -> str:
         return os.path.join(self._dir, "spec.json")
@@ -261,6 +294,11 @@ class _LoaderIterator(Iterator[Any]):
         """The pass's /dev/shm names (removed once every process has mapped them)."""
         return [self._ring.ctl_name, self._ring.ring_name] if self._ring else []
 
+    @property
+    def slot_size(self) -> int:
+        """Bytes of one ring slot of this pass."""
+        return self._slot_size
+
     def __next__(self) -> Any:
         if self._closed:
             raise StopIteration
@@ -282,7 +320,7 @@ class _LoaderIterator(Iterator[Any]):
             self.close()
             raise
 
-    # ---- waiting, with the checks that turn a dead or failed party into an exception ----
+    # ---- waiting, with the checks that turn a dead, failed or hung party into an exception ----
 
     def _check(self, seq: int, started: float) -> None:
         ring = self._ring
@@ -301,9 +339,32 @@ class _LoaderIterator(Iterator[Any]):
                 f"{_describe_exit(code)} before writing batch {seq}"
                 + (f"; its error: {ring.error_text()}" if ring.error_text() else "")
             )
+        for index, silent in ring.stalls(self._loader.heartbeat_timeout):
+            self._check_stall(index, silent, seq)
         timeout = self._loader.timeout
         if timeout > 0 and time.monotonic() - started > timeout:
             raise LoaderError(f"batch {seq} did not arrive within timeout={timeout} s")
+
+    def _check_stall(self, index: int | None, silent: float, seq: int) -> None:
+        """A party wrote no heartbeat for longer than ``heartbeat_timeout``: raises unless it
+        already exited (the exit checks report a death in its own words)."""
+        bound = self._loader.heartbeat_timeout
+        if index is None:
+            assert self._producer is not None
+            if self._producer.poll() is not None:
+                return
+            party = f"the loader's producer process (pid {self._producer.pid})"
+        else:
+            process = self._workers[index]
+            if not process.is_alive():
+                if process.exitcode != 0:
+                    raise self._worker_died(index, f"while batch {seq} was awaited")
+                return
+            party = f"loader worker {index} (pid {process.pid})"
+        raise LoaderError(
+            f"{party} showed no sign of life for {silent:.1f} s while batch {seq} was awaited "
+            f"(heartbeat_timeout={bound} s): it is stopped or hung"
+        )
 
     def _await_attach(self, seq: int) -> None:
         """Waits until every process mapped the segments, then removes their names: from the
@@ -312,11 +373,9 @@ class _LoaderIterator(Iterator[Any]):
         while not self._unlinked:
             self._check(seq, started)
             for i, process in enumerate(self._workers):
-                if not process.is_alive():
-                    raise LoaderError(
-                        f"loader worker {i} (pid {process.pid}) "
-                        f"{_describe_exit(process.exitcode)} while starting"
-                    )
+                # Exit code 0: it attached and had no batch left (others are still starting).
+                if not process.is_alive() and process.exitcode != 0:
+                    raise self._worker_died(i, "while starting")
             if not self._unlinked:
                 time.sleep(0.005)
 
@@ -346,37 +405,58 @@ class _LoaderIterator(Iterator[Any]):
             assert self._ring is not None
             self._ring.release(held.seq)
 
+    def _receive(self, i: int) -> None:
+        """Reads everything worker ``i`` has sent: results go to the reorder buffer, a fatal
+        error of the worker is raised."""
+        conn = self._conns[i]
+        while i in self._open and conn.poll():
+            try:
+                tag, t, payload = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                self._open.discard(i)
+                return
+            if tag == "fatal":
+                raise self._worker_failed(i, *payload)
+            self._buffer[t] = (tag, payload)
+
+    def _worker_failed(self, i: int, stage: str, report: str) -> LoaderError:
+        pid = self._workers[i].pid
+        if stage == "worker_init_fn":
+            return WorkerError(f"worker_init_fn raised in loader worker {i} (pid {pid}):\n{report}")
+        return LoaderError(f"loader worker {i} (pid {pid}) failed:\n{report}")
+
+    def _worker_died(self, i: int, when: str) -> LoaderError:
+        """The error for worker ``i`` having exited: the one it sent, if any."""
+        self._receive(i)  # raises the worker's own report when it sent one
+        process = self._workers[i]
+        return LoaderError(
+            f"loader worker {i} (pid {process.pid}) {_describe_exit(process.exitcode)} {when}"
+        )
+
     def _from_workers(self, seq: int) -> Any:
         started = time.monotonic()
-        live = dict(
-            zip([p.sentinel for p in self._workers], range(len(self._workers)), strict=True)
-        )
-        conns = list(self._conns)
         while seq not in self._buffer:
             self._check(seq, started)
-            ready = multiprocessing.connection.wait(conns + list(live), timeout=_POLL_S)
-            for obj in ready:
-                if isinstance(obj, multiprocessing.connection.Connection):
-                    try:
-                        tag, t, payload = pickle.loads(obj.recv_bytes())
-                    except EOFError:
-                        conns.remove(obj)
-                        continue
-                    self._buffer[t] = (tag, payload)
-                elif isinstance(obj, int) and obj in live:
-                    process = self._workers[live[obj]]
+            conns: dict[Any, int] = {self._conns[i]: i for i in self._open}
+            sentinels = {
+                p.sentinel: i for i, p in enumerate(self._workers) if i not in self._exited
+            }
+            if not conns and not sentinels:
+                raise LoaderError(f"every loader worker exited before batch {seq} arrived")
+            ready = multiprocessing.connection.wait([*conns, *sentinels], timeout=_POLL_S)
+            # Pipes before exits: a worker's last words arrive before its death is reported.
+            for obj in sorted(ready, key=lambda o: isinstance(o, int)):
+                if isinstance(obj, int):
+                    i = sentinels[obj]
+                    process = self._workers[i]
                     process.join(1.0)  # the sentinel fires just before the exit is reapable
                     if process.exitcode is None:
                         continue
                     if process.exitcode != 0:
-                        raise LoaderError(
-                            f"loader worker {live[obj]} (pid {process.pid}) "
-                            f"{_describe_exit(process.exitcode)} while batch {seq} was awaited"
-                        )
-                    del live[obj]
-            if not live and not conns and seq not in self._buffer:
-                self._check(seq, started)
-                raise LoaderError(f"every loader worker exited before batch {seq} arrived")
+                        raise self._worker_died(i, f"while batch {seq} was awaited")
+                    self._exited.add(i)
+                else:
+                    self._receive(conns[obj])
         tag, payload = self._buffer.pop(seq)
         if tag == "err":
             raise WorkerError(
@@ -416,7 +496,7 @@ class _LoaderIterator(Iterator[Any]):
                 self._producer.wait()
         if ring is not None:
             ring.unlink()
-            self._loader._plan.end_pass()
+            self._loader._plan.end_pass(ring)
         shutil.rmtree(self._dir, ignore_errors=True)
         self._buffer.clear()
         if self._fd is not None:
@@ -444,18 +524,22 @@ def _context(value: str | BaseContext | None) -> Any:
 
 
 class DataLoader:
-    """Batches of a :class:`~dataset_rt.Dataset` through the shared-memory loader.
+    """Batches of a :class:`~dataset_rt.Dataset` through the shared-memory loader (Linux).
 
-    - ``batch_size``: samples per batch; the last may be short unless ``drop_last``.
+    - ``batch_size``: samples per batch; the last may be short unless ``drop_last``. The only
+      argument besides ``dataset`` that may be given by position.
     - ``num_workers``: processes running ``transform`` (per sample) and ``collate_fn`` (per
       batch); ``0`` runs them in the training process on zero-copy views.
     - ``collate_fn``: ``None`` yields each batch as a list.
     - ``prefetch_factor``: ring slots per worker (at least 2 slots in all): how far the
       producer may run ahead of the training loop.
-    - ``slot_size_bytes``: bytes of one slot; a batch that does not fit raises
-      ``LoaderError`` naming both sizes (it is never truncated).
+    - ``slot_size_bytes``: bytes of one slot; ``None`` sizes slots from the data, so that a
+      batch of the dataset's largest samples fits. A batch that does not fit an explicit size
+      raises ``LoaderError`` naming both sizes (it is never truncated).
     - ``multiprocessing_context``: ``"fork"``, ``"spawn"`` or a context; ``None`` = Python's.
     - ``timeout``: seconds to wait for one batch (``0`` = no limit).
+    - ``heartbeat_timeout``: seconds the producer or a worker may show no sign of life (stopped,
+      hung) before ``LoaderError``; a slow ``transform`` is no such sign (see ``timeout``).
     - ``worker_init_fn``: called with the worker index at the start of each worker.
 
     Each ``iter(loader)`` is one epoch (the next one, or the one a loaded state resumes).
@@ -465,28 +549,42 @@ class DataLoader:
     def __init__(
         self,
         dataset: Dataset,
-        *,
         batch_size: int = 1,
+        *,
         num_workers: int = 0,
         transform: Callable[[CachedSample], Any] | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         drop_last: bool = False,
         prefetch_factor: int = 2,
-        slot_size_bytes: int = DEFAULT_SLOT_SIZE,
+        slot_size_bytes: int | None = None,
         multiprocessing_context: str | BaseContext | None = None,
         timeout: float = 0.0,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         worker_init_fn: Callable[[int], None] | None = None,
     ) -> None:
-        for name, value, low in (
+        # /dev/shm, futexes and prctl: checked first, before anything else could fail oddly.
+        if not sys.platform.startswith("linux"):
+            raise ConfigError("the shared-memory loader needs Linux")
+        checks = [
             ("batch_size", batch_size, 1),
             ("num_workers", num_workers, 0),
             ("prefetch_factor", prefetch_factor, 1),
-            ("slot_size_bytes", slot_size_bytes, 1),
-        ):
+        ]
+        if slot_size_bytes is not None:
+            checks.append(("slot_size_bytes", slot_size_bytes, 1))
+        for name, value, low in checks:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"invalid DataLoader.{name}: {value!r} is not an int >= {low}")
         if timeout < 0:
             raise ConfigError(f"invalid DataLoader.timeout: {timeout!r} is negative")
+        if (
+            isinstance(heartbeat_timeout, bool)
+            or not isinstance(heartbeat_timeout, (int, float))
+            or not heartbeat_timeout > 0  # NaN included
+        ):
+            raise ConfigError(
+                f"invalid DataLoader.heartbeat_timeout: {heartbeat_timeout!r} is not positive"
+            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -496,6 +594,7 @@ class DataLoader:
         self.prefetch_factor = prefetch_factor
         self.slot_size_bytes = slot_size_bytes
         self.timeout = timeout
+        self.heartbeat_timeout = heartbeat_timeout
         self.worker_init_fn = worker_init_fn
         self._context = _context(multiprocessing_context)
         self._plan = _native.LoaderPlan(dataset._native, batch_size, drop_last)
@@ -511,7 +610,8 @@ class DataLoader:
         return len(self._plan)
 
     def set_epoch(self, epoch: int) -> None:
-        """Makes the next ``iter(loader)`` read ``epoch`` from its start."""
+        """Makes the next ``iter(loader)`` read ``epoch`` from its start; the state describes
+        that start from now on (``ConfigError`` for a negative epoch)."""
         self._plan.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.data
-from torch.utils.data import default_collate
+from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from dataset_rt import _loader
 from dataset_rt._native import CachedSample, ConfigError
@@ -20,16 +20,40 @@ from dataset_rt._native import CachedSample, ConfigError
 if TYPE_CHECKING:
     from dataset_rt._dataset import Dataset
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "default_collate"]
+
+
+def _collate_cached_samples(
+    batch: list[CachedSample], *, collate_fn_map: dict[Any, Callable[..., Any]] | None = None
+) -> dict[str, Any]:
+    # Payloads vary in length, so they cannot be stacked; as bytes they outlive the slot.
+    return {
+        "data": [bytes(s.data) for s in batch],
+        "metadata": collate([s.metadata for s in batch], collate_fn_map=collate_fn_map),
+    }
+
+
+_COLLATE_FN_MAP: dict[Any, Callable[..., Any]] = {
+    **default_collate_fn_map,
+    CachedSample: _collate_cached_samples,
+}
+
+
+def default_collate(batch: list[Any]) -> Any:
+    """``torch.utils.data.default_collate`` that also takes ``CachedSample`` (anywhere in a
+    batch's structure): a batch of them becomes ``{"data": [bytes, ...], "metadata":
+    default_collate(the metadata dicts)}``. torch's global collate map is left alone."""
+    return collate(batch, collate_fn_map=_COLLATE_FN_MAP)
 
 
 class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     """A drop-in ``torch.utils.data.DataLoader`` over a DatasetRT dataset.
 
-    Takes torch's arguments plus ``transform`` (per sample, in the workers) and
-    ``slot_size_bytes``; collates with ``torch.utils.data.default_collate`` unless given
-    ``collate_fn``. The order is the dataset's (``ReaderConfig(seed=, shuffle=)``), so
-    ``shuffle``, ``sampler`` and ``batch_sampler`` are refused. ``persistent_workers`` is
+    Takes torch's arguments plus ``transform`` (per sample, in the workers),
+    ``slot_size_bytes`` and ``heartbeat_timeout``; collates with :func:`default_collate`
+    (torch's, plus ``CachedSample``) unless given ``collate_fn``. The order is the dataset's
+    (``ReaderConfig(seed=, shuffle=)``), so ``shuffle``, ``sampler`` and ``batch_sampler`` are
+    refused. ``persistent_workers`` is
     accepted; workers are started for each epoch. ``generator`` is not used.
     """
 
@@ -53,25 +77,27 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         transform: Callable[[CachedSample], Any] | None = None,
-        slot_size_bytes: int = _loader.DEFAULT_SLOT_SIZE,
+        slot_size_bytes: int | None = None,
+        heartbeat_timeout: float = _loader.DEFAULT_HEARTBEAT_TIMEOUT,
     ) -> None:
         if shuffle or sampler is not None or batch_sampler is not None:
             raise ConfigError(
                 "dataset_rt.torch.DataLoader reads the dataset's own order: set seed/shuffle in "
                 "ReaderConfig instead of shuffle=, sampler= or batch_sampler="
             )
-        collate = default_collate if collate_fn is None else collate_fn
+        collate_batch = default_collate if collate_fn is None else collate_fn
         self._shm = _loader.DataLoader(
             dataset,
             batch_size=batch_size,
             num_workers=num_workers,
             transform=transform,
-            collate_fn=collate,
+            collate_fn=collate_batch,
             drop_last=drop_last,
             prefetch_factor=2 if prefetch_factor is None else prefetch_factor,
             slot_size_bytes=slot_size_bytes,
             multiprocessing_context=multiprocessing_context,
             timeout=timeout,
+            heartbeat_timeout=heartbeat_timeout,
             worker_init_fn=worker_init_fn,
         )
         # torch's own constructor validates its arguments and sets the attributes frameworks
@@ -80,7 +106,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             dataset,  # type: ignore[arg-type]
             batch_size=batch_size,
             num_workers=num_workers,
-            collate_fn=collate,
+            collate_fn=collate_batch,
             pin_memory=pin_memory,
             drop_last=drop_last,
             timeout=timeout,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 
@@ -14,24 +15,28 @@ from dataset_rt.testing import make_source
 SEED = 7
 
 
-def payload(i: int) -> bytes:
+def payload(i: int, size: int | None = None) -> bytes:
+    """Sample `i`'s payload: 1 to 200 bytes, or `size + i` bytes when `size` is given."""
+    if size is not None:
+        return random.Random(i).randbytes(size + i)
     return bytes((i * 7 + j) % 251 for j in range(1 + (i * 37) % 200))
 
 
-def source(n: int):
-    return make_source("loader", [(payload(i), {"i": i, "tag": f"s{i}"}) for i in range(n)])
+def source(n: int, size: int | None = None):
+    return make_source("loader", [(payload(i, size), {"i": i, "tag": f"s{i}"}) for i in range(n)])
 
 
 _runtime: list[DatasetRuntime] = []
 
 
-def load(base: Path, n: int, **reader):
-    """A dataset of `n` samples under `base` (written on first use), on one shared runtime."""
+def load(base: Path, n: int, size: int | None = None, **reader):
+    """A dataset of `n` samples under `base` (written on first use), on one shared runtime;
+    `size`: see `payload`."""
     reader.setdefault("seed", SEED)
     if not _runtime:
         _runtime.append(DatasetRuntime(num_workers=2))
     result = _runtime[0].from_cache_sources(
-        source(n),
+        source(n, size),
         base,
         reader_config=ReaderConfig(**reader),
         writer_config=WriterConfig(show_progress=False),
@@ -63,13 +68,14 @@ def children(pid: int | None = None) -> list[int]:
 
 
 def _python_helper(pid: int) -> bool:
-    """multiprocessing's resource tracker: started once by the spawn context, lives as long as
-    this process, and is not the loader's."""
+    """multiprocessing's resource tracker and fork server: started once by the spawn and
+    forkserver contexts, live as long as this process, and are not the loader's."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"resource_tracker" in f.read()
+            cmdline = f.read()
     except OSError:
         return False
+    return b"resource_tracker" in cmdline or b"forkserver" in cmdline
 
 
 def gone(pid: int) -> bool:

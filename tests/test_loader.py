@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import random
+import subprocess
+import sys
+import textwrap
 import time
 import tracemalloc
 
@@ -12,7 +16,8 @@ import numpy as np
 import pytest
 from loader_helpers import SEED, load, no_leaks, own_segments, payload  # noqa: F401
 
-from dataset_rt import ConfigError, StateError
+import dataset_rt
+from dataset_rt import ConfigError, StateError, _producer
 from dataset_rt._loader import DataLoader
 from dataset_rt._native import LoaderError, WorkerError, reap_shm_leftovers
 
@@ -91,17 +96,18 @@ def test_start_methods(dataset, start_method):
     assert all(data == payload(i) for i, data in got)
 
 
-def test_zero_copy_views_in_the_training_process(base):
-    big = load(base.parent / "big", 8)  # noqa: F841  (a second cache keeps sizes apart)
-    dataset = load(base, N)
+def test_zero_copy_views_in_the_training_process(tmp_path):
+    size = 64 * 1024
+    dataset = load(tmp_path, 12, size=size)
     with DataLoader(dataset, batch_size=4, num_workers=0) as loader:
         it = iter(loader)
         first = next(it)
         view = first[0].data
         assert isinstance(view, memoryview)
         assert isinstance(view.obj, mmap.mmap)  # the ring's Python-owned map: no bytes copy
-        assert bytes(view) == payload(first[0].metadata["i"])
-        # Bytes copied per sample in Python: none of the payload (only the view objects).
+        assert bytes(view) == payload(first[0].metadata["i"], size)
+        # Bytes copied per sample in Python: none of the payload (only the view objects), so
+        # far less than one 64 KiB sample per batch.
         tracemalloc.start()
         try:
             before = tracemalloc.get_traced_memory()[0]
@@ -109,15 +115,26 @@ def test_zero_copy_views_in_the_training_process(base):
             grown = tracemalloc.get_traced_memory()[0] - before
         finally:
             tracemalloc.stop()
-        payload_bytes = sum(len(s.data) for s in batch)
-        assert payload_bytes > 0
-        assert grown < 4096 + 1024 * len(batch)
+        assert all(len(s.data) >= size for s in batch)
+        assert grown < 4096 + 1024 * len(batch) < size
         # The first batch's views were released when the second was requested.
         with pytest.raises(ValueError):
             bytes(view)
         with pytest.raises(ValueError):
             view[0]
         list(it)
+
+
+def where_is(sample):
+    """What a worker's transform sees as ``sample.data``."""
+    data = sample.data
+    return type(data).__name__, type(getattr(data, "obj", None)).__name__, len(data)
+
+
+def test_worker_transforms_get_views_over_the_ring(dataset):
+    with DataLoader(dataset, batch_size=8, num_workers=2, transform=where_is) as loader:
+        seen = {(kind, owner) for b in loader for kind, owner, _ in b}
+    assert seen == {("memoryview", "mmap")}
 
 
 def test_a_view_still_exported_blocks_reuse(dataset):
@@ -290,7 +307,9 @@ def test_set_epoch_and_len(dataset):
 
 
 def sleepy(sample):
-    time.sleep(random.random() * 0.0002)
+    # A random tenth of the samples takes 0-5 ms: workers finish out of order.
+    if random.random() < 0.1:
+        time.sleep(random.random() * 0.005)
     return sample.metadata["i"]
 
 
@@ -324,3 +343,302 @@ def test_torch_subclass(dataset):
     assert [int(n) for b in batches for n in b["n"]] == [len(payload(i)) for i in expected]
     with pytest.raises(ConfigError):
         TorchDataLoader(dataset, shuffle=True)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_torch_default_collate_takes_cached_samples(dataset, num_workers):
+    torch = pytest.importorskip("torch")
+    from dataset_rt.torch import DataLoader as TorchDataLoader
+
+    expected = epoch_ids(dataset, 0)
+    with TorchDataLoader(dataset, batch_size=8, num_workers=num_workers) as loader:
+        batches = list(loader)
+    assert all(set(b) == {"data", "metadata"} for b in batches)
+    ids = torch.cat([b["metadata"]["i"] for b in batches]).tolist()
+    assert ids == expected
+    assert [d for b in batches for d in b["data"]] == [payload(i) for i in expected]
+    assert all(isinstance(d, bytes) for b in batches for d in b["data"])
+    assert [t for b in batches for t in b["metadata"]["tag"]] == [f"s{i}" for i in expected]
+
+
+def test_batch_size_may_be_positional(dataset):
+    with DataLoader(dataset, 16) as loader:
+        assert loader.batch_size == 16
+        assert [len(b) for b in loader] == [16, 16, 16, 12]
+
+
+def test_set_epoch_moves_the_state_to_that_epoch(dataset):
+    with DataLoader(dataset, batch_size=10, transform=keyed) as loader:
+        assert ids_of(loader) == epoch_ids(dataset, 0)
+        assert loader.state_dict()["epoch"] == 1
+        loader.set_epoch(10)
+        assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (10, 0)
+        it = iter(loader)
+        next(it)
+        assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (10, 10)
+        loader.set_epoch(4)  # mid-pass: the state is epoch 4's start, not the live pass's
+        next(it)
+        assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (4, 0)
+        assert ids_of(loader) == epoch_ids(dataset, 4)
+        with pytest.raises(ConfigError, match="epoch"):
+            loader.set_epoch(-1)
+
+
+def ids_of(loader) -> list[int]:
+    return [i for b in loader for i, _ in b]
+
+
+def test_state_reports_the_weight_table_of_its_pass(dataset):
+    import polars as pl
+
+    with DataLoader(dataset, batch_size=8, transform=keyed) as loader:
+        uniform = loader.state_dict()["weights_fingerprint"]
+        it = iter(loader)
+        next(it)
+        table = dataset.samples_metadata()
+        dataset.set_samples_metadata(
+            table.with_columns(pl.when(pl.col("i") < 5).then(3.0).otherwise(1.0).alias("weight"))
+        )
+        # The live pass reads the uniform order: its state says so, mid-pass and after.
+        assert loader.state_dict()["weights_fingerprint"] == uniform
+        loader.close()
+        assert loader.state_dict()["weights_fingerprint"] == uniform
+        weighted = DataLoader(dataset).state_dict()["weights_fingerprint"]
+        assert weighted != uniform
+        list(loader)  # a new pass reads the new weights
+        assert loader.state_dict()["weights_fingerprint"] == weighted
+
+
+def test_a_failed_start_keeps_the_loaded_state_and_the_epoch(dataset):
+    expected = epoch_ids(dataset, 2)
+    with DataLoader(dataset, batch_size=5, transform=keyed) as loader:
+        it = iter(loader)
+        next(it)
+        resumed_state = {**loader.state_dict(), "epoch": 2, "position": 15}
+    broken = DataLoader(
+        dataset,
+        batch_size=5,
+        num_workers=1,
+        transform=lambda s: s,  # not picklable: the spawned worker cannot start
+        multiprocessing_context="spawn",
+    )
+    with broken:
+        broken.load_state_dict(resumed_state)
+        with pytest.raises(Exception, match=r"lambda|pickle"):
+            iter(broken)
+        assert broken.state_dict() == resumed_state
+        broken.slot_size_bytes = 1 << 50  # cannot be allocated: the segments fail
+        with pytest.raises(OSError):
+            iter(broken)
+        assert broken.state_dict() == resumed_state
+        broken.slot_size_bytes = None
+        broken.transform = keyed
+        assert ids_of(broken) == expected[15:]
+    with DataLoader(dataset, batch_size=5, slot_size_bytes=1 << 50) as loader:
+        loader.set_epoch(3)
+        with pytest.raises(OSError):
+            iter(loader)
+        assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (3, 0)
+        loader.slot_size_bytes = None
+        loader.transform = keyed
+        assert ids_of(loader) == epoch_ids(dataset, 3)
+
+
+POLLER = textwrap.dedent(
+    """
+    import sys, threading
+    sys.path.insert(0, {tests!r})
+    from loader_helpers import load
+    from dataset_rt._loader import DataLoader
+    dataset = load(__import__("pathlib").Path({base!r}), {n})
+    loader = DataLoader(dataset, batch_size=4, slot_size_bytes=16 << 20)
+    done = threading.Event()
+    def poll():
+        while not done.is_set():
+            loader.state_dict()
+    thread = threading.Thread(target=poll)
+    thread.start()
+    for _ in range(10):
+        it = iter(loader)
+        next(it)
+        loader.close()
+    done.set()
+    thread.join()
+    print("ok", flush=True)
+    """
+)
+
+
+def test_state_dict_from_another_thread_while_passes_start(base):
+    """`state_dict()` in a thread (holding the GIL) while `iter()` creates the segments with
+    the GIL released: neither may wait for the other forever."""
+    script = POLLER.format(tests=os.path.dirname(__file__), base=str(base), n=N)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("iter() and state_dict() in two threads deadlocked")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_slots_are_sized_from_the_data(dataset, tmp_path):
+    with DataLoader(dataset, batch_size=4) as loader:
+        it = iter(loader)
+        next(it)
+        assert it.slot_size == 64 * 1024  # 200-byte samples: the smallest slot
+    big = load(tmp_path, 12, size=100_000)
+    with DataLoader(big, batch_size=4, num_workers=1, transform=keyed) as loader:
+        it = iter(loader)
+        got = [x for b in it for x in b]
+        # Four of the largest sample (100 011 bytes) and their overheads, rounded to a page.
+        assert 4 * 100_011 < it.slot_size <= 4 * 100_011 + 4096 + 4 * 4096
+    assert sorted(i for i, _ in got) == list(range(12))
+    assert all(data == payload(i, 100_000) for i, data in got)
+    with DataLoader(big, batch_size=4, slot_size_bytes=300_000) as loader:
+        it = iter(loader)
+        assert it.slot_size == 303_104  # rounded up to a multiple of 4096
+        with pytest.raises(LoaderError, match=r"needs \d+ bytes but a ring slot holds 303104"):
+            next(it)
+
+
+def test_two_loaders_in_two_processes_at_once(dataset, base):
+    expected = epoch_ids(dataset, 0)
+    script = OTHER_PROCESS.format(tests=os.path.dirname(__file__), base=str(base), n=N)
+    other = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        with DataLoader(dataset, batch_size=3, num_workers=2, transform=keyed) as loader:
+            it = iter(loader)
+            got = [i for i, _ in next(it)]
+            assert other.stdout.readline().strip() == "started"  # both passes are live now
+            other.stdin.write("go\n")
+            other.stdin.flush()
+            got += [i for b in it for i, _ in b]
+        theirs = json.loads(other.stdout.readline())
+        assert other.wait(30) == 0
+    finally:
+        if other.poll() is None:
+            other.kill()
+        other.wait()
+        other.stdin.close()
+        other.stdout.close()
+    assert got == expected
+    assert theirs == expected
+    assert own_segments(other.pid) == []
+
+
+OTHER_PROCESS = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from loader_helpers import load
+    from dataset_rt._loader import DataLoader
+    dataset = load(__import__("pathlib").Path({base!r}), {n})
+    with DataLoader(dataset, batch_size=5, num_workers=2,
+                    transform=lambda s: s.metadata["i"]) as loader:
+        it = iter(loader)
+        got = list(next(it))
+        print("started", flush=True)
+        sys.stdin.readline()
+        got += [i for b in it for i in b]
+    print(json.dumps(got), flush=True)
+    """
+)
+
+
+def failing_collate(items):
+    if 13 in [i for i, _ in items]:
+        raise RuntimeError("collate_fn refused the batch with thirteen")
+    return items
+
+
+def test_collate_fn_exception_in_a_worker(dataset):
+    expected = epoch_ids(dataset, 0)
+    bad = next(k for k in range(0, N, 4) if 13 in expected[k : k + 4])
+    received = []
+    loader = DataLoader(
+        dataset, batch_size=4, num_workers=2, transform=keyed, collate_fn=failing_collate
+    )
+    with loader, pytest.raises(WorkerError) as caught:
+        for b in loader:
+            received += [i for i, _ in b]
+    message = str(caught.value)
+    assert f"batch {bad // 4}" in message
+    assert "collate_fn refused the batch with thirteen" in message
+    assert "in failing_collate" in message and "Traceback" in message
+    assert received == expected[:bad]
+
+
+def refusing_init(index):
+    raise KeyError(f"worker_init_fn refused worker {index}")
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_worker_init_fn_exception_reaches_the_training_loop(dataset, start_method):
+    loader = DataLoader(
+        dataset,
+        batch_size=4,
+        num_workers=2,
+        worker_init_fn=refusing_init,
+        multiprocessing_context=start_method,
+    )
+    with loader, pytest.raises(WorkerError) as caught:
+        list(loader)
+    message = str(caught.value)
+    assert "worker_init_fn raised in loader worker" in message
+    assert "KeyError" in message and "worker_init_fn refused worker" in message
+    assert "in refusing_init" in message and "Traceback" in message
+
+
+def test_the_producer_imports_this_package_without_a_changed_path(dataset):
+    with DataLoader(dataset, batch_size=4) as loader:
+        it = iter(loader)
+        with open(f"/proc/{it.pids['producer']}/environ", "rb") as f:
+            environ = dict(entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
+        next(it)
+    ours = os.environ.get("PYTHONPATH")
+    assert environ.get(b"PYTHONPATH") == (None if ours is None else ours.encode())
+
+
+@pytest.mark.parametrize("importable", [True, False])
+def test_the_producer_path_setup(tmp_path, importable):
+    """The producer finds the training process's `dataset_rt`, and puts the package root in
+    front of the path only when the default path would not find that very package."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dataset_rt.__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if importable:
+        env["PYTHONPATH"] = root
+    report = "import json, dataset_rt; print(json.dumps([dataset_rt.__file__, sys.path]))"
+    plain = subprocess.run(
+        [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    setup = subprocess.run(
+        [sys.executable, "-c", _producer.PATH_SETUP + report, root],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found, path = json.loads(setup.stdout)
+    default = [p for p in json.loads(plain.stdout) if p != ""]
+    assert os.path.realpath(found) == os.path.realpath(dataset_rt.__file__)
+    if importable:
+        assert path == default
+    else:
+        assert path in (default, [root, *default])
+
+
+def test_linux_only(dataset, monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(ConfigError, match="the shared-memory loader needs Linux"):
+        DataLoader(dataset)

@@ -4,8 +4,10 @@ seconds, never a hang, with nothing left in /dev/shm."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,3 +121,158 @@ def test_closing_mid_epoch_stops_children_quickly(base):
     loader.close()
     assert time.monotonic() - started < 3
     assert own_segments() == []
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stopped_producer_raises_within_seconds(base, num_workers):
+    """A producer that is alive but makes no progress (SIGSTOP here; a hung read alike)."""
+    dataset = load(base, N)
+    loader = DataLoader(dataset, batch_size=2, num_workers=num_workers, heartbeat_timeout=1.0)
+    with loader:
+        it = iter(loader)
+        next(it)
+        producer = it.pids["producer"]
+        os.kill(producer, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(
+                LoaderError,
+                match=rf"producer process \(pid {producer}\) showed no sign of life for "
+                r"[\d.]+ s .*heartbeat_timeout=1.0 s",
+            ):
+                for _ in it:
+                    pass
+            assert time.monotonic() - started < 5
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(producer, signal.SIGCONT)
+
+
+def test_a_stopped_worker_raises_within_seconds(base):
+    dataset = load(base, N)
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, transform=slow, heartbeat_timeout=1.0)
+    with loader:
+        it = iter(loader)
+        next(it)
+        worker = it.pids["workers"][1]
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(
+                LoaderError, match=rf"loader worker 1 \(pid {worker}\) showed no sign of life"
+            ):
+                for _ in it:
+                    pass
+            assert time.monotonic() - started < 5
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)
+
+
+def sleeps_long(sample):
+    time.sleep(2.0)
+    return sample.metadata["i"]
+
+
+def test_a_slow_transform_is_not_a_stall(base):
+    """The worker's heartbeat comes from a thread of its own: user code may take its time."""
+    dataset = load(base, N)
+    loader = DataLoader(
+        dataset, batch_size=1, num_workers=1, transform=sleeps_long, heartbeat_timeout=1.0
+    )
+    with loader:
+        it = iter(loader)
+        assert len(next(it)) == 1
+
+
+EARLY_TRAINER = textwrap.dedent(
+    """
+    import json, sys, time
+    sys.path.insert(0, {tests!r})
+    from loader_helpers import load
+    from dataset_rt._loader import DataLoader
+    dataset = load(__import__("pathlib").Path({base!r}), {n})
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, prefetch_factor=1,
+                        multiprocessing_context={method!r})
+    it = iter(loader)
+    while {wait_for_producer} and it._ring.produced < it._ring.total_batches:
+        time.sleep(0.01)
+    print(json.dumps(it.pids), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("method", "n", "wait_for_producer"),
+    [
+        ("fork", N, False),  # killed while every party is still starting
+        ("spawn", 4, True),  # killed after the producer wrote the whole (short) pass
+    ],
+)
+def test_sigkill_of_the_trainer_before_the_first_batch_leaves_nothing(
+    tmp_path, method, n, wait_for_producer
+):
+    load(tmp_path, n)
+    script = EARLY_TRAINER.format(
+        tests=os.path.dirname(__file__),
+        base=str(tmp_path),
+        n=n,
+        method=method,
+        wait_for_producer=wait_for_producer,
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(trainer.stdout.readline())
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        others = [pids["producer"], *pids["workers"]]
+        assert wait_until(lambda: all(gone(p) for p in others), 5), "children outlived it"
+        assert wait_until(lambda: own_segments(trainer.pid) == [], 5), own_segments(trainer.pid)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        trainer.wait()
+        trainer.stdout.close()
+
+
+def test_a_worker_failing_outside_user_code_reports_its_traceback(base, monkeypatch):
+    """A consumer that fails in the loader's own code (here: opening the ring) sends its
+    traceback; the loop does not just see "exited with code 1"."""
+    from dataset_rt import _loader
+
+    def refuse(name):
+        raise PermissionError(f"refused to open {name}")
+
+    monkeypatch.setattr(_loader, "_open_ring", refuse)  # forked workers inherit it
+    dataset = load(base, N)
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    with loader, pytest.raises(LoaderError) as caught:
+        next(iter(loader))
+    message = str(caught.value)
+    assert re.search(r"loader worker \d \(pid \d+\) failed:", message), message
+    assert "PermissionError: refused to open dataset-rt-" in message
+    assert "Traceback" in message and "in _consumer_main" in message
+
+
+def test_a_worker_done_before_another_attached_is_no_failure(tmp_path, monkeypatch):
+    """Worker 0 takes the whole (short) pass and exits while worker 1 is still starting."""
+    import multiprocessing
+
+    from dataset_rt import _loader
+
+    open_ring = _loader._open_ring
+
+    def slow_for_worker_1(name):
+        if multiprocessing.current_process().name == "dataset-rt-worker-1":
+            time.sleep(1.0)
+        return open_ring(name)
+
+    monkeypatch.setattr(_loader, "_open_ring", slow_for_worker_1)  # forked workers inherit it
+    dataset = load(tmp_path, 4)
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    with loader:
+        it = iter(loader)
+        assert wait_until(lambda: not it._workers[0].is_alive(), 5)
+        assert it._workers[1].is_alive()
+        assert sorted(s.metadata["i"] for b in it for s in b) == [0, 1, 2, 3]

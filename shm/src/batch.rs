@@ -3,7 +3,9 @@
 
 use std::borrow::Cow;
 
-use dataset_rt_core::metadata::MetaRef;
+use dataset_rt_core::cache::Cache;
+use dataset_rt_core::dataset::Dataset;
+use dataset_rt_core::metadata::{FieldType, MetaRef};
 
 use crate::layout::*;
 use crate::{Result, ShmError};
@@ -152,6 +154,63 @@ pub fn encode_metadata<'a>(row: impl Iterator<Item = (&'a str, MetaRef<'a>)>) ->
     out
 }
 
+/// Bytes [`encode_metadata`] writes for this row, without writing them.
+pub fn metadata_len<'a>(row: impl Iterator<Item = (&'a str, MetaRef<'a>)>) -> u64 {
+    4 + row
+        .map(|(key, value)| {
+            let value_len = match value {
+                MetaRef::Bool(_) => 1,
+                MetaRef::Int(_) | MetaRef::Float(_) => 8,
+                MetaRef::Str(s) => 4 + s.len() as u64,
+            };
+            2 + key.len() as u64 + 1 + value_len
+        })
+        .sum::<u64>()
+}
+
+/// The most bytes one sample of `cache` takes in a slot beyond the header: its offsets entry,
+/// its metadata, the payload's alignment padding and the decompressed payload. Read from the
+/// index (no record is touched); the metadata rows are walked only when a field is a string.
+fn max_sample_bytes_of(cache: &Cache) -> u64 {
+    let fixed_metadata = cache
+        .metadata
+        .fields
+        .iter()
+        .all(|f| f.dtype != FieldType::Str);
+    let max_metadata = match (fixed_metadata, cache.len()) {
+        (_, 0) => 0,
+        (true, _) => metadata_len(cache.metadata.row(0)),
+        (false, n) => (0..n)
+            .map(|row| metadata_len(cache.metadata.row(row)))
+            .max()
+            .unwrap_or(0),
+    };
+    let max_payload = (0..cache.len())
+        .map(|row| u64::from(cache.entry(row).raw_len))
+        .max()
+        .unwrap_or(0);
+    B_ENTRY_LEN + max_metadata + (PAYLOAD_ALIGN - 1) + max_payload
+}
+
+/// The most bytes any one sample of `ds` takes in a slot beyond the header (see
+/// [`slot_size_for`]).
+pub fn max_sample_bytes(ds: &Dataset) -> u64 {
+    ds.caches
+        .iter()
+        .map(|c| max_sample_bytes_of(c))
+        .max()
+        .unwrap_or(0)
+}
+
+/// A slot size that holds every batch of `batch_size` samples that take at most `max_sample`
+/// bytes each (a sample may repeat in a weighted order, so the bound is the largest one times
+/// the batch size): rounded up to a page, and at least [`MIN_SLOT_SIZE`].
+pub fn slot_size_for(max_sample: u64, batch_size: u64) -> u64 {
+    let needed = B_HEADER_LEN.saturating_add(batch_size.saturating_mul(max_sample));
+    // Absurd sizes stay page multiples: creating the ring then fails with a clear error.
+    align(needed.clamp(MIN_SLOT_SIZE, u64::MAX / PAGE * PAGE), PAGE)
+}
+
 /// Decodes what [`encode_metadata`] wrote.
 pub fn decode_metadata(bytes: &[u8]) -> Result<Vec<(&str, MetaRef<'_>)>> {
     let bad = || ShmError::Protocol("slot metadata is truncated or not UTF-8".into());
@@ -179,4 +238,150 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<Vec<(&str, MetaRef<'_>)>> {
         out.push((key, value));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(global: u64, meta: &[(&str, MetaRef<'_>)], data: &[u8]) -> SampleOut<'static> {
+        SampleOut {
+            global,
+            cache: (global % 3) as u32,
+            row: global / 3,
+            meta: encode_metadata(meta.iter().copied()),
+            data: Cow::Owned(data.to_vec()),
+        }
+    }
+
+    #[test]
+    fn a_batch_round_trips_through_a_slot() {
+        let samples = vec![
+            sample(
+                7,
+                &[("i", MetaRef::Int(-7)), ("tag", MetaRef::Str("séven"))],
+                b"abc",
+            ),
+            sample(2, &[("flag", MetaRef::Bool(true))], &[]),
+            sample(
+                11,
+                &[("x", MetaRef::Float(f64::NAN)), ("y", MetaRef::Float(-0.0))],
+                &[0xAB; 100],
+            ),
+        ];
+        let needed = batch_bytes(&samples);
+        let mut slot = vec![0xEEu8; 4096];
+        assert_eq!(write_batch(&mut slot, 42, &samples), needed);
+        let entries = read_batch(&slot, 42).unwrap();
+        assert_eq!(entries.len(), 3);
+        for (e, s) in entries.iter().zip(&samples) {
+            assert_eq!((e.global, e.cache, e.row), (s.global, s.cache, s.row));
+            assert_eq!(
+                e.data_off % PAYLOAD_ALIGN,
+                0,
+                "payloads are 64-byte aligned"
+            );
+            let data = &slot[e.data_off as usize..(e.data_off + e.data_len) as usize];
+            assert_eq!(data, &s.data[..]);
+            let meta = &slot[e.meta_off as usize..e.meta_off as usize + e.meta_len as usize];
+            assert_eq!(meta, &s.meta[..]);
+            assert!(e.data_off + e.data_len <= needed);
+        }
+        let meta = &slot[entries[0].meta_off as usize..][..entries[0].meta_len as usize];
+        assert_eq!(
+            decode_metadata(meta).unwrap(),
+            vec![("i", MetaRef::Int(-7)), ("tag", MetaRef::Str("séven"))]
+        );
+        let meta = &slot[entries[2].meta_off as usize..][..entries[2].meta_len as usize];
+        match decode_metadata(meta).unwrap()[..] {
+            [("x", MetaRef::Float(x)), ("y", MetaRef::Float(y))] => {
+                assert!(x.is_nan());
+                assert_eq!(y.to_bits(), (-0.0f64).to_bits());
+            }
+            ref other => panic!("decoded {other:?}"),
+        }
+        // The header as LAYOUT.md has it.
+        assert_eq!(&slot[..8], SLOT_MAGIC);
+        assert_eq!(slot[B_NUM_SAMPLES], 3);
+        assert_eq!(slot[B_VERSION], LAYOUT_VERSION as u8);
+    }
+
+    #[test]
+    fn a_slot_is_checked_before_it_is_read() {
+        let samples = vec![sample(1, &[("i", MetaRef::Int(1))], b"payload")];
+        let mut slot = vec![0u8; 512];
+        write_batch(&mut slot, 5, &samples);
+        assert!(read_batch(&slot, 6)
+            .unwrap_err()
+            .to_string()
+            .contains("holds batch 5"));
+        let mut bad = slot.clone();
+        bad[0] = b'X';
+        assert!(read_batch(&bad, 5)
+            .unwrap_err()
+            .to_string()
+            .contains("bad magic"));
+        let mut bad = slot.clone();
+        bad[B_USED..B_USED + 8].copy_from_slice(&10_000u64.to_le_bytes());
+        assert!(read_batch(&bad, 5)
+            .unwrap_err()
+            .to_string()
+            .contains("do not fit"));
+        let mut bad = slot.clone();
+        let len_at = (B_HEADER_LEN + 40) as usize;
+        bad[len_at..len_at + 8].copy_from_slice(&1000u64.to_le_bytes());
+        assert!(read_batch(&bad, 5)
+            .unwrap_err()
+            .to_string()
+            .contains("past the used bytes"));
+    }
+
+    #[test]
+    fn truncated_metadata_is_refused() {
+        let meta =
+            encode_metadata([("tag", MetaRef::Str("hello")), ("n", MetaRef::Int(3))].into_iter());
+        for cut in 0..meta.len() {
+            assert!(decode_metadata(&meta[..cut]).is_err(), "cut at {cut}");
+        }
+        assert!(decode_metadata(&meta).is_ok());
+    }
+
+    #[test]
+    fn metadata_len_is_what_encode_writes() {
+        let rows: [&[(&str, MetaRef<'_>)]; 3] = [
+            &[],
+            &[("b", MetaRef::Bool(false)), ("f", MetaRef::Float(1.5))],
+            &[
+                ("name", MetaRef::Str("ünïcode")),
+                ("i", MetaRef::Int(i64::MIN)),
+            ],
+        ];
+        for row in rows {
+            assert_eq!(
+                metadata_len(row.iter().copied()),
+                encode_metadata(row.iter().copied()).len() as u64
+            );
+        }
+    }
+
+    #[test]
+    fn slots_sized_from_the_largest_sample_hold_any_batch_of_them() {
+        assert_eq!(slot_size_for(100, 4), MIN_SLOT_SIZE);
+        let big = B_ENTRY_LEN + 20 + (PAYLOAD_ALIGN - 1) + 100_000;
+        let size = slot_size_for(big, 4);
+        assert_eq!(size % PAGE, 0);
+        assert!(size >= B_HEADER_LEN + 4 * big && size < B_HEADER_LEN + 4 * big + PAGE);
+        // Four copies of the largest sample, at the worst alignment, fit.
+        let samples: Vec<_> = (0..4)
+            .map(|g| {
+                sample(
+                    g,
+                    &[("tag", MetaRef::Str("0123456789"))],
+                    &vec![1; 100_000 - 1],
+                )
+            })
+            .collect();
+        assert!(batch_bytes(&samples) <= size);
+        assert_eq!(slot_size_for(u64::MAX, 2), u64::MAX / PAGE * PAGE);
+    }
 }

@@ -4,7 +4,7 @@
 
 pub const CTL_MAGIC: &[u8; 8] = b"DRTCTL\0\0";
 pub const SLOT_MAGIC: &[u8; 8] = b"DRTBATCH";
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// Prefix of every segment name in /dev/shm: `dataset-rt-<owner pid>-<nonce>-{ctl,ring}`.
 pub const NAME_PREFIX: &str = "dataset-rt-";
@@ -13,6 +13,8 @@ pub const SHM_DIR: &str = "/dev/shm";
 pub const PAGE: u64 = 4096;
 /// Payloads start on this boundary inside a slot (SIMD loads, `numpy.frombuffer` of any dtype).
 pub const PAYLOAD_ALIGN: u64 = 64;
+/// Smallest slot the loader sizes from the data (an explicit `slot_size_bytes` may be smaller).
+pub const MIN_SLOT_SIZE: u64 = 16 * PAGE;
 
 // ---- control segment header (all offsets in bytes) ----
 pub const C_MAGIC: usize = 0; // [u8; 8]
@@ -56,6 +58,8 @@ pub const CONSUMER_ENTRY: usize = 64; // after the slot table
 pub const P_PID: usize = 0; // u64
 pub const P_HEARTBEAT: usize = 8; // u64, CLOCK_MONOTONIC ns
 pub const P_TICKET: usize = 16; // u64: batch being processed, u64::MAX when none
+/// A heartbeat word holding this value: the party finished its work and needs no watching.
+pub const HEARTBEAT_DONE: u64 = u64::MAX;
 
 pub const FREE: u32 = 0;
 pub const FILLING: u32 = 1;
@@ -106,4 +110,210 @@ pub const META_STR: u8 = 3;
 
 pub fn align(x: u64, to: u64) -> u64 {
     x.div_ceil(to) * to
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEC: &str = include_str!("../LAYOUT.md");
+
+    /// The rows `| offset | type | field |` of the table under `heading`.
+    fn table(heading: &str) -> Vec<(usize, String, String)> {
+        let start = SPEC.find(heading).expect("heading in LAYOUT.md");
+        SPEC[start..]
+            .lines()
+            .skip_while(|l| !l.starts_with("| offset"))
+            .skip(2)
+            .take_while(|l| l.starts_with('|'))
+            // The consumer table's offset depends on num_slots ("…"): checked by the size line.
+            .filter(|l| !l.starts_with("| … |"))
+            .map(|l| {
+                let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
+                let offset = cells[0].parse().expect("a byte offset");
+                (offset, cells[1].to_owned(), cells[2].to_owned())
+            })
+            .collect()
+    }
+
+    /// Checks every `(field description prefix, type, constant)` against the table, and that
+    /// the table has no row the list lacks.
+    fn check(rows: &[(usize, String, String)], expected: &[(&str, &str, usize)]) {
+        for (offset, ty, field) in rows {
+            let Some((_, want_ty, want)) = expected.iter().find(|(p, _, _)| field.starts_with(p))
+            else {
+                panic!("LAYOUT.md field {field:?} at {offset} has no constant");
+            };
+            assert_eq!(offset, want, "offset of {field:?}");
+            assert_eq!(ty, want_ty, "type of {field:?}");
+        }
+        assert_eq!(
+            rows.len(),
+            expected.len(),
+            "fields in LAYOUT.md vs constants"
+        );
+    }
+
+    #[test]
+    fn control_segment_offsets_match_layout_md() {
+        let error_text = format!("[u8; {ERROR_TEXT_MAX}]");
+        check(
+            &table("## Control segment"),
+            &[
+                ("magic", "[u8; 8]", C_MAGIC),
+                ("layout version", "u32", C_VERSION),
+                ("num_slots", "u32", C_NUM_SLOTS),
+                ("slot_size", "u64", C_SLOT_SIZE),
+                ("ring bytes", "u64", C_RING_BYTES),
+                ("max_consumers", "u32", C_MAX_CONSUMERS),
+                ("attached", "u32", C_ATTACHED),
+                ("expected_attach", "u32", C_EXPECTED_ATTACH),
+                ("stop", "u32", C_STOP),
+                ("producer wake", "u32", C_PRODUCER_WAKE),
+                ("error kind", "u32", C_ERROR_KIND),
+                ("error batch", "u64", C_ERROR_BATCH),
+                ("owner pid", "u64", C_OWNER_PID),
+                ("producer pid", "u64", C_PRODUCER_PID),
+                ("producer heartbeat", "u64", C_PRODUCER_HEARTBEAT),
+                ("total batches", "u64", C_TOTAL_BATCHES),
+                ("batch size", "u64", C_BATCH_SIZE),
+                ("rank samples", "u64", C_RANK_SAMPLES),
+                // Longer prefixes first: "epoch length" before "epoch", and so on.
+                ("epoch length", "u64", C_EPOCH_LEN),
+                ("epoch", "u64", C_EPOCH),
+                ("start", "u64", C_START),
+                ("rank policy", "u32", C_POLICY),
+                ("rank", "u64", C_RANK),
+                ("world size", "u64", C_WORLD_SIZE),
+                ("produced", "u64", C_PRODUCED),
+                ("next ticket", "u64", C_NEXT_TICKET),
+                ("delivered", "u64", C_DELIVERED),
+                ("position", "u64", C_POSITION),
+                ("error text length", "u32", C_ERROR_LEN),
+                ("error text", &error_text, C_ERROR_TEXT),
+                ("slot table", "64 × num_slots", C_SLOTS),
+            ],
+        );
+    }
+
+    #[test]
+    fn slot_content_offsets_match_layout_md() {
+        check(
+            &table("## Slot content"),
+            &[
+                ("magic", "[u8; 8]", B_MAGIC),
+                ("batch", "u64", B_SEQ),
+                ("number of samples", "u32", B_NUM_SAMPLES),
+                ("layout version", "u32", B_VERSION),
+                ("bytes used", "u64", B_USED),
+                ("offsets table", "48 × n", B_HEADER_LEN as usize),
+            ],
+        );
+        assert_eq!(B_ENTRY_LEN, 48);
+    }
+
+    /// `+offset type` pairs of an inline entry description, e.g. "`+8 u64` batch in the slot".
+    fn entry_fields(after: &str) -> Vec<(usize, String)> {
+        let start = SPEC.find(after).expect("entry description in LAYOUT.md");
+        let paragraph = SPEC[start..].split("\n\n").next().unwrap();
+        paragraph
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter_map(|code| {
+                let (offset, ty) = code.strip_prefix('+')?.split_once(' ')?;
+                Some((offset.parse().ok()?, ty.to_owned()))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn table_entries_match_layout_md() {
+        let slot_entry = [
+            (S_WORD, "u32"),
+            (S_SEQ, "u64"),
+            (S_USED, "u64"),
+            (S_HOLDER, "u64"),
+        ];
+        let consumer_entry = [(P_PID, "u64"), (P_HEARTBEAT, "u64"), (P_TICKET, "u64")];
+        let offsets_entry = [
+            (0, "u64"),
+            (8, "u32"),
+            (12, "u32"),
+            (16, "u64"),
+            (24, "u64"),
+            (32, "u64"),
+            (40, "u64"),
+        ];
+        let fields = entry_fields("Slot table entry (64 bytes)");
+        let want: Vec<(usize, String)> = slot_entry
+            .iter()
+            .chain(&consumer_entry)
+            .map(|(o, t)| (*o, t.to_string()))
+            .collect();
+        assert_eq!(fields, want);
+        assert_eq!((SLOT_ENTRY, CONSUMER_ENTRY), (64, 64));
+        let fields = entry_fields("Offsets table entry (48 bytes");
+        let want: Vec<(usize, String)> = offsets_entry
+            .iter()
+            .map(|(o, t)| (*o, t.to_string()))
+            .collect();
+        assert_eq!(fields, want);
+    }
+
+    #[test]
+    fn version_codes_and_sizes_match_layout_md() {
+        let title = format!("byte layout, version {LAYOUT_VERSION}");
+        assert!(
+            SPEC.contains(&title),
+            "LAYOUT.md title says another version"
+        );
+        assert_eq!(
+            SPEC.matches(&format!("layout version = {LAYOUT_VERSION} |"))
+                .count(),
+            2
+        );
+        assert!(SPEC.contains(&format!(
+            "Size: `{C_SLOTS} + {SLOT_ENTRY} × num_slots + {CONSUMER_ENTRY} × max_consumers`"
+        )));
+        assert!(SPEC.contains(&format!(
+            "| … | {CONSUMER_ENTRY} × max_consumers | consumer table |"
+        )));
+        assert!(SPEC.contains(&format!(
+            "state FREE {FREE}, FILLING {FILLING}, READY {READY}, TAKEN {TAKEN}"
+        )));
+        assert!(SPEC.contains(&format!(
+            "0 none, {ERR_IO} I/O, {ERR_MALFORMED} malformed cache, {ERR_CORRUPT_RECORD} corrupt \
+             record, {ERR_BATCH_TOO_LARGE} batch larger than a slot, {ERR_STATE} state, \
+             {ERR_OTHER} other, {ERR_WRITING} being written"
+        )));
+        assert_eq!(ERR_NONE, 0);
+        assert_eq!(C_ERROR_TEXT + ERROR_TEXT_MAX, C_SLOTS);
+        assert_eq!(
+            (&CTL_MAGIC[..], &SLOT_MAGIC[..]),
+            (&b"DRTCTL\0\0"[..], &b"DRTBATCH"[..])
+        );
+        assert!(SPEC.contains("magic `DRTCTL\\0\\0`") && SPEC.contains("magic `DRTBATCH`"));
+    }
+
+    #[test]
+    fn ctl_len_rounds_up_to_pages() {
+        assert_eq!(ctl_len(4, 2), 4096);
+        assert_eq!(ctl_len(43, 1), 4096); // 1280 + 43 × 64 + 64 bytes exactly
+        assert_eq!(ctl_len(44, 1), 8192);
+    }
+
+    #[test]
+    fn slot_words_carry_the_batch_and_the_state() {
+        for (seq, state) in [(0, FREE), (1, FILLING), (7, READY), (1 << 29, TAKEN)] {
+            let word = slot_word(seq, state);
+            assert_eq!(word_state(word), state);
+            assert_eq!(u64::from(word >> 2), seq & 0x3FFF_FFFF);
+        }
+        // The batch wraps at 2^30: two fills of one slot differ unless 2^30 batches apart.
+        assert_eq!(slot_word(1 << 30, READY), slot_word(0, READY));
+        assert_ne!(slot_word(4, READY), slot_word(8, READY));
+        assert_eq!(align(65, 64), 128);
+        assert_eq!(align(64, 64), 64);
+    }
 }

@@ -12,7 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::batch::{batch_bytes, encode_metadata, write_batch, SampleOut};
 use crate::layout::*;
-use crate::ring::Ring;
+use crate::ring::{Party, Ring};
+use crate::segment;
 use crate::{Result, ShmError};
 
 /// What the producer needs beyond the control segment: written by the training process into a
@@ -71,32 +72,122 @@ fn error_kind(err: &ShmError) -> u32 {
     }
 }
 
-/// Runs the producer of the pass `spec` names until it has written every batch, was stopped,
-/// or its owner is gone. Errors are also written into the control segment for the training loop.
-pub fn run(spec: &ProducerSpec) -> Result<()> {
-    let ring = Ring::attach(&spec.ctl_name)?;
-    // SAFETY: getpid cannot fail.
-    ring.set_producer(unsafe { libc::getpid() } as u64);
-    // The weights are read before this process counts as attached: once every party has
-    // attached, the owner removes the spec directory.
+/// The producer process's body: reads the spec (and weights) the owner wrote into its private
+/// directory at `spec_path`, removes that directory, and runs [`run`]. Whenever the owner turns
+/// out to be gone, at any stage, it removes the pass's names: the owner died before it could.
+pub fn run_file(spec_path: &Path, owner_pid: u64) -> Result<()> {
+    let text = std::fs::read(spec_path).map_err(|source| ShmError::Io {
+        op: "read",
+        path: spec_path.to_owned(),
+        source,
+    })?;
+    let spec: ProducerSpec = serde_json::from_slice(&text).map_err(|e| {
+        ShmError::Protocol(format!("{}: not a producer spec: {e}", spec_path.display()))
+    })?;
     let weights = spec.weights_file.as_deref().map(read_weights).transpose();
+    // The producer is the directory's only reader: nothing of it need outlive this point.
+    if let Some(dir) = spec_path.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    let result = match weights {
+        Ok(weights) if parent_pid() == owner_pid => run(&spec, weights),
+        Ok(_) => Err(ShmError::OwnerGone(owner_pid)),
+        Err(e) => Err(e),
+    };
+    if parent_pid() != owner_pid {
+        // Gone before every party attached (the last to attach removes the names): do it here.
+        if let Some(stem) = spec.ctl_name.strip_suffix("-ctl") {
+            segment::unlink(&spec.ctl_name);
+            segment::unlink(&format!("{stem}-ring"));
+        }
+        return Err(ShmError::OwnerGone(owner_pid));
+    }
+    result
+}
+
+/// Runs the producer of the pass `spec` names, with the weight table (little-endian f64 per
+/// sample; `None`: uniform), until it has written every batch and every party has attached,
+/// was stopped, or its owner is gone. Errors are also written into the control segment for the
+/// training loop.
+pub fn run(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
+    let ring = Arc::new(Ring::attach(&spec.ctl_name)?);
+    ring.set_producer(u64::from(std::process::id()));
     ring.mark_attached();
-    let result = weights.and_then(|w| fill(&ring, spec, w));
-    match result {
-        Ok(()) | Err(ShmError::Stopped) => Ok(()),
-        Err(ShmError::OwnerGone(pid)) => {
-            // The training process died before it could remove the names: do it for it.
-            ring.unlink();
-            Err(ShmError::OwnerGone(pid))
+    let filled = fill(&ring, spec, weights);
+    if let Err(e) = &filled {
+        if !matches!(e, ShmError::Stopped | ShmError::OwnerGone(_)) {
+            ring.set_error(error_kind(e), ring.produced(), &e.to_string());
         }
-        Err(e) => {
-            ring.set_error(error_kind(&e), ring.produced(), &e.to_string());
-            Err(e)
-        }
+    }
+    // Nothing more to write: the owner stops watching this process's heartbeat.
+    ring.finished(Party::Producer);
+    // Staying until every party attached lets `run_file` remove the names should the owner die
+    // before the last party attached (which removes them).
+    let waited = match &filled {
+        Err(ShmError::Stopped | ShmError::OwnerGone(_)) => Ok(()),
+        _ => ring.wait_all_attached(),
+    };
+    match (filled, waited) {
+        (Err(ShmError::Stopped), _) | (Ok(()), Ok(()) | Err(ShmError::Stopped)) => Ok(()),
+        (Err(e), _) | (Ok(()), Err(e)) => Err(e),
     }
 }
 
-fn fill(ring: &Ring, spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
+fn parent_pid() -> u64 {
+    // SAFETY: getppid cannot fail.
+    unsafe { libc::getppid() as u64 }
+}
+
+fn fill(ring: &Arc<Ring>, spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
+    let (ds, opts, order) = prepare(ring, spec, weights)?;
+    let pass = ring.pass();
+    let split = opts.split();
+    let slot_size = ring.geometry().slot_size;
+    for b in 0..pass.total_batches {
+        let k0 = b * pass.batch_size;
+        let k1 = (k0 + pass.batch_size).min(pass.rank_samples);
+        let samples = (k0..k1)
+            .map(|k| {
+                // A long batch build (large samples, slow storage) still shows progress.
+                ring.heartbeat(Party::Producer);
+                let global = order[split.global_position(pass.epoch_len, pass.start, k) as usize];
+                let (c, row) = ds.locate(global);
+                let cache = &ds.caches[c];
+                Ok(SampleOut {
+                    global,
+                    cache: c as u32,
+                    row,
+                    meta: encode_metadata(cache.metadata.row(row)),
+                    data: cache.payload(row)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let needed = batch_bytes(&samples);
+        if needed > slot_size {
+            return Err(ShmError::BatchTooLarge {
+                batch: b,
+                samples: samples.len() as u64,
+                needed,
+                slot_size,
+            });
+        }
+        ring.wait_fillable(b)?;
+        // SAFETY: the producer alone fills, after wait_fillable, and publishes after writing.
+        let slot = unsafe { ring.begin_fill(b) };
+        let used = write_batch(slot, b, &samples);
+        ring.publish(b, used);
+    }
+    Ok(())
+}
+
+/// Opens the caches and computes the epoch order: seconds for large datasets, during which a
+/// thread keeps the heartbeat going (the fill loop beats by itself).
+fn prepare(
+    ring: &Arc<Ring>,
+    spec: &ProducerSpec,
+    weights: Option<Vec<f64>>,
+) -> Result<(Dataset, ReadOptions, Vec<u64>)> {
+    let _alive = ring.keep_alive(Party::Producer)?;
     let caches = spec
         .cache_dirs
         .iter()
@@ -148,40 +239,6 @@ fn fill(ring: &Ring, spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<(
             pass.epoch_len
         )));
     }
-    let order = ds.order(&opts, &weights, pass.epoch);
-    let split = opts.split();
-    let slot_size = ring.geometry().slot_size;
-    for b in 0..pass.total_batches {
-        let k0 = b * pass.batch_size;
-        let k1 = (k0 + pass.batch_size).min(pass.rank_samples);
-        let samples = (k0..k1)
-            .map(|k| {
-                let global = order[split.global_position(pass.epoch_len, pass.start, k) as usize];
-                let (c, row) = ds.locate(global);
-                let cache = &ds.caches[c];
-                Ok(SampleOut {
-                    global,
-                    cache: c as u32,
-                    row,
-                    meta: encode_metadata(cache.metadata.row(row)),
-                    data: cache.payload(row)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let needed = batch_bytes(&samples);
-        if needed > slot_size {
-            return Err(ShmError::BatchTooLarge {
-                batch: b,
-                samples: samples.len() as u64,
-                needed,
-                slot_size,
-            });
-        }
-        ring.wait_fillable(b)?;
-        // SAFETY: the producer alone fills, after wait_fillable, and publishes after writing.
-        let slot = unsafe { ring.begin_fill(b) };
-        let used = write_batch(slot, b, &samples);
-        ring.publish(b, used);
-    }
-    Ok(())
+    let order = ds.try_order(&opts, &weights, pass.epoch)?;
+    Ok((ds, opts, order))
 }

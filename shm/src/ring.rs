@@ -2,6 +2,7 @@
 //! slot contents are handed over by the slot word's Release/Acquire transitions.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use dataset_rt_core::sampler::{RankPolicy, RankSplit};
@@ -44,17 +45,50 @@ pub enum Role {
     Child,
 }
 
+/// One party's mapping of a pass's two segments. `Send` and `Sync` come from `MmapRaw` (no
+/// `unsafe impl` here): every shared field is accessed through atomics, and slot bytes only by
+/// the party the slot word hands them to.
 pub struct Ring {
     ctl: Segment,
     ring: Segment,
     geometry: Geometry,
     owner_pid: u64,
+    /// When this party mapped the segments (CLOCK_MONOTONIC ns): the owner counts a party that
+    /// never wrote a heartbeat as silent since then.
+    mapped_ns: u64,
 }
 
-// SAFETY: the struct only holds mappings; all cross-thread access goes through atomics or
-// through slot ownership handed over by the protocol.
-unsafe impl Send for Ring {}
-unsafe impl Sync for Ring {}
+/// A party that writes heartbeats: the producer, or consumer `i`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Party {
+    Producer,
+    Consumer(usize),
+}
+
+/// A party whose heartbeat is older than the owner's bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stall {
+    pub party: Party,
+    /// 0 when the party never registered.
+    pub pid: u64,
+    pub silent: Duration,
+}
+
+/// Writes a party's heartbeat every [`POLL`] from a thread of its own until dropped (or the
+/// ring is stopped): the party is alive and scheduled while its main thread is busy elsewhere.
+pub struct Heartbeat {
+    stop: Option<mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        drop(self.stop.take()); // wakes the thread at once
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
 
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -79,10 +113,20 @@ impl Ring {
                 "invalid ring geometry {geometry:?}: slots and a page-multiple slot size are required"
             )));
         }
+        let Some(ring_bytes) = geometry
+            .slot_size
+            .checked_mul(u64::from(geometry.num_slots))
+            .filter(|&b| i64::try_from(b).is_ok())
+        else {
+            return Err(ShmError::Protocol(format!(
+                "a ring of {} slots of {} bytes is too large: lower slot_size_bytes or \
+                 prefetch_factor",
+                geometry.num_slots, geometry.slot_size
+            )));
+        };
         let stem = segment::new_stem(owner_pid);
         let ctl_name = format!("{stem}-ctl");
         let ring_name = format!("{stem}-ring");
-        let ring_bytes = geometry.slot_size * u64::from(geometry.num_slots);
         let ctl = Segment::create(
             &ctl_name,
             ctl_len(geometry.num_slots, geometry.max_consumers),
@@ -99,6 +143,7 @@ impl Ring {
             ring,
             geometry,
             owner_pid,
+            mapped_ns: monotonic_ns(),
         };
         // The segment is fresh (all zero, every slot FREE for batch 0); nobody else has it yet.
         r.a32(C_VERSION).store(LAYOUT_VERSION, Ordering::Relaxed);
@@ -170,6 +215,7 @@ impl Ring {
                 max_consumers: 0,
             },
             owner_pid,
+            mapped_ns: monotonic_ns(),
         };
         let version = probe.a32(C_VERSION).load(Ordering::Relaxed);
         if version != LAYOUT_VERSION {
@@ -273,15 +319,37 @@ impl Ring {
         }
     }
 
-    /// Counts this party as holding both segments.
+    /// Counts this party as holding both segments. The party that completes the count removes
+    /// both names at once: from then on the kernel frees the memory with the last mapping,
+    /// whatever happens to the owner (which may not look before its first `next()`).
     pub fn mark_attached(&self) {
-        self.a32(C_ATTACHED).fetch_add(1, Ordering::AcqRel);
+        let attached = self.a32(C_ATTACHED);
+        let now = attached.fetch_add(1, Ordering::AcqRel) + 1;
+        if now == self.a32(C_EXPECTED_ATTACH).load(Ordering::Relaxed) {
+            self.unlink();
+        }
+        futex::wake_all(attached);
     }
 
     /// Whether every expected party has attached, so the names may go.
     pub fn all_attached(&self) -> bool {
         self.a32(C_ATTACHED).load(Ordering::Acquire)
             >= self.a32(C_EXPECTED_ATTACH).load(Ordering::Relaxed)
+    }
+
+    /// Waits until every party has attached, so that the owner removes the names (a child:
+    /// errors when stopped or when the owner is gone, which leaves the names to this party).
+    pub fn wait_all_attached(&self) -> Result<()> {
+        let attached = self.a32(C_ATTACHED);
+        let expected = self.a32(C_EXPECTED_ATTACH).load(Ordering::Relaxed);
+        loop {
+            let seen = attached.load(Ordering::Acquire);
+            if seen >= expected {
+                return Ok(());
+            }
+            self.check_live(Role::Child)?;
+            futex::wait(attached, seen, POLL);
+        }
     }
 
     /// Removes both names from /dev/shm (the mappings stay valid).
@@ -368,20 +436,86 @@ impl Ring {
 
     pub fn set_producer(&self, pid: u64) {
         self.a64(C_PRODUCER_PID).store(pid, Ordering::Release);
-        self.heartbeat(None);
+        self.heartbeat(Party::Producer);
     }
 
     pub fn producer_pid(&self) -> u64 {
         self.a64(C_PRODUCER_PID).load(Ordering::Acquire)
     }
 
-    /// Records that a party is alive: the producer (`None`) or consumer `i`.
-    pub fn heartbeat(&self, consumer: Option<usize>) {
-        let off = match consumer {
-            None => C_PRODUCER_HEARTBEAT,
-            Some(i) => self.consumer_base(i) + P_HEARTBEAT,
-        };
-        self.a64(off).store(monotonic_ns(), Ordering::Relaxed);
+    fn heartbeat_word(&self, party: Party) -> &AtomicU64 {
+        match party {
+            Party::Producer => self.a64(C_PRODUCER_HEARTBEAT),
+            Party::Consumer(i) => self.a64(self.consumer_base(i) + P_HEARTBEAT),
+        }
+    }
+
+    /// Records that a party is alive and making progress.
+    pub fn heartbeat(&self, party: Party) {
+        self.heartbeat_word(party)
+            .store(monotonic_ns(), Ordering::Relaxed);
+    }
+
+    /// Records that a party finished its work: the owner stops watching its heartbeat.
+    pub fn finished(&self, party: Party) {
+        self.heartbeat_word(party)
+            .store(HEARTBEAT_DONE, Ordering::Relaxed);
+    }
+
+    /// Starts a thread that writes `party`'s heartbeat every [`POLL`] until the returned guard
+    /// is dropped or the ring is stopped.
+    pub fn keep_alive(self: &Arc<Self>, party: Party) -> Result<Heartbeat> {
+        let (stop, stopped) = mpsc::channel::<()>();
+        let ring = self.clone();
+        let thread = std::thread::Builder::new()
+            .name("dataset-rt-heartbeat".into())
+            .spawn(move || {
+                while !ring.stopped() {
+                    ring.heartbeat(party);
+                    if stopped.recv_timeout(POLL) != Err(mpsc::RecvTimeoutError::Timeout) {
+                        return; // the guard was dropped
+                    }
+                }
+            })
+            .map_err(|source| ShmError::Io {
+                op: "start the heartbeat thread of",
+                path: segment::path_of(self.ctl_name()),
+                source,
+            })?;
+        self.heartbeat(party);
+        Ok(Heartbeat {
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// The parties (producer first, then consumers in order) whose last heartbeat, or this
+    /// mapping's creation when they never wrote one, is more than `bound` ago. Finished parties
+    /// are not watched. The owner decides what a stall means for a party that already exited.
+    pub fn stalls(&self, bound: Duration) -> Vec<Stall> {
+        let now = monotonic_ns();
+        let consumers = self
+            .a32(C_EXPECTED_ATTACH)
+            .load(Ordering::Relaxed)
+            .saturating_sub(1);
+        let consumers = (consumers.min(self.geometry.max_consumers)) as usize;
+        std::iter::once(Party::Producer)
+            .chain((0..consumers).map(Party::Consumer))
+            .filter_map(|party| {
+                let beat = self.heartbeat_word(party).load(Ordering::Relaxed);
+                if beat == HEARTBEAT_DONE {
+                    return None;
+                }
+                let silent = Duration::from_nanos(now.saturating_sub(beat.max(self.mapped_ns)));
+                let pid = match party {
+                    Party::Producer => self.producer_pid(),
+                    Party::Consumer(i) => self
+                        .a64(self.consumer_base(i) + P_PID)
+                        .load(Ordering::Acquire),
+                };
+                (silent > bound).then_some(Stall { party, pid, silent })
+            })
+            .collect()
     }
 
     pub fn register_consumer(&self, i: usize, pid: u64) -> Result<()> {
@@ -393,7 +527,7 @@ impl Ring {
         }
         self.a64(self.consumer_base(i) + P_PID)
             .store(pid, Ordering::Release);
-        self.heartbeat(Some(i));
+        self.heartbeat(Party::Consumer(i));
         Ok(())
     }
 
@@ -417,7 +551,7 @@ impl Ring {
         loop {
             let seen = wake.load(Ordering::Acquire);
             self.check_live(Role::Child)?;
-            self.heartbeat(None);
+            self.heartbeat(Party::Producer);
             let free = word_state(self.word(b).load(Ordering::Acquire)) == FREE;
             if free && b < self.delivered() + slots {
                 return Ok(());
@@ -505,7 +639,7 @@ impl Ring {
                 }
             }
             if let Some(i) = consumer {
-                self.heartbeat(Some(i));
+                self.heartbeat(Party::Consumer(i));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -577,5 +711,222 @@ impl Ring {
         wake.fetch_add(1, Ordering::AcqRel);
         futex::wake_all(wake);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const _: () = {
+        // Shared between threads (the heartbeat thread, the bindings' Arc) without unsafe impls.
+        const fn send_and_sync<T: Send + Sync>() {}
+        send_and_sync::<Ring>();
+    };
+
+    fn pass(total_batches: u64, consumers: u32) -> Pass {
+        Pass {
+            total_batches,
+            batch_size: 2,
+            rank_samples: 2 * total_batches,
+            epoch: 3,
+            start: 0,
+            epoch_len: 2 * total_batches,
+            rank: 0,
+            world_size: 1,
+            policy: RankPolicy::Pad,
+            expected_attach: 1 + consumers,
+        }
+    }
+
+    /// A ring whose owner is this process's parent, as for the producer and consumers: their
+    /// waits check that their parent is the owner. Its names are removed at once (the mapping
+    /// stays) unless `keep_names`.
+    fn ring(num_slots: u32, total_batches: u64, consumers: u32, keep_names: bool) -> Ring {
+        let geometry = Geometry {
+            num_slots,
+            slot_size: PAGE,
+            max_consumers: consumers.max(1),
+        };
+        let r = Ring::create(parent_pid(), geometry, pass(total_batches, consumers)).unwrap();
+        if !keep_names {
+            r.unlink();
+        }
+        r
+    }
+
+    fn fill(r: &Ring, b: u64, byte: u8) {
+        r.wait_fillable(b).unwrap();
+        // SAFETY: this test is the only producer; the slice is dropped before publishing.
+        let slot = unsafe { r.begin_fill(b) };
+        assert_eq!(r.word(b).load(Ordering::Acquire), slot_word(b, FILLING));
+        slot[..8].fill(byte);
+        r.publish(b, 8);
+    }
+
+    #[test]
+    fn slot_words_go_free_filling_ready_taken_free() {
+        let r = ring(2, 4, 1, false);
+        assert_eq!(r.word(0).load(Ordering::Acquire), slot_word(0, FREE));
+        fill(&r, 0, 0xA0);
+        assert_eq!(r.word(0).load(Ordering::Acquire), slot_word(0, READY));
+        assert_eq!(r.produced(), 1);
+
+        assert_eq!(r.take_ticket(), Some(0));
+        assert!(r.wait_ready(0, POLL, Role::Owner, Some(0)).unwrap());
+        assert_eq!(r.word(0).load(Ordering::Acquire), slot_word(0, TAKEN));
+        assert_eq!(&r.slot(0)[..8], &[0xA0; 8]);
+        // Taken once: a second wait sees no READY word and times out.
+        assert!(!r
+            .wait_ready(0, Duration::from_millis(20), Role::Owner, Some(0))
+            .unwrap());
+        // Batch 1 is not written yet.
+        assert!(!r
+            .wait_ready(1, Duration::from_millis(20), Role::Owner, None)
+            .unwrap());
+        r.release(0, Some(0)).unwrap();
+        assert_eq!(r.word(0).load(Ordering::Acquire), slot_word(0, FREE));
+        assert!(r
+            .release(0, Some(0))
+            .unwrap_err()
+            .to_string()
+            .contains("not TAKEN"));
+
+        fill(&r, 1, 0xA1);
+        // Batch 2 reuses slot 0, which is FREE, but is 2 slots ahead of what was delivered.
+        let blocked = std::thread::scope(|s| {
+            let waiter = s.spawn(|| r.wait_fillable(2));
+            std::thread::sleep(Duration::from_millis(250));
+            let blocked = !waiter.is_finished();
+            r.mark_delivered(0).unwrap();
+            waiter.join().unwrap().unwrap();
+            blocked
+        });
+        assert!(blocked, "the prefetch bound let the producer run ahead");
+        fill(&r, 2, 0xA2);
+        // Every fill of a slot is a new word: batch 2's READY is not batch 0's.
+        assert_eq!(r.word(2).load(Ordering::Acquire), slot_word(2, READY));
+        assert_ne!(slot_word(2, READY), slot_word(0, READY));
+        assert!(r
+            .mark_delivered(2)
+            .unwrap_err()
+            .to_string()
+            .contains("out of order"));
+        assert_eq!(r.progress(), (3, 2, false));
+    }
+
+    #[test]
+    fn a_stop_ends_every_wait() {
+        let r = ring(2, 4, 1, false);
+        r.stop();
+        assert!(matches!(r.wait_fillable(0), Err(ShmError::Stopped)));
+        assert!(matches!(
+            r.wait_ready(0, POLL, Role::Child, None),
+            Err(ShmError::Stopped)
+        ));
+        assert!(matches!(r.wait_all_attached(), Err(ShmError::Stopped)));
+    }
+
+    #[test]
+    fn a_producer_error_reaches_consumers_at_its_batch() {
+        let r = ring(2, 4, 1, false);
+        assert!(r.set_error(ERR_CORRUPT_RECORD, 1, "bad record"));
+        assert!(
+            !r.set_error(ERR_IO, 0, "later error"),
+            "the first error wins"
+        );
+        assert!(!r
+            .wait_ready(0, Duration::from_millis(20), Role::Owner, None)
+            .unwrap());
+        match r.wait_ready(1, POLL, Role::Owner, None) {
+            Err(ShmError::ProducerFailed { kind, batch, text }) => {
+                assert_eq!(
+                    (kind, batch, text.as_str()),
+                    (ERR_CORRUPT_RECORD, 1, "bad record")
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn error_text_is_truncated_at_a_character_boundary() {
+        let r = ring(2, 1, 0, false);
+        let text = "é".repeat(ERROR_TEXT_MAX); // 2 bytes each: twice what fits
+        assert!(r.set_error(ERR_OTHER, 0, &text));
+        let (kind, batch, stored) = r.error().unwrap();
+        assert_eq!((kind, batch), (ERR_OTHER, 0));
+        assert_eq!(stored, "é".repeat(ERROR_TEXT_MAX / 2));
+        // After one ASCII byte, 1020 bytes end inside a 3-byte character: 1 + 3 × 339 kept.
+        let r = ring(2, 1, 0, false);
+        assert!(r.set_error(ERR_OTHER, 0, &format!("a{}", "€".repeat(400))));
+        assert_eq!(r.error().unwrap().2, format!("a{}", "€".repeat(339)));
+    }
+
+    #[test]
+    fn the_last_party_to_attach_removes_the_names() {
+        let r = ring(2, 1, 1, true);
+        let names = [r.ctl_name().to_owned(), r.ring_name().to_owned()];
+        let exists = || names.iter().all(|n| segment::path_of(n).exists());
+        let other = Ring::attach(r.ctl_name()).unwrap();
+        assert_eq!(other.geometry(), r.geometry());
+        assert_eq!(other.pass(), r.pass());
+        other.mark_attached();
+        assert!(exists() && !r.all_attached());
+        r.mark_attached();
+        assert!(r.all_attached());
+        assert!(names.iter().all(|n| !segment::path_of(n).exists()));
+        r.wait_all_attached().unwrap();
+    }
+
+    #[test]
+    fn attach_refuses_what_it_does_not_speak() {
+        let r = ring(2, 1, 1, true);
+        r.a32(C_VERSION)
+            .store(LAYOUT_VERSION + 1, Ordering::Relaxed);
+        let refused = Ring::attach(r.ctl_name()).err().unwrap().to_string();
+        r.unlink();
+        assert!(refused.contains("layout version"), "{refused}");
+        let refused = Ring::attach("dataset-rt-1-x-ring")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(refused.contains("not a control segment name"), "{refused}");
+    }
+
+    #[test]
+    fn stalls_list_silent_parties_until_they_finish() {
+        let r = Arc::new(ring(2, 1, 2, false));
+        assert!(r.stalls(Duration::from_secs(5)).is_empty());
+        std::thread::sleep(Duration::from_millis(5));
+        let parties = |bound| -> Vec<Party> { r.stalls(bound).iter().map(|s| s.party).collect() };
+        // Nobody wrote a heartbeat yet: silent since the ring was created.
+        assert_eq!(
+            parties(Duration::ZERO),
+            [Party::Producer, Party::Consumer(0), Party::Consumer(1)]
+        );
+        r.set_producer(1234);
+        r.finished(Party::Consumer(1));
+        let stall = r.stalls(Duration::ZERO)[0];
+        assert_eq!((stall.party, stall.pid), (Party::Producer, 1234));
+        r.finished(Party::Producer);
+        assert_eq!(parties(Duration::ZERO), [Party::Consumer(0)]);
+        let bound = Duration::from_millis(150);
+        {
+            let _alive = r.keep_alive(Party::Consumer(0)).unwrap();
+            std::thread::sleep(Duration::from_millis(400));
+            assert!(
+                parties(bound).is_empty(),
+                "the heartbeat thread keeps it fresh"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(
+            parties(bound),
+            [Party::Consumer(0)],
+            "silent once the thread stopped"
+        );
+        r.finished(Party::Consumer(0));
+        assert!(parties(Duration::ZERO).is_empty());
     }
 }

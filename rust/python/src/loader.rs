@@ -3,15 +3,15 @@
 //! entry points of the producer and consumer processes. The protocol lives in `dataset-rt-shm`.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use dataset_rt_core::dataset::State;
 use dataset_rt_core::metadata::MetaRef;
-use dataset_rt_shm::batch::{decode_metadata, read_batch};
+use dataset_rt_shm::batch::{decode_metadata, max_sample_bytes, read_batch, slot_size_for};
 use dataset_rt_shm::layout::*;
 use dataset_rt_shm::producer::{self, ProducerSpec};
-use dataset_rt_shm::ring::{Geometry, Pass, Ring, Role};
+use dataset_rt_shm::ring::{Geometry, Heartbeat, Party, Pass, Ring, Role};
 use dataset_rt_shm::{segment, ShmError};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError};
@@ -34,7 +34,7 @@ create_exception!(
     dataset_rt._native,
     WorkerError,
     LoaderError,
-    "transform or collate_fn raised in a loader worker; the message carries the worker's traceback."
+    "worker_init_fn, transform or collate_fn raised in a loader worker; the message carries the worker's traceback."
 );
 create_exception!(
     dataset_rt._native,
@@ -96,22 +96,80 @@ fn own_pid() -> u64 {
     std::process::id() as u64
 }
 
+/// Where the state comes from when no pass is live, and the weight table it was read with.
+#[derive(Clone)]
+struct Resume {
+    epoch: u64,
+    position: u64,
+    weights_fingerprint: String,
+}
+
+/// A pass this plan started: its control segment holds the state.
+struct LivePass {
+    ring: Arc<Ring>,
+    weights_fingerprint: String,
+}
+
+/// The progress of the last pass once it ended.
+struct EndedPass {
+    epoch: u64,
+    position: u64,
+    finished: bool,
+    weights_fingerprint: String,
+}
+
 struct PlanControl {
     next_epoch: u64,
-    resume: Option<(u64, u64)>,
-    /// The live pass: its control segment holds the state.
-    current: Option<Arc<Ring>>,
-    /// (epoch, position, finished) of the last pass, once it ended.
-    last: Option<(u64, u64, bool)>,
+    resume: Option<Resume>,
+    current: Option<LivePass>,
+    last: Option<EndedPass>,
+    /// Bumped by `set_epoch` and `load_state_json`: a pass whose start began before such a call
+    /// does not overwrite it when it commits.
+    generation: u64,
+}
+
+impl PlanControl {
+    /// (epoch, position, weights fingerprint) the state reports; `None` for the fingerprint:
+    /// the dataset's current weight table.
+    fn state(&self) -> (u64, u64, Option<String>) {
+        if let Some(r) = &self.resume {
+            return (r.epoch, r.position, Some(r.weights_fingerprint.clone()));
+        }
+        let (epoch, position, finished, fingerprint) = match (&self.current, &self.last) {
+            (Some(live), _) => {
+                let (e, p, f) = live.ring.progress();
+                (e, p, f, &live.weights_fingerprint)
+            }
+            (None, Some(ended)) => (
+                ended.epoch,
+                ended.position,
+                ended.finished,
+                &ended.weights_fingerprint,
+            ),
+            (None, None) => return (self.next_epoch, 0, None),
+        };
+        let fingerprint = Some(fingerprint.clone());
+        if finished {
+            (epoch + 1, 0, fingerprint)
+        } else {
+            (epoch, position, fingerprint)
+        }
+    }
 }
 
 /// Epochs, iterator state and pass creation of one `DataLoader` (training process only).
+///
+/// `control` is a std mutex taken by GIL-holding code: it is never held across `py.detach`
+/// (nor anything that waits), so a thread blocked on it cannot deadlock one that needs the GIL.
 #[pyclass(module = "dataset_rt._native", frozen)]
 pub struct LoaderPlan {
     dataset: Py<Dataset>,
     batch_size: u64,
     drop_last: bool,
     control: Mutex<PlanControl>,
+    /// The most bytes one sample takes in a slot (from the caches' index entries), computed on
+    /// the first pass that sizes its slots from the data.
+    max_sample_bytes: OnceLock<u64>,
 }
 
 impl LoaderPlan {
@@ -120,22 +178,6 @@ impl LoaderPlan {
             samples / self.batch_size
         } else {
             samples.div_ceil(self.batch_size)
-        }
-    }
-
-    fn position(control: &PlanControl) -> (u64, u64) {
-        if let Some(resume) = control.resume {
-            return resume;
-        }
-        let progress = control
-            .current
-            .as_ref()
-            .map(|r| r.progress())
-            .or(control.last);
-        match progress {
-            Some((epoch, _, true)) => (epoch + 1, 0),
-            Some((epoch, position, false)) => (epoch, position),
-            None => (control.next_epoch, 0),
         }
     }
 }
@@ -158,7 +200,9 @@ impl LoaderPlan {
                 resume: None,
                 current: None,
                 last: None,
+                generation: 0,
             }),
+            max_sample_bytes: OnceLock::new(),
         })
     }
 
@@ -168,19 +212,30 @@ impl LoaderPlan {
         self.batches(inner.rank_len(&opts)) as usize
     }
 
-    /// Fixes the epoch of the next pass (and drops a loaded state's position).
-    fn set_epoch(&self, epoch: u64) {
+    /// Fixes the epoch of the next pass; the state now describes that epoch's start (a loaded
+    /// state's position and the last pass's progress are dropped), as `Dataset.set_epoch`.
+    fn set_epoch(&self, epoch: i64) -> PyResult<()> {
+        let epoch = u64::try_from(epoch)
+            .map_err(|_| ConfigError::new_err(format!("invalid epoch {epoch}: must be >= 0")))?;
         let mut control = self.control.lock().unwrap();
         control.next_epoch = epoch;
         control.resume = None;
+        control.current = None;
+        control.last = None;
+        control.generation += 1;
+        Ok(())
     }
 
     /// The dataset's state format at what the training loop received: read from the live
-    /// pass's control segment.
+    /// pass's control segment, with the weight table that pass reads.
     fn state_json(&self) -> String {
+        let (epoch, position, fingerprint) = self.control.lock().unwrap().state();
         let (inner, opts, weights) = self.dataset.get().reading();
-        let (epoch, position) = Self::position(&self.control.lock().unwrap());
-        inner.state(&opts, &weights, epoch, position).to_json()
+        let mut state = inner.state(&opts, &weights, epoch, position);
+        if let Some(fingerprint) = fingerprint {
+            state.weights_fingerprint = fingerprint;
+        }
+        state.to_json()
     }
 
     /// Makes the next pass resume at the exact next sample of the state (any batch size,
@@ -190,30 +245,54 @@ impl LoaderPlan {
         let (inner, opts, weights) = self.dataset.get().reading();
         let (epoch, position) = inner.check_state(&state, &opts, &weights).py_err()?;
         let mut control = self.control.lock().unwrap();
-        control.resume = Some((epoch, position));
+        control.resume = Some(Resume {
+            epoch,
+            position,
+            weights_fingerprint: weights.fingerprint.clone(),
+        });
         control.next_epoch = epoch;
+        control.generation += 1;
         Ok(())
     }
 
     /// Creates the segments of the next pass and writes the producer's spec (and weights) into
-    /// `private_dir`; returns the owner's handle.
+    /// `private_dir`; returns the owner's handle. `slot_size=None` sizes slots from the data:
+    /// a batch of the largest samples fits. Nothing of the plan changes until `commit_pass`:
+    /// a start that fails on the way consumes no loaded state and advances no epoch.
+    #[pyo3(signature = (private_dir, num_slots, slot_size, num_consumers))]
     fn start_pass(
         &self,
         py: Python<'_>,
         private_dir: PathBuf,
         num_slots: u32,
-        slot_size: u64,
+        slot_size: Option<u64>,
         num_consumers: u32,
     ) -> PyResult<RingHandle> {
         let (inner, opts, weights) = self.dataset.get().reading();
-        let mut control = self.control.lock().unwrap();
-        let (epoch, start) = control.resume.take().unwrap_or((control.next_epoch, 0));
-        control.next_epoch = epoch + 1;
+        let (epoch, start, generation) = {
+            let control = self.control.lock().unwrap();
+            let (epoch, start) = control
+                .resume
+                .as_ref()
+                .map_or((control.next_epoch, 0), |r| (r.epoch, r.position));
+            (epoch, start, control.generation)
+        };
+        let slot_size = match slot_size {
+            Some(bytes) => align(bytes.max(1), PAGE),
+            None => {
+                let max_sample = py.detach(|| {
+                    *self
+                        .max_sample_bytes
+                        .get_or_init(|| max_sample_bytes(&inner))
+                });
+                slot_size_for(max_sample, self.batch_size)
+            }
+        };
         let epoch_len = inner.epoch_len(&opts);
         let rank_samples = opts.split().rank_len(epoch_len, start);
         let geometry = Geometry {
             num_slots,
-            slot_size: align(slot_size.max(1), PAGE),
+            slot_size,
             max_consumers: num_consumers.max(1),
         };
         let pass = Pass {
@@ -264,22 +343,66 @@ impl LoaderPlan {
             ring.unlink();
             return Err(shm_err(e));
         }
-        control.current = Some(ring.clone());
-        control.last = None;
         Ok(RingHandle {
             ring,
             role: Role::Owner,
             consumer: None,
+            heartbeat: Mutex::new(None),
+            owner: Some(OwnerPass {
+                generation,
+                epoch,
+                weights_fingerprint: weights.fingerprint,
+            }),
         })
     }
 
-    /// Ends the live pass: keeps its progress for `state_json` and drops its mappings.
-    fn end_pass(&self) {
+    /// Makes a started pass the live one, once all its processes are running: the state reads
+    /// from its control segment, a loaded state is used up and the next pass reads the next
+    /// epoch. A `set_epoch` or `load_state_json` since `start_pass` wins over it.
+    fn commit_pass(&self, ring: &RingHandle) -> PyResult<()> {
+        let Some(owner) = &ring.owner else {
+            return Err(LoaderError::new_err("commit_pass needs the owner's handle"));
+        };
         let mut control = self.control.lock().unwrap();
-        if let Some(ring) = control.current.take() {
-            control.last = Some(ring.progress());
+        if control.generation != owner.generation {
+            return Ok(());
+        }
+        control.resume = None;
+        control.next_epoch = owner.epoch + 1;
+        control.current = Some(LivePass {
+            ring: ring.ring.clone(),
+            weights_fingerprint: owner.weights_fingerprint.clone(),
+        });
+        control.last = None;
+        Ok(())
+    }
+
+    /// Ends the pass of `ring` if it is the live one: keeps its progress for `state_json` and
+    /// drops its mappings.
+    fn end_pass(&self, ring: &RingHandle) {
+        let mut control = self.control.lock().unwrap();
+        if control
+            .current
+            .as_ref()
+            .is_some_and(|live| Arc::ptr_eq(&live.ring, &ring.ring))
+        {
+            let live = control.current.take().expect("checked above");
+            let (epoch, position, finished) = live.ring.progress();
+            control.last = Some(EndedPass {
+                epoch,
+                position,
+                finished,
+                weights_fingerprint: live.weights_fingerprint,
+            });
         }
     }
+}
+
+/// What the owner's handle remembers of the plan it was started from.
+struct OwnerPass {
+    generation: u64,
+    epoch: u64,
+    weights_fingerprint: String,
 }
 
 /// One party's view of a pass's segments.
@@ -288,21 +411,66 @@ pub struct RingHandle {
     ring: Arc<Ring>,
     role: Role,
     consumer: Option<usize>,
+    /// A consumer's heartbeat thread, from attach until `retire`.
+    heartbeat: Mutex<Option<Heartbeat>>,
+    /// The owner's handle: what `commit_pass` needs.
+    owner: Option<OwnerPass>,
 }
 
 #[pymethods]
 impl RingHandle {
     /// Attaches a consumer process by the control segment's name (checks magic, version and
-    /// geometry). Call `mark_attached` once the ring is mapped on the Python side too.
+    /// geometry) and starts its heartbeat thread, which proves the process alive while user
+    /// code runs. Call `mark_attached` once the ring is mapped on the Python side too.
     #[staticmethod]
     fn attach(py: Python<'_>, ctl_name: &str, consumer: usize) -> PyResult<RingHandle> {
-        let ring = py.detach(|| Ring::attach(ctl_name)).py_shm()?;
+        let ring = Arc::new(py.detach(|| Ring::attach(ctl_name)).py_shm()?);
         ring.register_consumer(consumer, own_pid()).py_shm()?;
+        let heartbeat = ring.keep_alive(Party::Consumer(consumer)).py_shm()?;
         Ok(RingHandle {
-            ring: Arc::new(ring),
+            ring,
             role: Role::Child,
             consumer: Some(consumer),
+            heartbeat: Mutex::new(Some(heartbeat)),
+            owner: None,
         })
+    }
+
+    /// A consumer is done with the pass: stops its heartbeat thread and tells the owner not to
+    /// watch it any more.
+    fn retire(&self, py: Python<'_>) {
+        let heartbeat = self.heartbeat.lock().unwrap().take();
+        py.detach(|| drop(heartbeat)); // joins the thread
+        if let Some(i) = self.consumer {
+            self.ring.finished(Party::Consumer(i));
+        }
+    }
+
+    /// The parties silent for more than `bound` seconds, producer first: `(worker index, or
+    /// None for the producer, seconds silent)`. Finished parties are not listed.
+    fn stalls(&self, bound: f64) -> Vec<(Option<usize>, f64)> {
+        self.ring
+            .stalls(Duration::from_secs_f64(bound.max(0.0)))
+            .into_iter()
+            .map(|s| {
+                let index = match s.party {
+                    Party::Producer => None,
+                    Party::Consumer(i) => Some(i),
+                };
+                (index, s.silent.as_secs_f64())
+            })
+            .collect()
+    }
+
+    /// Bytes of one slot (a multiple of 4096).
+    #[getter]
+    fn slot_size(&self) -> u64 {
+        self.ring.geometry().slot_size
+    }
+
+    #[getter]
+    fn num_slots(&self) -> u32 {
+        self.ring.geometry().num_slots
     }
 
     #[getter]
@@ -433,14 +601,12 @@ impl RingHandle {
 }
 
 /// The producer process's body: runs the Rust loop of the pass in `spec_path`, without the GIL.
+/// Whenever it finds its parent is no longer `owner_pid`, it removes the pass's names and the
+/// owner's private directory, and raises `RingClosed`.
 #[pyfunction]
-pub fn run_producer(py: Python<'_>, spec_path: PathBuf) -> PyResult<()> {
-    let text = std::fs::read(&spec_path)
-        .map_err(|e| PyOSError::new_err(format!("read {}: {e}", spec_path.display())))?;
-    let spec: ProducerSpec = serde_json::from_slice(&text).map_err(|e| {
-        LoaderError::new_err(format!("{}: not a producer spec: {e}", spec_path.display()))
-    })?;
-    py.detach(|| producer::run(&spec)).py_shm()
+pub fn run_producer(py: Python<'_>, spec_path: PathBuf, owner_pid: u64) -> PyResult<()> {
+    py.detach(|| producer::run_file(&spec_path, owner_pid))
+        .py_shm()
 }
 
 /// Makes the kernel SIGKILL this process when its parent exits, then checks that the parent is
@@ -462,7 +628,8 @@ pub fn set_parent_death_signal(owner_pid: u64) -> PyResult<()> {
     let parent = unsafe { libc::getppid() } as u64;
     if parent != owner_pid {
         return Err(RingClosed::new_err(format!(
-            "the training process (pid {owner_pid}) is gone"
+            "this worker's parent (pid {parent}) is not the training process (pid {owner_pid}): \
+             the training process is gone, or did not start the worker itself (a forkserver)"
         )));
     }
     Ok(())

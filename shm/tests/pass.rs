@@ -1,0 +1,248 @@
+//! One whole pass in one process: a ring in a fresh /dev/shm name, the producer loop on a
+//! thread, a consumer on another, over two small caches written with the core writer (one raw,
+//! one LZ4). Checks the order against the core's epoch order, and every byte and metadata
+//! value against the caches.
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::Path;
+use std::sync::Arc;
+
+use dataset_rt_core::cache::{Cache, Validation};
+use dataset_rt_core::dataset::{Dataset, ReadOptions, WeightTable};
+use dataset_rt_core::format::Compression;
+use dataset_rt_core::metadata::MetaValue;
+use dataset_rt_core::pool::Pool;
+use dataset_rt_core::sampler::RankPolicy;
+use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_shm::batch::{encode_metadata, max_sample_bytes, read_batch, slot_size_for};
+use dataset_rt_shm::producer::{self, ProducerSpec};
+use dataset_rt_shm::ring::{Geometry, Pass, Ring, Role, POLL};
+use dataset_rt_shm::{segment, ShmError};
+
+const BATCH: u64 = 3;
+const SEED: u64 = 11;
+const EPOCH: u64 = 2;
+
+fn payload(cache: usize, i: u64) -> Vec<u8> {
+    // Repetitive enough for LZ4 to keep the compressed form.
+    (0..(40 + i * 13) as usize)
+        .map(|j| (j as u64 % 7 + i + cache as u64) as u8)
+        .collect()
+}
+
+fn write_cache(base: &Path, name: &str, index: usize, n: u64, compression: Compression) {
+    let pool = Pool::new(1).unwrap();
+    let lock = CacheLock::acquire(base, name).unwrap();
+    let opts = WriterOptions {
+        prefetch_size: 4,
+        compression,
+        validate: true,
+        shard_size: 1 << 20,
+    };
+    let mut writer = CacheWriter::create(pool, lock, opts).unwrap();
+    for i in 0..n {
+        writer
+            .push(SampleInput {
+                data: payload(index, i),
+                metadata: vec![
+                    ("i".into(), MetaValue::Int(i as i64)),
+                    ("tag".into(), MetaValue::Str(format!("{name}-{i}"))),
+                ],
+            })
+            .unwrap();
+    }
+    writer.finish().unwrap();
+}
+
+struct Setup {
+    _dir: tempfile::TempDir,
+    ds: Dataset,
+    opts: ReadOptions,
+    spec: ProducerSpec,
+}
+
+fn setup() -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    write_cache(
+        dir.path(),
+        "raw",
+        0,
+        10,
+        Compression::new("none", 1.0).unwrap(),
+    );
+    write_cache(
+        dir.path(),
+        "lz4",
+        1,
+        7,
+        Compression::new("lz4", 1.0).unwrap(),
+    );
+    let dirs = vec![dir.path().join("raw"), dir.path().join("lz4")];
+    let caches = dirs
+        .iter()
+        .map(|d| Arc::new(Cache::open(d, Validation::Full).unwrap()))
+        .collect();
+    let ds = Dataset::new(caches);
+    let opts = ReadOptions {
+        seed: SEED,
+        shuffle: true,
+        prefetch_size: 1,
+        epoch_len: None,
+        rank: 0,
+        world_size: 1,
+        policy: RankPolicy::Pad,
+    };
+    let spec = ProducerSpec {
+        ctl_name: String::new(),
+        cache_dirs: dirs,
+        fingerprint: ds.fingerprint().to_owned(),
+        weights_fingerprint: WeightTable::uniform().fingerprint,
+        weights_file: None,
+        seed: SEED,
+        shuffle: true,
+        epoch_len: None,
+    };
+    Setup {
+        _dir: dir,
+        ds,
+        opts,
+        spec,
+    }
+}
+
+/// Creates the pass's segments. The owner pid is this process's parent: the producer and the
+/// consumer check, in every wait, that their parent is the owner, as in real child processes.
+fn create_ring(s: &Setup, slot_size: u64) -> Ring {
+    let epoch_len = s.ds.epoch_len(&s.opts);
+    let rank_samples = s.opts.split().rank_len(epoch_len, 0);
+    let pass = Pass {
+        total_batches: rank_samples.div_ceil(BATCH),
+        batch_size: BATCH,
+        rank_samples,
+        epoch: EPOCH,
+        start: 0,
+        epoch_len,
+        rank: 0,
+        world_size: 1,
+        policy: RankPolicy::Pad,
+        expected_attach: 2,
+    };
+    let geometry = Geometry {
+        num_slots: 2,
+        slot_size,
+        max_consumers: 1,
+    };
+    // SAFETY: getppid cannot fail.
+    let owner = unsafe { libc::getppid() } as u64;
+    Ring::create(owner, geometry, pass).unwrap()
+}
+
+/// (global index, cache, row, metadata bytes, payload) of every sample the consumer received,
+/// in order, or the error that ended the pass.
+type Received = Vec<(u64, u32, u64, Vec<u8>, Vec<u8>)>;
+
+fn consume(ctl_name: &str) -> (Received, Option<ShmError>) {
+    let ring = Ring::attach(ctl_name).unwrap();
+    ring.register_consumer(0, u64::from(std::process::id()))
+        .unwrap();
+    ring.mark_attached();
+    let mut got = Vec::new();
+    while let Some(t) = ring.take_ticket() {
+        loop {
+            match ring.wait_ready(t, POLL, Role::Child, Some(0)) {
+                Ok(true) => break,
+                Ok(false) => continue,
+                Err(e) => return (got, Some(e)),
+            }
+        }
+        let slot = ring.slot(t);
+        for e in read_batch(slot, t).unwrap() {
+            let meta = slot[e.meta_off as usize..][..e.meta_len as usize].to_vec();
+            let data = slot[e.data_off as usize..][..e.data_len as usize].to_vec();
+            got.push((e.global, e.cache, e.row, meta, data));
+        }
+        ring.release(t, Some(0)).unwrap();
+        // The single consumer plays the training loop too: batches arrive in order.
+        ring.mark_delivered(t).unwrap();
+    }
+    (got, None)
+}
+
+/// Runs the producer and the consumer threads to the end: (the producer's result, what the
+/// consumer received, the error that ended its loop).
+fn run_pass(s: &Setup, ring: &Ring) -> (dataset_rt_shm::Result<()>, Received, Option<ShmError>) {
+    let mut spec = s.spec.clone();
+    spec.ctl_name = ring.ctl_name().to_owned();
+    std::thread::scope(|scope| {
+        let producer = scope.spawn(|| producer::run(&spec, None));
+        let consumer = scope.spawn(|| consume(ring.ctl_name()));
+        let (got, error) = consumer.join().unwrap();
+        (producer.join().unwrap(), got, error)
+    })
+}
+
+#[test]
+fn a_pass_delivers_the_epoch_order_with_every_byte() {
+    let s = setup();
+    let slot_size = slot_size_for(max_sample_bytes(&s.ds), BATCH);
+    let ring = create_ring(&s, slot_size);
+    let names = [ring.ctl_name().to_owned(), ring.ring_name().to_owned()];
+    let (produced, got, error) = run_pass(&s, &ring);
+    produced.unwrap();
+    assert!(error.is_none(), "{error:?}");
+    // The last party to attach removed both names.
+    assert!(names.iter().all(|n| !segment::path_of(n).exists()));
+
+    let order =
+        s.ds.try_order(&s.opts, &WeightTable::uniform(), EPOCH)
+            .unwrap();
+    assert_eq!(order.len(), 17);
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), order);
+    for (global, cache, row, meta, data) in &got {
+        let (c, r) = s.ds.locate(*global);
+        assert_eq!((*cache as usize, *row), (c, r));
+        let source = &s.ds.caches[c];
+        assert_eq!(data, &payload(c, r), "payload of sample {global}");
+        assert_eq!(data[..], source.payload(r).unwrap()[..]);
+        assert_eq!(meta, &encode_metadata(source.metadata.row(r)));
+    }
+    assert!(s.ds.caches[1].entry(6).stored_len < s.ds.caches[1].entry(6).raw_len);
+    assert_eq!(ring.progress(), (EPOCH, 17, true));
+}
+
+#[test]
+fn a_corrupt_record_stops_the_pass_at_its_batch() {
+    let s = setup();
+    let order =
+        s.ds.try_order(&s.opts, &WeightTable::uniform(), EPOCH)
+            .unwrap();
+    // Damage the payload of the pass's 8th sample (batch 2) in its shard file.
+    let (c, row) = s.ds.locate(order[7]);
+    let cache = &s.ds.caches[c];
+    let (entry, _, start) = cache.verify_record(row).unwrap();
+    let mut shard = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(cache.shard_path(entry.shard))
+        .unwrap();
+    let mut byte = [0u8];
+    shard.seek(SeekFrom::Start(start)).unwrap();
+    shard.read_exact(&mut byte).unwrap();
+    shard.seek(SeekFrom::Start(start)).unwrap();
+    shard.write_all(&[!byte[0]]).unwrap();
+    drop(shard);
+
+    let ring = create_ring(&s, 64 * 1024);
+    let (produced, got, error) = run_pass(&s, &ring);
+    assert!(matches!(produced, Err(ShmError::Core(_))), "{produced:?}");
+    assert_eq!(got.len(), 6, "batches 0 and 1 arrived");
+    match error {
+        Some(ShmError::ProducerFailed { batch: 2, text, .. }) => {
+            assert!(
+                text.contains("checksum") || text.contains("corrupt"),
+                "{text}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
