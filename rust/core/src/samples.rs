@@ -108,20 +108,26 @@ fn ipc_err(e: impl std::fmt::Display) -> Error {
     Error::SamplesMetadata(format!("Arrow IPC: {e}"))
 }
 
-/// The table as an Arrow IPC stream (one record batch per metadata batch of each cache).
-pub fn export(ds: &Dataset, weights: &WeightTable) -> Result<Vec<u8>> {
+/// The table as record batches sharing the caches' metadata columns (no copy of them): one
+/// batch per metadata batch of each cache. Polars imports them through the Arrow C stream.
+pub fn table(ds: &Dataset, weights: &WeightTable) -> Result<(SchemaRef, Vec<RecordBatch>)> {
     let layout = layout(ds)?;
     let mut out = Vec::new();
-    let mut writer =
-        arrow_ipc::writer::StreamWriter::try_new(&mut out, &layout.schema).map_err(ipc_err)?;
     for (ci, cache) in ds.caches.iter().enumerate() {
-        let mut row0 = ds.cache_start(ci);
+        let mut row0 = ds.cache_start(ci) as usize;
+        // One cache_id column of the longest batch, sliced for each batch.
+        let longest = cache
+            .metadata
+            .batches
+            .iter()
+            .map(|b| b.num_rows())
+            .max()
+            .unwrap_or(0);
+        let cache_ids = StringArray::from_iter_values(std::iter::repeat_n(cache.name(), longest));
         for batch in &cache.metadata.batches {
             let n = batch.num_rows();
             let mut cols: Vec<ArrayRef> = Vec::with_capacity(layout.schema.fields().len());
-            cols.push(Arc::new(StringArray::from_iter_values(
-                std::iter::repeat_n(cache.name(), n),
-            )));
+            cols.push(Arc::new(cache_ids.slice(0, n)));
             let ids = batch.column(0);
             if cache.manifest.sample_id_type == layout.id_type {
                 cols.push(ids.clone());
@@ -137,12 +143,26 @@ pub fn export(ds: &Dataset, weights: &WeightTable) -> Result<Vec<u8>> {
                     None => new_null_array(&arrow_type(*t), n),
                 });
             }
-            let w: Float64Array = (row0..row0 + n as u64).map(|g| weights.weight(g)).collect();
+            let w = match &weights.weights {
+                Some(w) => Float64Array::from(w[row0..row0 + n].to_vec()),
+                None => Float64Array::from(vec![1.0; n]),
+            };
             cols.push(Arc::new(w));
-            let out_batch = RecordBatch::try_new(layout.schema.clone(), cols).map_err(ipc_err)?;
-            writer.write(&out_batch).map_err(ipc_err)?;
-            row0 += n as u64;
+            out.push(RecordBatch::try_new(layout.schema.clone(), cols).map_err(ipc_err)?);
+            row0 += n;
         }
+    }
+    Ok((layout.schema, out))
+}
+
+/// The table as an Arrow IPC stream.
+pub fn export(ds: &Dataset, weights: &WeightTable) -> Result<Vec<u8>> {
+    let (schema, batches) = table(ds, weights)?;
+    let mut out = Vec::new();
+    let mut writer =
+        arrow_ipc::writer::StreamWriter::try_new(&mut out, &schema).map_err(ipc_err)?;
+    for b in &batches {
+        writer.write(b).map_err(ipc_err)?;
     }
     writer.finish().map_err(ipc_err)?;
     drop(writer);
