@@ -18,6 +18,18 @@ if TYPE_CHECKING:
 __all__ = ["CachedSample", "Dataset"]
 
 
+class _ArrowStream:
+    """Holds a native Arrow C stream capsule for the PyCapsule interface (`__arrow_c_stream__`)."""
+
+    __slots__ = ("_capsule",)
+
+    def __init__(self, capsule: object) -> None:
+        self._capsule = capsule
+
+    def __arrow_c_stream__(self, requested_schema: object | None = None) -> object:
+        return self._capsule
+
+
 class Dataset:
     """Samples of one or more caches, read in a deterministic order.
 
@@ -85,12 +97,11 @@ class Dataset:
         self._native.load_state_json(json.dumps(state))
 
     def samples_metadata(self) -> pl.DataFrame:
-        """``cache_id | sample_id | <metadata...> | weight`` as a Polars DataFrame."""
-        import io
-
+        """``cache_id | sample_id | <metadata...> | weight`` as a Polars DataFrame, handed over
+        through the Arrow C stream interface (the metadata columns are not copied)."""
         import polars as pl
 
-        return pl.read_ipc_stream(io.BytesIO(self._native.samples_metadata_ipc()))
+        return pl.DataFrame(_ArrowStream(self._native.samples_metadata_stream()))
 
     def set_samples_metadata(self, table: pl.DataFrame) -> None:
         """Applies the ``weight`` column of ``table``; validated in Rust, all or nothing."""

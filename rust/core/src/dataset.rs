@@ -408,8 +408,9 @@ impl EpochReader {
             yielded: 0,
             in_flight: VecDeque::new(),
             ready: VecDeque::new(),
-            // Small chunks keep the first sample fast; a few per prefetch window keep workers busy.
-            chunk: (prefetch / 4).clamp(1, 64),
+            // Two chunks per prefetch window: one being read while the other is consumed, and
+            // one pool hand-off per chunk rather than per sample.
+            chunk: (prefetch / 2).clamp(1, 256),
             prefetch,
             failed: false,
         }
@@ -458,11 +459,17 @@ impl EpochReader {
     }
 
     /// The next sample, waiting for the pool if it is not read yet. Call without the GIL.
+    /// Whether `next_sample` would wait for the pool (the caller then releases the GIL; a
+    /// sample already read is handed over without that cost).
+    pub fn must_wait(&self) -> bool {
+        self.ready.is_empty() && !self.failed && self.yielded < self.len
+    }
+
     pub fn next_sample(&mut self) -> Option<Result<Fetched>> {
         if self.failed || self.yielded >= self.len {
             return None;
         }
-        // Chunks in flight belong to the parent's workers, which a forked child does not have.
+        // A forked child shares this pass with its parent and lacks the pool's workers.
         if let Err(e) = self.pool.check_process() {
             self.failed = true;
             return Some(Err(e));

@@ -5,7 +5,8 @@
 //! `fork`, so a forked child gets a clear error instead of a job queue nobody serves.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Once};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{unbounded, Sender};
@@ -26,6 +27,7 @@ impl Pool {
         if num_workers == 0 {
             return Err(Error::config("num_workers", "must be at least 1"));
         }
+        watch_forks();
         let (tx, rx) = unbounded::<Job>();
         let mut threads = Vec::with_capacity(num_workers);
         for i in 0..num_workers {
@@ -52,8 +54,12 @@ impl Pool {
         self.num_workers
     }
 
-    /// Errors in a forked child, where the pool's threads do not exist.
+    /// Errors in a forked child, where the pool's threads do not exist. Cheap enough for every
+    /// sample: until this process forks, it is one atomic load and no system call.
     pub fn check_process(&self) -> Result<()> {
+        if !FORKED.load(Ordering::Relaxed) {
+            return Ok(());
+        }
         let now = std::process::id();
         if now != self.pid {
             return Err(Error::Runtime(format!(
@@ -129,6 +135,21 @@ impl Drop for Pool {
     fn drop(&mut self) {
         self.close();
     }
+}
+
+/// Set in every child process a `fork` creates (after a pool existed in its parent).
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn mark_forked() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
+fn watch_forks() {
+    static REGISTER: Once = Once::new();
+    // SAFETY: the child handler only stores to an atomic, which is async-signal-safe.
+    REGISTER.call_once(|| unsafe {
+        libc::pthread_atfork(None, None, Some(mark_forked));
+    });
 }
 
 pub fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {

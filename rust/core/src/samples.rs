@@ -155,20 +155,6 @@ pub fn table(ds: &Dataset, weights: &WeightTable) -> Result<(SchemaRef, Vec<Reco
     Ok((layout.schema, out))
 }
 
-/// The table as an Arrow IPC stream.
-pub fn export(ds: &Dataset, weights: &WeightTable) -> Result<Vec<u8>> {
-    let (schema, batches) = table(ds, weights)?;
-    let mut out = Vec::new();
-    let mut writer =
-        arrow_ipc::writer::StreamWriter::try_new(&mut out, &schema).map_err(ipc_err)?;
-    for b in &batches {
-        writer.write(b).map_err(ipc_err)?;
-    }
-    writer.finish().map_err(ipc_err)?;
-    drop(writer);
-    Ok(out)
-}
-
 /// A column of the submitted table, read as typed values whatever Arrow encoding Polars chose.
 enum Col<'a> {
     Bool(&'a arrow_array::BooleanArray),

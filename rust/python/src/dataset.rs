@@ -6,6 +6,8 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use arrow_array::ffi_stream::FFI_ArrowArrayStream;
+use arrow_array::RecordBatchIterator;
 use dataset_rt_core::cache::Cache;
 use dataset_rt_core::dataset::{
     self as core, EpochReader, Payload, ReadOptions, State, WeightTable,
@@ -15,7 +17,7 @@ use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::{self, EpochParams, Weights};
 use dataset_rt_core::samples;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PySlice, PyString};
+use pyo3::types::{PyBytes, PyCapsule, PyDict, PySlice, PyString};
 
 use crate::errors::IntoPyResult;
 
@@ -295,14 +297,19 @@ impl Dataset {
         self.current_state().to_json()
     }
 
-    /// The samples-metadata table as an Arrow IPC stream.
-    fn samples_metadata_ipc<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+    /// The samples-metadata table as an Arrow C stream capsule (`arrow_array_stream`): Polars
+    /// imports the record batches without a copy of the caches' metadata columns.
+    fn samples_metadata_stream<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
         let weights = self.weights.lock().unwrap().clone();
         let inner = self.inner.clone();
-        let bytes = py
-            .detach(|| self.pool.run(move || samples::export(&inner, &weights)))
+        let (schema, batches) = py
+            .detach(|| self.pool.run(move || samples::table(&inner, &weights)))
             .py_err()?;
-        Ok(PyBytes::new(py, &bytes))
+        let reader = RecordBatchIterator::new(batches.into_iter().map(Ok), schema);
+        let stream = FFI_ArrowArrayStream::new(Box::new(reader));
+        // The consumer moves the stream out and marks it released; a capsule never consumed
+        // releases it when dropped (FFI_ArrowArrayStream's Drop).
+        PyCapsule::new(py, stream, Some(c"arrow_array_stream".to_owned()))
     }
 
     /// Validates an edited table (Arrow IPC stream) and applies its weights, or changes nothing.
@@ -361,7 +368,12 @@ impl DatasetIterator {
 
     fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<CachedSample>> {
         let reader = &mut self.reader;
-        let Some(fetched) = py.detach(|| reader.next_sample()) else {
+        let next = if reader.must_wait() {
+            py.detach(|| reader.next_sample())
+        } else {
+            reader.next_sample()
+        };
+        let Some(fetched) = next else {
             self.progress.finished.store(true, Ordering::Release);
             return Ok(None);
         };
