@@ -99,6 +99,7 @@ def main() -> None:
         run("bench_write.py", rep)
     if not args.skip_read:
         run("bench_read.py", rep)
+    run("bench_loader.py", rep)  # the shared-memory loader; draws docs/benchmarks-loader.png
     read_json = common.RESULTS_DIR / "read.json"
     if read_json.exists():
         try:

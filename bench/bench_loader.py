@@ -1,0 +1,1109 @@
+"""The shared-memory loader against torch's DataLoader and its peers, with worker processes
+(issue 4). One script, one run, every figure a median over ``--repeats`` rounds.
+
+Workloads (batches of 64, shuffled, the page cache warm):
+
+- ``decode``: PNG images (128x128 RGB, ~33 KB, made with Pillow at bench time); the transform,
+  run in the loader's workers, decodes one with Pillow into a numpy array and returns the sum of
+  its pixels (an int: decoding is the work, nothing large is shipped back);
+- ``4KiB`` / ``128KiB``: the training process needs the raw bytes (GPU decoding, say): each
+  loader hands it every payload and the loop body reads ``len()`` and the first byte.
+
+Contenders (a contender's key names its ``num_workers``):
+
+- ``drt_w0`` / ``drt_w1`` / ``drt_w2``: ``dataset_rt.DataLoader``; with ``num_workers=0`` the
+  training process reads the ring itself (each ``sample.data`` a memoryview into the slot, no
+  copy); with workers, results are pickled back (raw bytes: one ``bytes`` copy per payload);
+- ``drt_w2_len``: 2 workers whose transform returns ``len()`` xor the first byte (an int), so
+  the bytes stay in the workers: the ring's rate into worker processes;
+- ``torch_cache_wN``: ``torch.utils.data.DataLoader(num_workers=N, shuffle=True)`` over a
+  map-style dataset that reads the very same DatasetRT cache: ``index.bin`` parsed with numpy,
+  the shards memory-mapped once per worker, one ``bytes`` slice per sample (no checksum check,
+  which DatasetRT does on every read);
+- ``torch_files_w2``: the same over one file per sample (open + read per sample);
+- ``streaming_w2``: MosaicML Streaming (MDS written locally, ``StreamingDataset`` in a torch
+  ``DataLoader`` with 2 workers);
+- ``litdata_w2``: LitData (``optimize()`` locally, ``StreamingDataset`` in its
+  ``StreamingDataLoader`` with 2 workers);
+- ``floor`` (decode only): the transform over an in-memory list of bytes in one process: the
+  1-process decode rate that "ideal scaling" multiplies (ideal for N workers = min(N, cores) x
+  it);
+- ``floor_x2`` (decode only): the same batches decoded by a forked ``multiprocessing.Pool(2)``
+  (``imap``, ints back): what 2 processes got from this shared machine in this run, the
+  practical ideal for 2 workers.
+
+Each contender runs in a fresh interpreter; a background thread of this process samples that
+interpreter's whole process tree (training process, producer, workers) every 50 ms, summing RSS
+(``/proc/PID/statm``; PSS from ``/proc/PID/smaps_rollup``, which costs ~13 ms per torch
+process, only every second), and keeps the maxima. RSS counts shared pages (torch's libraries
+in forked workers, the ring, the page cache of mapped files) once per process; PSS splits them.
+In the child, one "epoch" is one ``iter(loader)`` (processes started for it, as torch does
+without ``persistent_workers``); epochs repeat until ``--min-seconds`` are measured. The
+headline is the steady rate: samples over the time between the arrivals of the batches at 20%
+and 80% of an epoch (median over epochs, then over rounds); the rate over the whole epoch,
+process start-up included, the time to the first batch and the teardown after the last one are
+reported beside it. Every child imports torch (and, for the images, Pillow's PNG plugin) first,
+as a training script does: forked workers inherit them.
+
+    cd /tmp && PYTHONPATH=/tmp/bench_site python /work/main/bench/bench_loader.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import common
+import numpy as np
+
+BATCH = 64
+WORKLOADS = {
+    # name: (samples, payload size or None for the images)
+    "decode": (int(os.environ.get("BENCH_LOADER_IMAGES", "3072")), None),
+    "4KiB": (int(os.environ.get("BENCH_LOADER_4K", "16384")), 4 * common.KIB),
+    "128KiB": (int(os.environ.get("BENCH_LOADER_128K", "2048")), 128 * common.KIB),
+}
+# Mean payload bytes per workload, filled from the data (the PNGs vary in size).
+WORKLOADS_MEAN_BYTES: dict[str, float] = {}
+IMAGE_SIDE = 128
+# Run order within a round: the pairs that the targets compare run next to each other.
+CONTENDERS = {
+    "decode": [
+        "floor",
+        "floor_x2",
+        "drt_w2",
+        "torch_cache_w2",
+        "drt_w1",
+        "torch_cache_w1",
+        "drt_w0",
+        "torch_files_w2",
+        "streaming_w2",
+        "litdata_w2",
+    ],
+    "io": [
+        "drt_w0",
+        "torch_cache_w2",
+        "torch_cache_w0",
+        "drt_w2",
+        "drt_w2_len",
+        "torch_files_w2",
+        "streaming_w2",
+        "litdata_w2",
+    ],
+}
+LABELS = {
+    "floor": "in-process decode loop (1 process)",
+    "floor_x2": "decode in a 2-process Pool, no loader (measured 2-worker ideal)",
+    "drt_w0": "DatasetRT loader, 0 workers (ring read in the trainer)",
+    "drt_w1": "DatasetRT loader, 1 worker",
+    "drt_w2": "DatasetRT loader, 2 workers",
+    "drt_w2_len": "DatasetRT loader, 2 workers, ints back (bytes stay in workers)",
+    "torch_cache_w0": "torch DataLoader, 0 workers, DatasetRT cache (map-style)",
+    "torch_cache_w1": "torch DataLoader, 1 worker, DatasetRT cache (map-style)",
+    "torch_cache_w2": "torch DataLoader, 2 workers, DatasetRT cache (map-style)",
+    "torch_files_w2": "torch DataLoader, 2 workers, file per sample",
+    "streaming_w2": "MosaicML Streaming, 2 torch workers",
+    "litdata_w2": "LitData, 2 workers",
+}
+# The reference every ratio is taken against.
+BASELINE = "torch_cache_w2"
+# Payload copies, from the storage's page cache to what the training loop holds, counted from
+# each code path (memcpy-like passes in user space and the kernel's copies through pipes).
+COPIES_RAW = {
+    "drt_w0": (
+        "1 (Rust producer: shard mmap -> ring slot, checksum verified); 0 in Python: "
+        "the loop gets memoryviews into the slot"
+    ),
+    "drt_w2": (
+        "~7: producer -> slot; worker: view.tobytes, pickle stream, pipe write; "
+        "trainer: pipe read, BytesIO assembly, unpickle"
+    ),
+    "drt_w2_len": "1 into the ring (the workers read views; ints cross the pipe)",
+    "torch_cache_w0": "1 (mmap slice -> bytes, in the training process)",
+    "torch_cache_w2": (
+        "~6: worker: mmap slice -> bytes, pickle stream, pipe write; "
+        "trainer: pipe read, BytesIO assembly, unpickle"
+    ),
+    "torch_files_w2": "~6: as torch_cache_w2, read() of the file instead of an mmap slice",
+    "streaming_w2": "~6: MDS shard mmap/read -> bytes, then torch's worker queue (5)",
+    "litdata_w2": "~6-7: chunk file read -> bytes (+ slice), then torch's worker queue (5)",
+}
+COPIES_NUM = {
+    "drt_w0": 1,
+    "drt_w2": 7,
+    "drt_w2_len": 1,
+    "torch_cache_w0": 1,
+    "torch_cache_w2": 6,
+    "torch_files_w2": 6,
+    "streaming_w2": 6,
+    "litdata_w2": 6,
+}
+SAMPLE_PERIOD_S = 0.05
+CHILD_TIMEOUT_S = 300
+PAGE = os.sysconf("SC_PAGE_SIZE")
+CHART = common.REPO_ROOT / "docs" / "benchmarks-loader.png"
+STAMP_VERSION = 1
+
+
+def workers_of(contender: str) -> int:
+    return int(contender.rsplit("_w", 1)[1][0]) if "_w" in contender else 0
+
+
+def kind_of(workload: str) -> str:
+    return "decode" if workload == "decode" else "io"
+
+
+# --------------------------------------------------------------------------------------------
+# Data: <data-dir>/loader/<workload>/{flat.bin, offsets.npy, drt/, files/, mds/, litdata/}
+
+
+class Layout:
+    def __init__(self, data_dir: Path, workload: str) -> None:
+        self.workload = workload
+        self.count, self.size = WORKLOADS[workload]
+        self.root = data_dir / "loader" / workload
+        self.flat = self.root / "flat.bin"
+        self.offsets = self.root / "offsets.npy"
+
+    def store(self, kind: str) -> Path:
+        return self.root / kind
+
+    def stamp_text(self) -> str:
+        return json.dumps({"v": STAMP_VERSION, "count": self.count, "size": self.size})
+
+    def ready(self, kind: str) -> bool:
+        stamp = self.root / f"{kind}.ok"
+        return stamp.exists() and stamp.read_text() == self.stamp_text()
+
+    def mark(self, kind: str) -> None:
+        (self.root / f"{kind}.ok").write_text(self.stamp_text())
+
+    def spans(self) -> tuple[list[int], list[int]]:
+        offs = np.load(self.offsets)
+        return offs[:-1].tolist(), offs[1:].tolist()
+
+    def payloads(self) -> Iterator[bytes]:
+        starts, ends = self.spans()
+        with open(self.flat, "rb") as f:
+            data = f.read()
+        for s, e in zip(starts, ends, strict=True):
+            yield data[s:e]
+
+    def file_path(self, i: int) -> Path:
+        ext = "png" if self.workload == "decode" else "bin"
+        return self.store("files") / f"{i // 1000:04d}" / f"{i:07d}.{ext}"
+
+
+def make_png(i: int) -> bytes:
+    """A deterministic 128x128 RGB PNG: smooth waves plus noise (decodes in ~0.5 ms)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(i)
+    y, x = np.mgrid[0:IMAGE_SIDE, 0:IMAGE_SIDE].astype(np.float32)
+    f = rng.uniform(0.02, 0.2, size=3)
+    p = rng.uniform(0, 6.3, size=3)
+    img = np.stack(
+        [127 + 100 * np.sin(f[c] * x + p[c]) * np.cos(f[(c + 1) % 3] * y) for c in range(3)], -1
+    )
+    img += rng.normal(0, 6, img.shape)
+    out = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def litdata_sample(item: tuple[str, int, int]) -> dict[str, bytes]:
+    """LitData's ``optimize`` worker function: one payload read from the flat file."""
+    path, start, size = item
+    with open(path, "rb") as f:
+        f.seek(start)
+        return {"data": f.read(size)}
+
+
+def prepare(lay: Layout, kind: str) -> None:
+    """Writes one contender's copy of the data (run in a subprocess)."""
+    if kind == "flat":
+        common.reset_dir(lay.root)
+        if lay.size is None:
+            from multiprocessing import Pool
+
+            with Pool(2) as pool:
+                items = pool.map(make_png, range(lay.count), chunksize=64)
+        else:
+            buf = common.payload_buffer(lay.count, lay.size, seed=lay.size)
+            items = common.payload_list(buf, lay.size)
+        offs = np.zeros(lay.count + 1, dtype=np.int64)
+        offs[1:] = np.cumsum([len(x) for x in items])
+        with open(lay.flat, "wb") as f:
+            for x in items:
+                f.write(x)
+        np.save(lay.offsets, offs)
+    elif kind == "drt":
+        drt = common.import_dataset_rt()
+        base = common.reset_dir(lay.store("drt"))
+
+        class Source:
+            name = "bench"
+
+            def __iter__(self) -> Iterable[Any]:
+                for i, p in enumerate(lay.payloads()):
+                    yield drt.CacheInput(data=p, metadata={"sample_id": i})
+
+        with drt.DatasetRuntime(num_workers=2) as rt:
+            result = rt.from_cache_sources(
+                Source(), base, writer_config=drt.WriterConfig(show_progress=False)
+            )
+            if not isinstance(result, drt.CacheSourcesDatasetSuccess):
+                raise RuntimeError(result.message)
+    elif kind == "files":
+        common.reset_dir(lay.store("files"))
+        for i, p in enumerate(lay.payloads()):
+            path = lay.file_path(i)
+            if i % 1000 == 0:
+                path.parent.mkdir()
+            path.write_bytes(p)
+    elif kind == "mds":
+        from streaming import MDSWriter
+
+        out = common.reset_dir(lay.store("mds"))
+        with MDSWriter(out=str(out), columns={"data": "bytes"}, compression=None) as w:
+            for p in lay.payloads():
+                w.write({"data": p})
+    elif kind == "litdata":
+        from litdata import optimize
+
+        out = common.reset_dir(lay.store("litdata"))
+        starts, ends = lay.spans()
+        inputs = [(str(lay.flat), s, e - s) for s, e in zip(starts, ends, strict=True)]
+        optimize(
+            fn=litdata_sample,
+            inputs=inputs,
+            output_dir=str(out),
+            chunk_bytes="64MB",
+            num_workers=2,
+            reorder_files=False,
+            verbose=False,
+        )
+    else:
+        raise ValueError(kind)
+    lay.mark(kind)
+
+
+STORES = {
+    "drt": "drt",
+    "torch_cache": "drt",
+    "torch_files": "files",
+    "streaming": "mds",
+    "litdata": "litdata",
+}
+
+
+def store_of(contender: str) -> str | None:
+    return STORES.get(contender.rsplit("_w", 1)[0])
+
+
+# --------------------------------------------------------------------------------------------
+# What runs in the loaders' processes (module level: picklable under any start method)
+
+
+def decode(data: Any) -> int:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        return int(np.asarray(im.convert("RGB")).sum())
+
+
+_FLOOR_BATCHES: list[list[bytes]] = []
+
+
+def decode_floor_batch(i: int) -> list[int]:
+    return [decode(x) for x in _FLOOR_BATCHES[i]]
+
+
+def decode_sample(sample: Any) -> int:
+    return decode(sample.data)
+
+
+def len_sample(sample: Any) -> int:
+    data = sample.data
+    return len(data) ^ data[0]
+
+
+def list_collate(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+class CacheMapDataset:
+    """Map-style dataset over a DatasetRT cache's own files: ``index.bin`` and the record
+    headers give each payload's (shard, start, end); shards are mmapped once per process."""
+
+    def __init__(self, cache_dir: Path, transform: Callable[[bytes], Any] | None) -> None:
+        import mmap
+
+        self.cache_dir = cache_dir
+        self.transform = transform
+        index = np.fromfile(cache_dir / "index.bin", dtype=np.uint8)[16:]
+        entries = index.view(
+            np.dtype(
+                [
+                    ("offset", "<u8"),
+                    ("shard", "<u4"),
+                    ("flags", "<u4"),
+                    ("stored", "<u4"),
+                    ("raw", "<u4"),
+                    ("checksum", "<u8"),
+                ]
+            )
+        )
+        if (entries["flags"] != 0).any():
+            raise ValueError("the cache is compressed; this reader handles plain payloads only")
+        shard_ids = entries["shard"].astype(np.int64)
+        starts = np.empty(len(entries), dtype=np.int64)
+        for shard in np.unique(shard_ids):
+            path = cache_dir / "shards" / f"{shard:06d}.bin"
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                words = np.frombuffer(mm, dtype="<u4", count=len(mm) // 4)
+                sel = shard_ids == shard
+                off = entries["offset"][sel].astype(np.int64)
+                meta_len = words[(off + 8) // 4].astype(np.int64)
+                del words
+            # payload = record start + align16(40-byte header + metadata)
+            starts[sel] = off + (40 + meta_len + 15) // 16 * 16
+        self.shards = shard_ids.tolist()
+        self.starts = starts.tolist()
+        self.ends = (starts + entries["stored"].astype(np.int64)).tolist()
+        self._maps: dict[int, Any] = {}
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def _map(self, shard: int) -> Any:
+        import mmap
+
+        if self._pid != os.getpid():  # a worker: map the shards again in this process
+            self._maps, self._pid = {}, os.getpid()
+        mm = self._maps.get(shard)
+        if mm is None:
+            path = self.cache_dir / "shards" / f"{shard:06d}.bin"
+            with open(path, "rb") as f:
+                mm = self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return mm
+
+    def __getitem__(self, i: int) -> Any:
+        data = self._map(self.shards[i])[self.starts[i] : self.ends[i]]
+        return data if self.transform is None else self.transform(data)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_maps": {}, "_pid": -1}
+
+
+class FilesDataset:
+    def __init__(self, lay: Layout, transform: Callable[[bytes], Any] | None) -> None:
+        self.paths = [str(lay.file_path(i)) for i in range(lay.count)]
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> Any:
+        with open(self.paths[i], "rb") as f:
+            data = f.read()
+        return data if self.transform is None else self.transform(data)
+
+
+def streaming_class(transform: Callable[[bytes], Any] | None) -> Any:
+    from streaming import StreamingDataset
+
+    class Streaming(StreamingDataset):  # type: ignore[misc]
+        def __getitem__(self, i: int) -> Any:
+            data = super().__getitem__(i)["data"]
+            return data if transform is None else transform(data)
+
+    return Streaming
+
+
+def litdata_class(transform: Callable[[bytes], Any] | None) -> Any:
+    from litdata import StreamingDataset
+
+    class LitData(StreamingDataset):  # type: ignore[misc]
+        def __getitem__(self, i: Any) -> Any:
+            data = super().__getitem__(i)["data"]
+            return data if transform is None else transform(data)
+
+    return LitData
+
+
+# --------------------------------------------------------------------------------------------
+# One contender, in a fresh interpreter
+
+
+def open_loader(name: str, lay: Layout) -> tuple[Any, Callable[[Any], Any]]:
+    """Returns (loader, payload of one batch item). ``iter(loader)`` is one epoch."""
+    decoding = lay.workload == "decode"
+    workers = workers_of(name)
+    if name in ("floor", "floor_x2"):
+        items = list(lay.payloads())
+        batches = [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
+
+        class Floor:
+            def __iter__(self) -> Iterator[list[int]]:
+                for b in batches:
+                    yield [decode(x) for x in b]
+
+        class FloorPool:
+            def __iter__(self) -> Iterator[list[int]]:
+                from multiprocessing import get_context
+
+                global _FLOOR_BATCHES
+                _FLOOR_BATCHES = batches  # inherited by the forked pool
+                with get_context("fork").Pool(2) as pool:
+                    yield from pool.imap(decode_floor_batch, range(len(batches)))
+
+        return (FloorPool() if name == "floor_x2" else Floor()), lambda x: x
+    if name.startswith("drt_"):
+        drt = common.import_dataset_rt()
+
+        class NameOnly:
+            name = "bench"
+
+        with drt.DatasetRuntime(num_workers=1) as rt:
+            result = rt.from_cache_sources(
+                NameOnly(),
+                lay.store("drt"),
+                reader_config=drt.ReaderConfig(seed=0, shuffle=True),
+                writer_config=drt.WriterConfig(show_progress=False),
+            )
+        if not isinstance(result, drt.CacheSourcesDatasetSuccess):
+            raise RuntimeError(result.message)
+        transform = decode_sample if decoding else len_sample if name == "drt_w2_len" else None
+        loader = drt.DataLoader(
+            result.dataset, batch_size=BATCH, num_workers=workers, transform=transform
+        )
+        return loader, (lambda x: x) if transform else (lambda x: x.data)
+    import torch.utils.data as tud
+
+    fn = decode if decoding else None
+    if name.startswith(("torch_cache", "torch_files")):
+        ds = (
+            CacheMapDataset(lay.store("drt") / "bench", fn)
+            if name.startswith("torch_cache")
+            else FilesDataset(lay, fn)
+        )
+        loader = tud.DataLoader(
+            ds,  # type: ignore[arg-type]
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=workers,
+            collate_fn=list_collate,
+        )
+        return loader, lambda x: x
+    if name.startswith("streaming"):
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        ds = streaming_class(fn)(
+            local=str(lay.store("mds")), remote=None, shuffle=True, batch_size=BATCH
+        )
+        loader = tud.DataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=list_collate)
+        return loader, lambda x: x
+    if name.startswith("litdata"):
+        from litdata import StreamingDataLoader
+
+        ds = litdata_class(fn)(str(lay.store("litdata")), shuffle=True)
+        loader = StreamingDataLoader(
+            ds, batch_size=BATCH, num_workers=workers, collate_fn=list_collate
+        )
+        return loader, lambda x: x
+    raise ValueError(name)
+
+
+def io_counters() -> dict[str, int]:
+    """``/proc/self/io``: ``rchar``/``wchar`` count bytes through read()/write()-family calls
+    (files and pipes, not mmap) of this process plus its children once reaped (the producer,
+    the workers after each epoch): per sample, the syscall traffic of the whole tree."""
+    out = {}
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            key, _, value = line.partition(":")
+            out[key] = int(value)
+    except OSError:
+        pass
+    return out
+
+
+def steady_rate(stamps: list[float], sizes: list[int]) -> float:
+    """Samples/s between the arrivals of the batches at 20% and 80% of the epoch: the pipeline
+    holds as many batches in flight at both ends of that window, so neither the start-up nor the
+    batches prefetched while the first one was awaited inflate it."""
+    if len(stamps) < 6:
+        k, m = 0, len(stamps) - 1
+    else:
+        k, m = len(stamps) // 5, len(stamps) - 1 - len(stamps) // 5
+    if m <= k:
+        return float("nan")
+    return sum(sizes[k + 1 : m + 1]) / max(stamps[m] - stamps[k], 1e-9)
+
+
+def child(name: str, lay: Layout, min_seconds: float, max_epochs: int) -> dict[str, Any]:
+    # A training process has torch loaded: so does every contender's (same imports, same
+    # inherited pages in forked workers).
+    import torch  # noqa: F401
+
+    decoding = lay.workload == "decode"
+    if decoding:
+        from PIL import PngImagePlugin  # noqa: F401
+
+    loader, payload = open_loader(name, lay)
+    epochs = []
+    measured = 0.0
+    io0 = io_counters()
+    while len(epochs) < max_epochs and (measured < min_seconds or not epochs):
+        n = nbytes = check = 0
+        stamps: list[float] = []
+        sizes: list[int] = []
+        t0 = time.perf_counter()
+        for batch in loader:
+            stamps.append(time.perf_counter())
+            sizes.append(len(batch))
+            if decoding:
+                for x in batch:
+                    check += x
+                    n += 1
+            else:
+                for x in batch:
+                    d = payload(x)
+                    if isinstance(d, int):
+                        check ^= d
+                    else:
+                        nbytes += len(d)
+                        check ^= d[0]
+                    n += 1
+        t_end = time.perf_counter()
+        epochs.append(
+            {
+                "samples": n,
+                "batches": len(stamps),
+                "bytes": nbytes,
+                "first_batch_s": stamps[0] - t0,
+                "epoch_s": t_end - t0,
+                # from the last batch's arrival to the end of the for loop: the loader's
+                # teardown (plus the loop body over one batch)
+                "last_batch_to_end_s": t_end - stamps[-1],
+                "epoch_samples_per_s": n / (t_end - t0),
+                "steady_samples_per_s": steady_rate(stamps, sizes),
+                "check": check,
+            }
+        )
+        measured += t_end - t0
+    io1 = io_counters()
+    close = getattr(loader, "close", None)
+    if callable(close):
+        close()
+    total = sum(e["samples"] for e in epochs)
+    return {
+        "contender": name,
+        "workload": lay.workload,
+        "epochs": epochs,
+        "tree_read_bytes_per_sample": (io1.get("rchar", 0) - io0.get("rchar", 0)) / total,
+        "tree_write_bytes_per_sample": (io1.get("wchar", 0) - io0.get("wchar", 0)) / total,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The orchestrator: fresh interpreters, and a thread summing the process tree's memory
+
+
+def tree(root: int, all_threads: bool) -> list[int]:
+    """``root`` and its descendants. Processes are started by their parent's main thread (torch,
+    multiprocessing, subprocess); every thread's children are read when ``all_threads``."""
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task") if all_threads else [str(pid)]
+            for task in tasks:
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return pids
+
+
+def rss_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def pss_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class TreeSampler(threading.Thread):
+    """Every 50 ms: the tree's summed RSS (cheap: ``statm``). Every 20th time (1 s) also its
+    summed PSS: ``smaps_rollup`` makes the kernel walk every mapping, ~13 ms for a process that
+    imported torch, so reading it more often would take a visible share of a core."""
+
+    def __init__(self, root: int) -> None:
+        super().__init__(daemon=True)
+        self.root = root
+        self.stop = threading.Event()
+        self.peak_rss = self.peak_pss = 0
+        self.max_procs = 0
+        self.samples = 0
+        self.cpu_s = 0.0
+        self.seen: set[int] = set()
+
+    def run(self) -> None:
+        while not self.stop.wait(SAMPLE_PERIOD_S):
+            pss = self.samples % 20 == 10
+            pids = tree(self.root, all_threads=self.samples % 10 == 0)
+            self.seen.update(pids)
+            rss = [rss_of(p) for p in pids]
+            self.peak_rss = max(self.peak_rss, sum(rss))
+            self.max_procs = max(self.max_procs, sum(1 for m in rss if m))
+            if pss:
+                self.peak_pss = max(self.peak_pss, sum(pss_of(p) for p in pids))
+            self.samples += 1
+        self.cpu_s = time.thread_time()
+
+
+def shm_names() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
+    """Runs this script in a fresh interpreter, sampling its process tree's memory."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
+    before = shm_names()
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sampler = TreeSampler(proc.pid)
+    sampler.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        err = f"timed out after {timeout:.0f} s\n{err}"
+    sampler.stop.set()
+    sampler.join()
+    wall = time.perf_counter() - started
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = " | ".join(err.strip().splitlines()[-4:])[-600:]
+        return {"error": f"exit {proc.returncode}: {tail}"}
+    res: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    res["peak_tree_rss_mib"] = sampler.peak_rss / common.MIB
+    res["peak_tree_pss_mib"] = sampler.peak_pss / common.MIB
+    res["max_processes"] = sampler.max_procs
+    res["memory_samples"] = sampler.samples
+    res["sampler_cpu_s"] = sampler.cpu_s
+    res["child_wall_s"] = wall
+    # /dev/shm names this contender's processes left (DatasetRT's carry the owner's pid);
+    # other jobs on the machine may create and leave their own meanwhile.
+    owners = {f"dataset-rt-{p}-" for p in sampler.seen | {proc.pid}}
+    res["shm_left"] = sorted(
+        n for n in shm_names() - before if any(n.startswith(o) for o in owners)
+    )
+    return res
+
+
+def prepare_all(args: argparse.Namespace) -> dict[str, str]:
+    errors: dict[str, str] = {}
+    for wl in args.workloads:
+        lay = Layout(args.data_dir, wl)
+        kinds = ["flat", "drt", "files", "mds", "litdata"]
+        for kind in kinds:
+            if lay.ready(kind):
+                continue
+            if kind != "flat" and not lay.ready("flat"):
+                errors[f"{wl}/{kind}"] = "no source data"
+                continue
+            print(f"# preparing {wl}/{kind}", file=sys.stderr, flush=True)
+            t = time.perf_counter()
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--prepare",
+                kind,
+                "--workloads",
+                wl,
+                "--data-dir",
+                str(args.data_dir),
+            ]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if proc.returncode != 0:
+                tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-500:]
+                errors[f"{wl}/{kind}"] = f"exit {proc.returncode}: {tail}"
+                print(f"#   failed: {tail}", file=sys.stderr)
+            else:
+                print(f"#   {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    return errors
+
+
+def warm_page_cache(root: Path) -> int:
+    n = 0
+    buf = bytearray(16 * common.MIB)
+    for p in root.rglob("*"):
+        if p.is_file():
+            with open(p, "rb", buffering=0) as f:
+                while got := f.readinto(buf):
+                    n += got
+    return n
+
+
+def summarise(
+    workload: str, runs: dict[str, list[dict[str, Any]]], prep_errors: dict[str, str]
+) -> dict[str, Any]:
+    count, size = WORKLOADS[workload]
+    rows: list[dict[str, Any]] = []
+    for name, results in runs.items():
+        row: dict[str, Any] = {"contender": name, "label": LABELS[name]}
+        ok = [r for r in results if "error" not in r]
+        if not ok:
+            store = store_of(name)
+            row["error"] = prep_errors.get(f"{workload}/{store}") or (
+                results[0]["error"] if results else "not run"
+            )
+            rows.append(row)
+            continue
+        per_round = [common.median(e["steady_samples_per_s"] for e in r["epochs"]) for r in ok]
+        rate = common.median(per_round)
+        mean_bytes = size if size is not None else WORKLOADS_MEAN_BYTES.get(workload, 0)
+        row.update(
+            {
+                "samples_per_s": rate,
+                "mb_per_s": rate * mean_bytes / 1e6,
+                "last_batch_to_end_s": common.median(
+                    common.median(e["last_batch_to_end_s"] for e in r["epochs"]) for r in ok
+                ),
+                "epoch_samples_per_s": common.median(
+                    common.median(e["epoch_samples_per_s"] for e in r["epochs"]) for r in ok
+                ),
+                "first_batch_s": common.median(
+                    common.median(e["first_batch_s"] for e in r["epochs"]) for r in ok
+                ),
+                "epochs_per_round": [len(r["epochs"]) for r in ok],
+                "per_round_samples_per_s": per_round,
+                "peak_tree_rss_mib": common.median(r["peak_tree_rss_mib"] for r in ok),
+                "peak_tree_pss_mib": common.median(r["peak_tree_pss_mib"] for r in ok),
+                "max_processes": max(r["max_processes"] for r in ok),
+                "sampler_cpu_share": common.median(
+                    r["sampler_cpu_s"] / r["child_wall_s"] for r in ok
+                ),
+                "tree_read_bytes_per_sample": common.median(
+                    r["tree_read_bytes_per_sample"] for r in ok
+                ),
+                "shm_left": sorted({n for r in ok for n in r["shm_left"]}),
+                "copies": None if workload == "decode" else COPIES_NUM.get(name),
+                "copies_how": None if workload == "decode" else COPIES_RAW.get(name),
+                "rounds": len(ok),
+                "failed_rounds": [r["error"] for r in results if "error" in r],
+            }
+        )
+        rows.append(row)
+    by = {r["contender"]: r for r in rows}
+    base = by.get(BASELINE, {}).get("samples_per_s")
+    base_rounds = by.get(BASELINE, {}).get("per_round_samples_per_s", [])
+    for r in rows:
+        if "samples_per_s" in r and base:
+            r["x_torch_w2"] = r["samples_per_s"] / base
+            # The same ratio taken in each round (neighbours in time), then the median.
+            pairs = zip(r["per_round_samples_per_s"], base_rounds, strict=False)
+            r["x_torch_w2_paired"] = common.median(a / b for a, b in pairs)
+    out: dict[str, Any] = {"workload": workload, "samples": count, "size": size, "rows": rows}
+    if workload == "decode" and "samples_per_s" in by.get("floor", {}):
+        floor = by["floor"]["samples_per_s"]
+        pool = by.get("floor_x2", {}).get("samples_per_s")
+        cores = os.cpu_count() or 1
+        out["floor_x2_over_floor"] = pool / floor if pool else None
+        for r in rows:
+            w = workers_of(r["contender"])
+            if "samples_per_s" not in r or r["contender"].startswith("floor"):
+                continue
+            # Ideal: the 1-process rate times min(workers, cores); for 2 workers also the rate
+            # 2 plain processes reached in this run (what the shared machine gave 2 processes).
+            r["ideal_samples_per_s"] = floor * max(1, min(w, cores))
+            r["of_ideal"] = r["samples_per_s"] / r["ideal_samples_per_s"]
+            if w >= 2 and pool:
+                r["of_measured_2proc"] = r["samples_per_s"] / pool
+    else:
+        drt0 = by.get("drt_w0", {}).get("samples_per_s")
+        if drt0 and base:
+            out["target_raw_bytes_x"] = drt0 / base
+    return out
+
+
+def print_tables(tables: list[dict[str, Any]]) -> None:
+    for t in tables:
+        decoding = t["workload"] == "decode"
+        what = (
+            f"{t['samples']} PNG images {IMAGE_SIDE}x{IMAGE_SIDE}, decoded in the transform"
+            if decoding
+            else f"{t['samples']} samples of {t['workload']}, raw bytes to the training loop"
+        )
+        print(f"\n### {t['workload']}: {what}\n")
+        headers = ["contender", "samples/s", "MB/s", f"x {BASELINE}", "epoch samples/s"]
+        headers += (
+            ["of N x 1-proc", "of 2-proc pool"]
+            if decoding
+            else ["copies/sample", "read() B/sample"]
+        )
+        headers += ["first batch ms", "teardown ms", "peak ΣRSS MiB", "peak ΣPSS MiB", "procs"]
+        rows = []
+        for r in t["rows"]:
+            if "error" in r:
+                rows.append([r["label"], f"failed: {r['error'][:80]}"] + ["-"] * (len(headers) - 2))
+                continue
+            row = [r["label"], r["samples_per_s"], r["mb_per_s"], r.get("x_torch_w2")]
+            row.append(r["epoch_samples_per_s"])
+            if decoding:
+                row.append(f"{r['of_ideal']:.0%}" if "of_ideal" in r else "-")
+                pool = r.get("of_measured_2proc")
+                row.append(f"{pool:.0%}" if pool else "-")
+            else:
+                row += [r.get("copies"), r["tree_read_bytes_per_sample"]]
+            row += [
+                r["first_batch_s"] * 1e3,
+                r["last_batch_to_end_s"] * 1e3,
+                r["peak_tree_rss_mib"],
+                r["peak_tree_pss_mib"],
+                r["max_processes"],
+            ]
+            rows.append(row)
+        print(common.markdown_table(headers, rows))
+        if not decoding and "target_raw_bytes_x" in t:
+            print(
+                f"\nRaw bytes to the training loop: DatasetRT num_workers=0 is "
+                f"{t['target_raw_bytes_x']:.2f}x torch's DataLoader with 2 workers (target >= 5x)."
+            )
+
+
+def draw_chart(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tables = data["tables"]
+    fig, axes = plt.subplots(
+        2, len(tables), figsize=(6.5 * len(tables), 9), squeeze=False, height_ratios=[3, 2]
+    )
+    for col, t in enumerate(tables):
+        rows = [r for r in t["rows"] if "samples_per_s" in r]
+        names = [r["contender"] for r in rows]
+        colors = [
+            "#d62728"
+            if n.startswith("drt")
+            else "#7f7f7f"
+            if n.startswith("floor")
+            else "#1f77b4"
+            if n.startswith("torch")
+            else "#2ca02c"
+            for n in names
+        ]
+        y = list(range(len(rows)))
+        ax = axes[0][col]
+        rates = [r["samples_per_s"] for r in rows]
+        ax.barh(y, rates, color=colors)
+        ax.set_yticks(y, names, fontsize=8)
+        ax.invert_yaxis()
+        for i, r in zip(y, rows, strict=True):
+            x = r.get("x_torch_w2")
+            extra = f"  {x:.2f}x" if x else ""
+            if "of_ideal" in r:
+                extra += f", {r['of_ideal']:.0%} of N x 1-proc"
+            if r.get("of_measured_2proc"):
+                extra += f", {r['of_measured_2proc']:.0%} of pool"
+            ax.text(
+                r["samples_per_s"], i, f" {r['samples_per_s']:,.0f}{extra}", va="center", fontsize=7
+            )
+        if t["workload"] == "decode":
+            ax.set_xlim(0, max(rates) * 1.6)
+            ax.set_xlabel("samples/s (steady, median of rounds)")
+        else:
+            ax.set_xscale("log")
+            ax.set_xlim(min(rates) / 2, max(rates) * 12)
+            ax.set_xlabel("samples/s (steady, median of rounds, log scale)")
+        title = (
+            "decode-bound: PNG decode in the transform"
+            if t["workload"] == "decode"
+            else f"I/O-bound: {t['workload']}, raw bytes to the loop"
+        )
+        ax.set_title(title, fontsize=10)
+        if t["workload"] == "decode":
+            floor = next((r["samples_per_s"] for r in rows if r["contender"] == "floor"), None)
+            if floor:
+                cores = data["machine"]["cores"] or 1
+                ax.axvline(
+                    floor * min(2, cores),
+                    color="black",
+                    linestyle="--",
+                    linewidth=1,
+                    label="2 x the 1-process rate",
+                )
+                ax.legend(fontsize=7, loc="lower right")
+        ax2 = axes[1][col]
+        ax2.barh(y, [r["peak_tree_pss_mib"] for r in rows], color=colors)
+        ax2.set_yticks(y, names, fontsize=8)
+        ax2.invert_yaxis()
+        ax2.set_xlabel("peak memory of the process tree, ΣPSS (MiB)")
+    m = data["machine"]
+    fig.suptitle(
+        f"DatasetRT shared-memory loader, {m['date'][:10]}, {m['cores']} cores ({m['cpu']}), "
+        f"batch {BATCH}, median of {data['repeats']} rounds",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    print(f"# wrote {path}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=common.REPEATS)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--contenders", nargs="+", default=None, help="a subset, by key")
+    parser.add_argument("--data-dir", type=Path, default=common.DATA_DIR)
+    parser.add_argument("--min-seconds", type=float, default=1.0)
+    parser.add_argument("--max-epochs", type=int, default=8)
+    parser.add_argument("--chart", type=Path, default=CHART)
+    parser.add_argument("--prepare-only", action="store_true", help="write the data and stop")
+    parser.add_argument(
+        "--from-json", type=Path, help="print the tables and draw the chart of a saved run"
+    )
+    parser.add_argument("--prepare", help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.prepare:
+        prepare(Layout(args.data_dir, args.workloads[0]), args.prepare)
+        print("RESULT {}")
+        return None
+    if args.child:
+        lay = Layout(args.data_dir, args.workloads[0])
+        try:
+            res = child(args.child, lay, args.min_seconds, args.max_epochs)
+        except BaseException:
+            traceback.print_exc()
+            sys.exit(1)
+        print("RESULT " + json.dumps(res), flush=True)
+        return None
+
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        print_tables(saved["tables"])
+        draw_chart(saved, args.chart)
+        return saved
+
+    drt = common.import_dataset_rt()
+    print(f"# dataset_rt.__file__ = {drt.__file__}", file=sys.stderr)
+    print(f"# PYTHONPATH = {os.environ.get('PYTHONPATH', '')}", file=sys.stderr)
+    t_start = time.perf_counter()
+    prep_errors = prepare_all(args)
+    for wl in args.workloads:
+        lay = Layout(args.data_dir, wl)
+        if lay.ready("flat"):
+            starts, ends = lay.spans()
+            WORKLOADS_MEAN_BYTES[wl] = float(np.mean(np.subtract(ends, starts)))
+    warmed = warm_page_cache(args.data_dir / "loader")
+    print(f"# page cache warmed: {warmed / common.MIB:.0f} MiB", file=sys.stderr)
+    t_prep = time.perf_counter() - t_start
+    if args.prepare_only:
+        print(json.dumps(prep_errors or "prepared"))
+        return None
+    load_before = os.getloadavg()
+
+    plan = {
+        wl: [c for c in CONTENDERS[kind_of(wl)] if args.contenders is None or c in args.contenders]
+        for wl in args.workloads
+    }
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        wl: {c: [] for c in cs} for wl, cs in plan.items()
+    }
+    for rnd in range(args.repeats):
+        for wl, cs in plan.items():
+            for c in cs:
+                store = store_of(c)
+                if store and not Layout(args.data_dir, wl).ready(store):
+                    continue
+                t = time.perf_counter()
+                res = run_child(
+                    [
+                        "--child",
+                        c,
+                        "--workloads",
+                        wl,
+                        "--data-dir",
+                        str(args.data_dir),
+                        "--min-seconds",
+                        str(args.min_seconds),
+                        "--max-epochs",
+                        str(args.max_epochs),
+                    ],
+                    CHILD_TIMEOUT_S,
+                )
+                runs[wl][c].append(res)
+                if "error" in res:
+                    msg = f"FAILED {res['error'][:300]}"
+                else:
+                    rate = common.median(e["steady_samples_per_s"] for e in res["epochs"])
+                    msg = f"{rate:,.0f} samples/s, {len(res['epochs'])} epochs"
+                print(
+                    f"# round {rnd + 1} {wl:>6} {c:<15} {msg} ({time.perf_counter() - t:.1f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    tables = [summarise(wl, runs[wl], prep_errors) for wl in args.workloads]
+    data = {
+        "benchmark": "loader",
+        "command": " ".join([sys.executable, *sys.argv]),
+        "machine": common.machine_info(),
+        "dataset_rt": common.dataset_rt_origin(),
+        "batch_size": BATCH,
+        "repeats": args.repeats,
+        "min_seconds": args.min_seconds,
+        "prepare_s": t_prep,
+        "load_avg_before": load_before,
+        "total_s": time.perf_counter() - t_start,
+        "prepare_errors": prep_errors,
+        "tables": tables,
+        "runs": runs,
+    }
+    print_tables(tables)
+    common.write_results("loader", data)
+    try:
+        draw_chart(data, args.chart)
+    except ImportError as e:
+        print(f"# no chart: {e} (pip install matplotlib)", file=sys.stderr)
+    print(f"\n# loader benchmark: {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    return data
+
+
+if __name__ == "__main__":
+    main()
