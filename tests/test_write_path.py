@@ -8,6 +8,7 @@ import math
 import mmap
 import os
 import random
+import re
 import struct
 import time
 import types
@@ -619,6 +620,20 @@ def test_progress_counts_sources(runtime, tmp_path, capfd):
     err = capfd.readouterr().err
     assert any("[1/2] first" in line and "samples/s" in line for line in err.splitlines()), err
     assert any("[2/2] second" in line and "MB/s" in line for line in err.splitlines()), err
+
+
+def test_progress_shows_an_eta_over_the_remaining_sources(runtime, tmp_path, capfd):
+    names = ("e1", "e2", "e3")
+    sources = [make_source(n, [(b"e" * 100, {}) for _ in range(10)]) for n in names]
+    write(runtime, sources, tmp_path, show_progress=True)
+
+    lines = capfd.readouterr().err.splitlines()
+    first = [line for line in lines if "[1/3] e1" in line]
+    later = [line for line in lines if "[2/3] e2" in line or "[3/3] e3" in line]
+    assert first and later, lines
+    # Nothing to estimate from before the first source is written; then the mean source time.
+    assert all(line.endswith("ETA -") or "ETA - |" in line for line in first), first
+    assert all(re.search(r"ETA \d+ (?:second|minute|hour)", line) for line in later), later
 
 
 def test_show_progress_false_prints_nothing(runtime, tmp_path, capfd):

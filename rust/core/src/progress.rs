@@ -44,8 +44,11 @@ impl WriteProgress {
         bar.set_prefix(prefix);
         // ETA over whole sources: the mean time of the sources written so far.
         let remaining = (self.source_count - index) as u32;
-        let eta = (self.source_count > 1 && self.writes_done > 0)
-            .then(|| self.write_time / self.writes_done * remaining);
+        let eta = match (self.source_count > 1, self.writes_done) {
+            (false, _) => Eta::SingleSource,
+            (true, 0) => Eta::Unknown,
+            (true, done) => Eta::Known(self.write_time / done * remaining),
+        };
         let mut line = SourceProgress {
             bar,
             started: Instant::now(),
@@ -73,7 +76,15 @@ pub struct SourceProgress {
     bar: ProgressBar,
     started: Instant,
     last_update: Option<Instant>,
-    eta: Option<Duration>,
+    eta: Eta,
+}
+
+/// The ETA over the remaining sources of a multi-source write: unknown until one was written.
+#[derive(Clone, Copy)]
+enum Eta {
+    SingleSource,
+    Unknown,
+    Known(Duration),
 }
 
 impl SourceProgress {
@@ -86,9 +97,13 @@ impl SourceProgress {
             samples as f64 / secs,
             bytes as f64 / secs / 1e6,
         );
-        if let Some(eta) = self.eta {
-            let left = eta.saturating_sub(self.started.elapsed());
-            msg.push_str(&format!(" | ETA {}", HumanDuration(left)));
+        match self.eta {
+            Eta::SingleSource => {}
+            Eta::Unknown => msg.push_str(" | ETA -"),
+            Eta::Known(eta) => {
+                let left = eta.saturating_sub(self.started.elapsed());
+                msg.push_str(&format!(" | ETA {}", HumanDuration(left)));
+            }
         }
         msg
     }
