@@ -5,6 +5,7 @@ pub mod cache;
 pub mod dataset;
 pub mod error;
 pub mod format;
+mod hashed_file;
 pub mod metadata;
 pub mod pool;
 pub mod progress;

@@ -1,6 +1,7 @@
 //! Per-sample metadata: the schema, typed values, and the Arrow IPC table (`metadata.arrow`).
 
 use std::fs::File;
+use std::io::BufWriter;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -11,7 +12,8 @@ use arrow_array::{Array, ArrayRef, RecordBatch};
 use arrow_schema::{DataType, Field as ArrowField, Schema, SchemaRef};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, IoContext, Result};
+use crate::error::{Error, Result};
+use crate::hashed_file::{create_file, finish_file, HashingWriter};
 
 /// The name of the identity column (and of the optional user metadata key feeding it).
 pub const SAMPLE_ID: &str = "sample_id";
@@ -174,15 +176,14 @@ pub struct MetadataWriter {
     source_of_column: Vec<Option<usize>>,
     builders: Vec<ColumnBuilder>,
     rows_in_batch: usize,
-    writer: arrow_ipc::writer::FileWriter<std::io::BufWriter<File>>,
+    writer: arrow_ipc::writer::FileWriter<HashingWriter<BufWriter<File>>>,
     path: std::path::PathBuf,
 }
 
 impl MetadataWriter {
     pub fn create(path: &Path, fields: &[Field], sample_id_type: FieldType) -> Result<Self> {
         let schema = arrow_schema(fields, sample_id_type);
-        let file = File::create(path).ctx("create", path)?;
-        let writer = arrow_ipc::writer::FileWriter::try_new(std::io::BufWriter::new(file), &schema)
+        let writer = arrow_ipc::writer::FileWriter::try_new(create_file(path)?, &schema)
             .map_err(|e| Error::io("write", path, std::io::Error::other(e)))?;
         let mut source_of_column = vec![fields.iter().position(|f| f.name == SAMPLE_ID)];
         source_of_column.extend(
@@ -240,8 +241,9 @@ impl MetadataWriter {
         Ok(())
     }
 
-    /// Writes the last batch and the footer, and syncs the file.
-    pub fn finish(mut self) -> Result<()> {
+    /// Writes the last batch and the footer, syncs the file, and returns its length and
+    /// checksum.
+    pub fn finish(mut self) -> Result<(u64, String)> {
         self.flush_batch()?;
         self.writer
             .finish()
@@ -250,10 +252,7 @@ impl MetadataWriter {
             .writer
             .into_inner()
             .map_err(|e| Error::io("write", &self.path, std::io::Error::other(e)))?;
-        let file = file
-            .into_inner()
-            .map_err(|e| Error::io("write", &self.path, e.into_error()))?;
-        file.sync_all().ctx("sync", &self.path)
+        finish_file(file, &self.path)
     }
 }
 

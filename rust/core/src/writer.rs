@@ -15,11 +15,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use xxhash_rust::xxh3::Xxh3;
-
 use crate::cache::{Cache, Validation};
 use crate::error::{Error, IoContext, Result};
 use crate::format::*;
+use crate::hashed_file::{create_file, finish_file, HashingWriter};
 use crate::metadata::{
     record_metadata_json, Field, FieldType, MetaValue, MetadataWriter, SAMPLE_ID,
 };
@@ -190,50 +189,6 @@ impl Drop for CacheLock {
         // SAFETY: unlocking our own descriptor; closing it would release the lock anyway.
         unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
     }
-}
-
-/// Hashes every byte it passes on, so file checksums cost no second read.
-struct HashingWriter<W: Write> {
-    inner: W,
-    hasher: Xxh3,
-    written: u64,
-}
-
-impl<W: Write> HashingWriter<W> {
-    fn new(inner: W) -> Self {
-        HashingWriter {
-            inner,
-            hasher: Xxh3::new(),
-            written: 0,
-        }
-    }
-}
-
-impl<W: Write> Write for HashingWriter<W> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.inner.write(buf)?;
-        self.hasher.update(&buf[..n]);
-        self.written += n as u64;
-        Ok(n)
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
-}
-
-fn finish_file(w: HashingWriter<BufWriter<File>>, path: &Path) -> Result<(u64, String)> {
-    let checksum = checksum_hex(w.hasher.digest());
-    let file = w
-        .inner
-        .into_inner()
-        .map_err(|e| Error::io("write", path, e.into_error()))?;
-    file.sync_all().ctx("sync", path)?;
-    Ok((w.written, checksum))
-}
-
-fn create_file(path: &Path) -> Result<HashingWriter<BufWriter<File>>> {
-    let f = File::create(path).ctx("create", path)?;
-    Ok(HashingWriter::new(BufWriter::with_capacity(1 << 20, f)))
 }
 
 fn sync_dir(path: &Path) -> Result<()> {
@@ -796,15 +751,12 @@ impl CacheWriter {
         self.pool.run(move || {
             let mut sink = shared.sink.lock().unwrap();
             sink.close_shard()?;
-            let meta_path = tmp.join(METADATA_FILE);
-            sink.metadata.take().expect("opened").finish()?;
-            let meta_bytes = fs::read(&meta_path).ctx("read", &meta_path)?;
+            let (bytes, checksum) = sink.metadata.take().expect("opened").finish()?;
             let metadata = FileEntry {
                 file: METADATA_FILE.into(),
-                bytes: meta_bytes.len() as u64,
-                checksum: checksum_hex(hash_bytes(&meta_bytes)),
+                bytes,
+                checksum,
             };
-            drop(meta_bytes);
             let index_path = tmp.join(INDEX_FILE);
             let index_writer = sink.index.take().expect("open until finish");
             let (bytes, checksum) = finish_file(index_writer, &index_path)?;
