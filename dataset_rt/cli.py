@@ -12,6 +12,7 @@ path that is not a cache.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import stat
@@ -165,44 +166,160 @@ def _cmd_head(args: argparse.Namespace) -> int:
 # --- pack ------------------------------------------------------------------------------------
 
 
-def _list_files(root: Path) -> list[str]:
-    """Every file under ``root`` as a POSIX path relative to it, sorted. Symbolic links to files
-    are read; links to directories are not followed (no cycles)."""
+class PackRefused(ValueError):
+    """A file or link under the packed directory that ``pack`` will not store; the message says
+    which and what to do."""
 
-    def fail(error: OSError) -> None:
-        raise error
 
-    found: list[str] = []
-    for folder, _dirs, files in os.walk(root, onerror=fail):
-        rel_folder = Path(folder).relative_to(root)
-        found.extend((rel_folder / f).as_posix() for f in files)
-    return sorted(found)
+# Read-only, never blocking on a FIFO, not inherited by child processes.
+_OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _list_files(root: Path, *, follow_symlinks: bool) -> list[tuple[str, tuple[str, ...] | None]]:
+    """Every file under ``root``, sorted by its POSIX path relative to ``root``, with the
+    components of its real location below ``root`` (``None``: outside, reached through a link
+    that ``follow_symlinks`` allowed).
+
+    A symbolic link whose target lies inside ``root`` is packed as what it points to (a file, or
+    a folder's files under the link's path). A link leaving ``root`` is refused unless
+    ``follow_symlinks``. A broken link, a link loop and anything that is neither a regular file
+    nor a folder (FIFO, socket, device) are refused. Nothing is skipped silently."""
+    root = Path(os.path.realpath(root))
+    found: list[tuple[str, tuple[str, ...] | None]] = []
+
+    def refuse_link(path: Path, what: str) -> PackRefused:
+        return PackRefused(f"{path} is a symbolic link {what}")
+
+    def walk(
+        path: Path, rel: tuple[str, ...], real: tuple[str, ...] | None, seen: frozenset[Any]
+    ) -> None:
+        info = os.stat(path)
+        folder = (info.st_dev, info.st_ino)
+        if folder in seen:
+            raise refuse_link(path, "back to a folder that contains it (a loop); remove the link")
+        seen = seen | {folder}
+        with os.scandir(path) as listing:
+            entries = sorted(listing, key=lambda e: e.name)
+        for entry in entries:
+            entry_path = Path(entry.path)
+            entry_rel = (*rel, entry.name)
+            entry_real = None if real is None else (*real, entry.name)
+            if entry.is_symlink():
+                target = Path(os.path.realpath(entry_path))
+                if _inside(target, root):
+                    entry_real = target.relative_to(root).parts
+                elif follow_symlinks:
+                    entry_real = None
+                else:
+                    raise refuse_link(
+                        entry_path,
+                        f"to {os.readlink(entry_path)}, outside {root}; pack stores only what "
+                        "lies in the folder (a link could pull in any file, such as "
+                        "/proc/self/environ). Replace the link with the file, or pass "
+                        "--follow-symlinks to pack what links point to",
+                    )
+                if not target.exists():
+                    raise refuse_link(
+                        entry_path,
+                        f"to {os.readlink(entry_path)}, which does not exist; remove the link",
+                    )
+                if target.is_dir():
+                    walk(entry_path, entry_rel, entry_real, seen)
+                    continue
+            elif entry.is_dir(follow_symlinks=False):
+                walk(entry_path, entry_rel, entry_real, seen)
+                continue
+            found.append(("/".join(entry_rel), entry_real))
+
+    walk(root, (), (), frozenset())
+    found.sort(key=lambda item: item[0])
+    return found
+
+
+def _open_below(root_fd: int, parts: tuple[str, ...]) -> int:
+    """Opens ``parts`` below the directory ``root_fd`` without following any symbolic link on the
+    way, so a link planted after the listing cannot lead outside."""
+    fd = root_fd
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = _OPEN | os.O_NOFOLLOW | (0 if last else os.O_DIRECTORY)
+            next_fd = os.open(part, flags, dir_fd=fd)
+            if fd != root_fd:
+                os.close(fd)
+            fd = next_fd
+    except BaseException:
+        if fd != root_fd:
+            os.close(fd)
+        raise
+    return fd
+
+
+def _read_regular(fd: int, shown: Path) -> bytes:
+    """Reads the whole file behind ``fd`` (closing it) after checking that it is a regular file:
+    the check and the read use one descriptor, so the file cannot change kind in between."""
+    with os.fdopen(fd, "rb", closefd=True) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise PackRefused(f"{shown} is not a regular file; pack stores regular files only")
+        return f.read()
 
 
 class _DirectorySource:
     """One sample per file under a directory, in sorted relative-path order, labelled by its
     top-level folder: torchvision's ImageFolder convention, where every file below ``DIR/cls/``
-    (nested folders included) is of class ``cls``; ``""`` for files directly in the directory."""
+    (nested folders included) is of class ``cls``; ``""`` for files directly in the directory.
 
-    def __init__(self, name: str, root: Path) -> None:
+    Each file is opened once; its kind is checked on that descriptor. Files inside the directory
+    are opened component by component without following links."""
+
+    def __init__(self, name: str, root: Path, *, follow_symlinks: bool) -> None:
         self.name = name
         self._root = root
+        self._follow = follow_symlinks
+        self.refused: PackRefused | None = None
 
     def __iter__(self) -> Iterator[CacheInput]:
-        for rel in _list_files(self._root):
-            path = self._root / rel
-            if not stat.S_ISREG(path.stat().st_mode):
-                raise ValueError(f"{rel} is not a regular file")
-            data = path.read_bytes()
-            yield CacheInput(
-                data=data,
-                metadata={
-                    "sample_id": rel,
-                    "path": rel,
-                    "size": len(data),
-                    "label": PurePosixPath(rel).parts[0] if "/" in rel else "",
-                },
-            )
+        try:
+            yield from self._samples()
+        except PackRefused as refused:
+            self.refused = refused
+            raise
+
+    def _samples(self) -> Iterator[CacheInput]:
+        files = _list_files(self._root, follow_symlinks=self._follow)
+        root_fd = os.open(self._root, _OPEN | os.O_DIRECTORY)
+        try:
+            for rel, real in files:
+                shown = self._root / rel
+                try:
+                    # Outside the folder (``real`` None) only through --follow-symlinks.
+                    fd = _open_below(root_fd, real) if real is not None else os.open(shown, _OPEN)
+                except OSError as error:
+                    if error.errno == errno.ELOOP:
+                        raise PackRefused(
+                            f"{shown} became a symbolic link while packing; pack again"
+                        ) from None
+                    if error.errno == errno.ENXIO:  # a socket
+                        raise PackRefused(
+                            f"{shown} is not a regular file; pack stores regular files only"
+                        ) from None
+                    raise
+                data = _read_regular(fd, shown)
+                yield CacheInput(
+                    data=data,
+                    metadata={
+                        "sample_id": rel,
+                        "path": rel,
+                        "size": len(data),
+                        "label": PurePosixPath(rel).parts[0] if "/" in rel else "",
+                    },
+                )
+        finally:
+            os.close(root_fd)
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
@@ -220,9 +337,10 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         show_progress=not args.quiet,
         shard_size_bytes=args.shard_size,
     )
+    source = _DirectorySource(cache.name, root, follow_symlinks=args.follow_symlinks)
     with DatasetRuntime(num_workers=args.workers) as runtime:
         result = runtime.from_cache_sources(
-            _DirectorySource(cache.name, root),
+            source,
             cache.parent,
             reader_config=ReaderConfig(shuffle=False),
             writer_config=writer,
@@ -236,7 +354,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
                 f"{root} was not read. Remove the cache to pack again."
             )
         case CacheSourcesDatasetError(_, message):
-            _error(message)
+            _error(str(source.refused) if source.refused else message)
             return EXIT_FAILED
         case _:
             _error(f"unexpected result {result!r}")
@@ -290,7 +408,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Packs every file under DIR (sorted by relative path) into the cache CACHE "
         "(written as base CACHE/.. and name CACHE's last component). Metadata: sample_id and "
         "path (relative POSIX path), size (bytes), label (top-level folder name, '' at the top). "
-        "An existing cache is reused, not rewritten.",
+        "An existing cache is reused, not rewritten. Symbolic links: a link to a file or folder "
+        "inside DIR is packed as what it points to, under the link's own path; a link leading "
+        "out of DIR is refused unless --follow-symlinks; broken links, link loops and special "
+        "files (FIFOs, sockets, devices) are always refused. Nothing is skipped silently.",
     )
     p.add_argument("dir", metavar="DIR", help="directory to pack")
     p.add_argument("cache", metavar="CACHE", help="cache directory to write (base/name)")
@@ -311,6 +432,12 @@ def _parser() -> argparse.ArgumentParser:
         help="target size of one shard file",
     )
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help="also pack what links leading out of DIR point to (files, and folders with loop "
+        "protection); without it such links are refused",
+    )
     p.set_defaults(handler=_cmd_pack)
 
     p = commands.add_parser(

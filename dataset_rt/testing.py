@@ -9,8 +9,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,15 +69,28 @@ def make_source(
     return ListSource(name, inputs)
 
 
+@contextlib.contextmanager
+def _writable(path: Path) -> Iterator[None]:
+    """Lets the owner write ``path`` for the duration, then restores its mode: a published
+    cache's files are read-only (0444)."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    path.chmod(mode | stat.S_IWUSR)
+    try:
+        yield
+    finally:
+        path.chmod(mode)
+
+
 def corrupt_byte(path: str | os.PathLike[str], offset: int) -> int:
     """Inverts every bit of the byte at ``offset`` (negative counts from the end) in place and
-    returns its old value. The file keeps its size, so only checksums can notice."""
+    returns its old value. The file keeps its size, so only checksums can notice. Works on a
+    published cache's read-only files and leaves their mode as it was."""
     path = Path(path)
     size = path.stat().st_size
     position = offset + size if offset < 0 else offset
     if not 0 <= position < size:
         raise IndexError(f"offset {offset} is outside {path} ({size} bytes)")
-    with path.open("r+b") as f:
+    with _writable(path), path.open("r+b") as f:
         f.seek(position)
         old = f.read(1)[0]
         f.seek(position)
@@ -84,12 +99,14 @@ def corrupt_byte(path: str | os.PathLike[str], offset: int) -> int:
 
 
 def truncate_file(path: str | os.PathLike[str], remove: int = 1) -> None:
-    """Cuts the last ``remove`` bytes off a file."""
+    """Cuts the last ``remove`` bytes off a file (a published cache's read-only files too; their
+    mode stays as it was)."""
     path = Path(path)
     size = path.stat().st_size
     if not 0 < remove <= size:
         raise ValueError(f"cannot remove {remove} bytes from {path} ({size} bytes)")
-    os.truncate(path, size - remove)
+    with _writable(path):
+        os.truncate(path, size - remove)
 
 
 def _payload(data: Any) -> bytes:

@@ -106,6 +106,7 @@ def run_module(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def flip_byte(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
+    path.chmod(0o644)  # published read-only
     path.write_bytes(bytes(data))
 
 
@@ -208,6 +209,7 @@ def test_verify_catches_damage_between_records(
 def test_verify_names_a_truncated_index(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cache = write_cache(tmp_path, n=10)
     index = cache / "index.bin"
+    index.chmod(0o644)  # published read-only
     index.write_bytes(index.read_bytes()[:-8])
 
     assert main(["verify", str(cache)]) == EXIT_FAILED
@@ -404,6 +406,155 @@ def test_pack_refuses_to_overwrite_a_malformed_cache(
     assert "CacheMalformed" in err
     assert "invalid JSON" in err
     assert (broken / "manifest.json").read_text() == "{not json"
+
+
+def pack_quiet(src: Path, cache: Path, *flags: str) -> int:
+    return main(["pack", str(src), str(cache), "--quiet", *flags])
+
+
+def test_pack_refuses_a_file_link_leaving_the_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    image_folder(src)
+    (src / "cat" / "env").symlink_to("/proc/self/environ")
+    cache = tmp_path / "caches" / "images"
+
+    assert pack_quiet(src, cache) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert f"{src / 'cat' / 'env'} is a symbolic link to /proc/self/environ, outside" in err
+    assert "--follow-symlinks" in err
+    assert not cache.exists()
+    assert sorted(p.name for p in cache.parent.iterdir()) == [".images.lock"]
+
+
+def test_pack_refuses_a_folder_link_leaving_the_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    image_folder(src)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    (src / "more").symlink_to(outside)
+
+    assert pack_quiet(src, tmp_path / "c") == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert f"{src / 'more'} is a symbolic link to {outside}, outside" in err
+    assert not (tmp_path / "c").exists()
+
+
+def test_pack_follow_symlinks_packs_what_outside_links_point_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    files = image_folder(src)
+    outside = tmp_path / "outside"
+    (outside / "deep").mkdir(parents=True)
+    (outside / "one.bin").write_bytes(b"one")
+    (outside / "deep" / "two.bin").write_bytes(b"two")
+    (src / "cat" / "linked.bin").symlink_to(outside / "one.bin")
+    (src / "extra").symlink_to(outside)
+    cache = tmp_path / "caches" / "images"
+
+    assert pack_quiet(src, cache, "--follow-symlinks") == EXIT_OK
+    capsys.readouterr()
+    samples = {meta["path"]: data for data, meta in read_all(cache.parent, "images")}
+    expected = {
+        **files,
+        "cat/linked.bin": b"one",
+        "extra/one.bin": b"one",
+        "extra/deep/two.bin": b"two",
+    }
+    assert samples == expected
+    assert list(samples) == sorted(expected)
+
+
+def test_pack_packs_links_inside_the_folder_as_their_targets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A link that stays inside is packed as what it points to, a folder link included: never
+    skipped silently."""
+    src = tmp_path / "src"
+    files = image_folder(src)
+    (src / "dog" / "alias.jpg").symlink_to(Path("..") / "cat" / "001.jpg")
+    (src / "pets").symlink_to("dog")
+    cache = tmp_path / "caches" / "images"
+
+    assert pack_quiet(src, cache) == EXIT_OK
+    capsys.readouterr()
+    samples = {
+        meta["path"]: (data, meta["label"]) for data, meta in read_all(cache.parent, "images")
+    }
+    assert samples["dog/alias.jpg"] == (files["cat/001.jpg"], "dog")
+    assert samples["pets/001.jpg"] == (files["dog/001.jpg"], "pets")
+    assert samples["pets/puppies/a.png"] == (files["dog/puppies/a.png"], "pets")
+    assert samples["pets/alias.jpg"] == (files["cat/001.jpg"], "pets")
+    assert len(samples) == len(files) + 1 + 3
+
+
+@pytest.mark.parametrize("flags", [(), ("--follow-symlinks",)], ids=["default", "follow"])
+def test_pack_refuses_link_loops_and_broken_links(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...]
+) -> None:
+    src = tmp_path / "src"
+    image_folder(src)
+    (src / "dog" / "puppies" / "up").symlink_to(Path("..") / "..")
+    assert pack_quiet(src, tmp_path / "c", *flags) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert f"{src / 'dog' / 'puppies' / 'up'} is a symbolic link back to a folder" in err
+    assert "loop" in err
+
+    (src / "dog" / "puppies" / "up").unlink()
+    (src / "cat" / "gone").symlink_to(src / "cat" / "missing")
+    assert pack_quiet(src, tmp_path / "c", *flags) == EXIT_FAILED
+    assert "which does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.timeout(60)
+def test_pack_refuses_a_fifo_without_blocking(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    image_folder(src)
+    os.mkfifo(src / "cat" / "pipe")
+    assert pack_quiet(src, tmp_path / "c") == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert f"{src / 'cat' / 'pipe'} is not a regular file" in err
+
+
+def test_pack_does_not_follow_a_link_swapped_in_after_listing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing and the read are apart in time: a file replaced by a link to a secret in
+    between must not be read through the link (the read opens without following links)."""
+    from dataset_rt import cli
+
+    src = tmp_path / "src"
+    image_folder(src)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"private key")
+    listed = cli._list_files
+
+    def list_then_swap(root: Path, *, follow_symlinks: bool) -> object:
+        files = listed(root, follow_symlinks=follow_symlinks)
+        (src / "cat" / "001.jpg").unlink()
+        (src / "cat" / "001.jpg").symlink_to(secret)
+        return files
+
+    monkeypatch.setattr(cli, "_list_files", list_then_swap)
+    cache = tmp_path / "caches" / "images"
+    assert pack_quiet(src, cache) == EXIT_FAILED
+    assert f"{src / 'cat' / '001.jpg'} became a symbolic link" in capsys.readouterr().err
+    assert not cache.exists()
+
+
+def test_pack_help_describes_links(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pack", "--help"]) == EXIT_OK
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--follow-symlinks" in out
+    assert "a link leading out of DIR is refused unless --follow-symlinks" in out
 
 
 # --- demo ------------------------------------------------------------------------------------

@@ -95,6 +95,7 @@ def edit_manifest(change: Callable[[dict], None]) -> Callable[[Path], None]:
         path = cache_dir / "manifest.json"
         manifest = json.loads(path.read_text())
         change(manifest)
+        path.chmod(0o644)  # published read-only
         path.write_text(json.dumps(manifest, indent=2))
 
     return apply
@@ -152,7 +153,12 @@ def flip(rel: str, offset: int) -> Callable[[Path], None]:
 
 
 def write_manifest(text: bytes) -> Callable[[Path], None]:
-    return lambda cache_dir: (cache_dir / "manifest.json").write_bytes(text) and None
+    def apply(cache_dir: Path) -> None:
+        path = cache_dir / "manifest.json"
+        path.chmod(0o644)  # published read-only
+        path.write_bytes(text)
+
+    return apply
 
 
 # (damage, validate_cache, the file the message names, the words that say what mismatched)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import stat
 
 import pytest
 
@@ -43,6 +44,17 @@ def test_corrupt_byte_inverts_one_byte_and_returns_the_old_value(tmp_path):
         corrupt_byte(path, 4)
     with pytest.raises(IndexError):
         corrupt_byte(path, -5)
+
+
+def test_damage_helpers_work_on_read_only_files_and_keep_their_mode(tmp_path):
+    """Published cache files are 0444: the helpers still damage them, and leave them 0444."""
+    path = tmp_path / "f"
+    path.write_bytes(b"\x00\x01\x02\x03")
+    path.chmod(0o444)
+    assert corrupt_byte(path, 0) == 0
+    truncate_file(path)
+    assert path.read_bytes() == b"\xff\x01\x02"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o444
 
 
 def test_truncate_file(tmp_path):

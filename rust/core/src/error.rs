@@ -69,6 +69,10 @@ pub enum Error {
     /// The worker pool cannot run the work (closed, used from a forked child, a worker panicked).
     #[error("{0}")]
     Runtime(String),
+
+    /// The caller's interrupt check asked to stop (Ctrl-C in Python); nothing was published.
+    #[error("{0}")]
+    Interrupted(String),
 }
 
 impl Error {

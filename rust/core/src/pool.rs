@@ -190,6 +190,16 @@ impl<T> Slot<T> {
         }
     }
 
+    /// Waits at most `timeout`; `None` when the result is not there yet.
+    pub fn wait_timeout(&self, timeout: std::time::Duration) -> Option<Result<T>> {
+        let guard = self.value.lock().unwrap();
+        let (mut guard, _) = self
+            .ready
+            .wait_timeout_while(guard, timeout, |v| v.is_none())
+            .unwrap();
+        guard.take()
+    }
+
     pub fn is_ready(&self) -> bool {
         self.value.lock().unwrap().is_some()
     }

@@ -11,14 +11,16 @@ use std::collections::{BTreeMap, HashSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
 
 use crate::cache::{Cache, Validation};
 use crate::error::{Error, IoContext, Result};
 use crate::format::*;
-use crate::hashed_file::{create_file, finish_file, HashingWriter};
+use crate::hashed_file::{create_file, finish_file, make_read_only, HashingWriter};
 use crate::metadata::{
     record_metadata_json, Field, FieldType, MetaValue, MetadataWriter, SAMPLE_ID,
 };
@@ -56,6 +58,27 @@ impl WriterOptions {
     }
 }
 
+/// Asked about every [`INTERRUPT_POLL`] while a write waits (for the lock, for commits, for the
+/// finishing work): an error stops the write, which then publishes nothing. The Python bindings
+/// run pending signal handlers here, so Ctrl-C stops a write that is waiting without the GIL.
+pub type InterruptCheck = Arc<dyn Fn() -> Result<()> + Send + Sync>;
+
+/// How often a waiting write asks its [`InterruptCheck`].
+pub const INTERRUPT_POLL: Duration = Duration::from_millis(100);
+
+/// The bytes that the temporary directory's name `.NAME.tmp-PID-NANOS` adds to a cache name, at
+/// most: a pid has at most 10 digits (an i32), the nanoseconds since 1970 at most 20 (until the
+/// year 2286 they have 19). The lock file `.NAME.lock` adds less.
+const TMP_NAME_EXTRA_BYTES: usize = ".".len() + ".tmp-".len() + 10 + "-".len() + 20;
+
+/// The longest cache name, in bytes: its temporary directory's name must still fit the 255-byte
+/// limit that Linux file systems put on one file name.
+pub const MAX_NAME_BYTES: usize = 255 - TMP_NAME_EXTRA_BYTES;
+
+fn tmp_dir_name(name: &str, pid: u32, nanos: u128) -> String {
+    format!(".{name}.tmp-{pid}-{nanos}")
+}
+
 /// One sample as the source gave it; metadata keys in the source's order.
 pub struct SampleInput {
     pub data: Vec<u8>,
@@ -77,7 +100,90 @@ pub fn validate_name(name: &str) -> Result<()> {
             ),
         ));
     }
+    if name.len() > MAX_NAME_BYTES {
+        return Err(Error::config(
+            "source name",
+            format!(
+                "{:?}... is {} bytes long; a cache name may have at most {MAX_NAME_BYTES} bytes \
+                 (its temporary directory's name adds up to {TMP_NAME_EXTRA_BYTES} bytes, and a \
+                 file name may have 255): use a shorter name",
+                name.chars().take(32).collect::<String>(),
+                name.len()
+            ),
+        ));
+    }
     Ok(())
+}
+
+/// Errors clearly when `base` cannot be a base cache directory because it, or the nearest part
+/// of it that exists, is not a directory (a regular file, say). Creates nothing.
+pub fn check_base_dir(base: &Path) -> Result<()> {
+    let Some(existing) = base.ancestors().find(|p| fs::metadata(p).is_ok()) else {
+        return Ok(());
+    };
+    if fs::metadata(existing).is_ok_and(|m| !m.is_dir()) {
+        let what = if existing == base {
+            format!("{} is not a directory", base.display())
+        } else {
+            format!(
+                "{} cannot be created: {} is not a directory",
+                base.display(),
+                existing.display()
+            )
+        };
+        return Err(Error::config(
+            "base_cache_dir",
+            format!("{what}; pass a directory (missing ones are created)"),
+        ));
+    }
+    Ok(())
+}
+
+/// Opens (creating it if needed) the lock file without following a symbolic link and without
+/// blocking on a FIFO: a file planted at the lock's path never makes the writer create or open
+/// anything outside the base directory.
+fn open_lock_file(path: &Path) -> Result<File> {
+    let flags = libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
+    let refused = |what: &str| {
+        Error::io(
+            "open lock file",
+            path,
+            std::io::Error::other(format!(
+                "{what}, not a regular file; the lock is never opened through a link or on a \
+                 special file, so nothing was written: remove it and retry"
+            )),
+        )
+    };
+    let opened = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o644)
+        .custom_flags(flags)
+        .open(path)
+        .or_else(|e| match e.kind() {
+            // Another user's lock file in a shared base directory: flock needs no write access.
+            std::io::ErrorKind::PermissionDenied => {
+                OpenOptions::new().read(true).custom_flags(flags).open(path)
+            }
+            _ => Err(e),
+        });
+    let file = match opened {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(refused("it is a symbolic link"))
+        }
+        // A FIFO without a reader (write-only, non-blocking open) or a socket.
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
+            return Err(refused("it is a FIFO or a socket"))
+        }
+        Err(e) => return Err(Error::io("open lock file", path, e)),
+    };
+    let meta = file.metadata().ctx("stat lock file", path)?;
+    if !meta.is_file() {
+        return Err(refused("it is a special file"));
+    }
+    Ok(file)
 }
 
 /// An exclusive lock on one cache name under a base directory, held while deciding whether to
@@ -92,23 +198,38 @@ pub struct CacheLock {
 impl CacheLock {
     /// Blocks until the lock is held; creates `base` if needed.
     pub fn acquire(base: &Path, name: &str) -> Result<CacheLock> {
+        Self::acquire_interruptible(base, name, &|| Ok(()))
+    }
+
+    /// Like [`CacheLock::acquire`], but asks `interrupt` about every [`INTERRUPT_POLL`] while
+    /// another writer holds the lock, and gives up with its error.
+    pub fn acquire_interruptible(
+        base: &Path,
+        name: &str,
+        interrupt: &dyn Fn() -> Result<()>,
+    ) -> Result<CacheLock> {
         validate_name(name)?;
+        check_base_dir(base)?;
         fs::create_dir_all(base).ctx("create directory", base)?;
         let path = base.join(format!(".{name}.lock"));
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .ctx("open lock file", &path)?;
+        let file = open_lock_file(&path)?;
+        // Polled, not a blocking flock: a blocked flock would ignore Ctrl-C for as long as
+        // another writer (perhaps a hung one) holds the lock.
+        let mut pause = Duration::from_millis(1);
         loop {
             // SAFETY: flock on a valid, owned descriptor.
-            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
                 break;
             }
             let err = std::io::Error::last_os_error();
-            if err.kind() != std::io::ErrorKind::Interrupted {
-                return Err(Error::io("lock", &path, err));
+            match err.raw_os_error() {
+                Some(libc::EWOULDBLOCK) => {
+                    interrupt()?;
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(INTERRUPT_POLL);
+                }
+                Some(libc::EINTR) => {}
+                _ => return Err(Error::io("lock", &path, err)),
             }
         }
         Ok(CacheLock {
@@ -308,6 +429,7 @@ fn record_error(st: &mut CommitState, e: Error) {
 }
 
 struct Shared {
+    name: String,
     state: Mutex<CommitState>,
     changed: Condvar,
     sink: Mutex<Sink>,
@@ -317,11 +439,23 @@ struct Shared {
 }
 
 impl Shared {
-    /// Records the write's first error; later ones add nothing.
+    /// Records the write's first error; later ones add nothing. No batch commits after it.
     fn fail(&self, e: Error) {
         let mut st = self.state.lock().unwrap();
         record_error(&mut st, e);
         self.changed.notify_all();
+    }
+
+    /// Errors once the write has failed (or was interrupted or abandoned): the finishing work
+    /// asks between its steps, so a stopped write stops writing soon.
+    fn check_live(&self) -> Result<()> {
+        match &self.state.lock().unwrap().error {
+            Some(msg) => Err(Error::Runtime(format!(
+                "writing cache {:?} stopped: {msg}",
+                self.name
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Hands an encoded batch over; commits every batch that is now next in line.
@@ -342,7 +476,8 @@ impl Shared {
         }
         st.committing = true;
         loop {
-            if st.first_error.is_some() {
+            // `error`, not `first_error`: `finish` may have taken the first error out already.
+            if st.error.is_some() {
                 break;
             }
             let next = st.next_batch;
@@ -445,6 +580,7 @@ pub struct CacheWriter {
     batch_bytes: usize,
     batches_submitted: u64,
     published: bool,
+    interrupt: Option<InterruptCheck>,
 }
 
 impl CacheWriter {
@@ -461,13 +597,14 @@ impl CacheWriter {
             .unwrap_or(0);
         let tmp_dir = lock
             .base
-            .join(format!(".{}.tmp-{}-{nonce}", lock.name, std::process::id()));
+            .join(tmp_dir_name(&lock.name, std::process::id(), nonce));
         fs::create_dir(&tmp_dir).ctx("create directory", &tmp_dir)?;
         let shards_dir = tmp_dir.join(SHARDS_DIR);
         fs::create_dir(&shards_dir).ctx("create directory", &shards_dir)?;
         let index_path = tmp_dir.join(INDEX_FILE);
         let mut index = create_file(&index_path)?;
         index.write_all(&index_header()).ctx("write", &index_path)?;
+        let name = lock.name.clone();
         let sink = Sink {
             dir: tmp_dir.clone(),
             shard_size: opts.shard_size,
@@ -486,6 +623,7 @@ impl CacheWriter {
             opts,
             tmp_dir,
             shared: Arc::new(Shared {
+                name,
                 state: Mutex::new(CommitState {
                     next_batch: 0,
                     pending: BTreeMap::new(),
@@ -509,7 +647,48 @@ impl CacheWriter {
             batch_bytes: 0,
             batches_submitted: 0,
             published: false,
+            interrupt: None,
         })
+    }
+
+    /// Makes every wait of this writer ask `check` about every [`INTERRUPT_POLL`].
+    pub fn set_interrupt(&mut self, check: InterruptCheck) {
+        self.interrupt = Some(check);
+    }
+
+    /// Runs the interrupt check; on an error, fails the write so that no further batch commits.
+    fn check_interrupt(&self) -> Result<()> {
+        let Some(check) = &self.interrupt else {
+            return Ok(());
+        };
+        check().inspect_err(|_| {
+            self.shared.fail(Error::Interrupted(format!(
+                "writing cache {:?} was interrupted",
+                self.lock.name
+            )))
+        })
+    }
+
+    /// Waits until `done` holds for the commit state, asking the interrupt check while it waits.
+    fn wait_until(
+        &self,
+        done: impl Fn(&CommitState) -> bool,
+    ) -> Result<MutexGuard<'_, CommitState>> {
+        let mut st = self.shared.state.lock().unwrap();
+        while !done(&st) {
+            st = self
+                .shared
+                .changed
+                .wait_timeout(st, INTERRUPT_POLL)
+                .unwrap()
+                .0;
+            if !done(&st) {
+                drop(st);
+                self.check_interrupt()?;
+                st = self.shared.state.lock().unwrap();
+            }
+        }
+        Ok(st)
     }
 
     pub fn name(&self) -> &str {
@@ -667,16 +846,11 @@ impl CacheWriter {
         }
         // Backpressure: wait until this batch fits within prefetch_size uncommitted samples.
         let in_batch = self.batch.len() as u64;
-        {
-            let limit = self.opts.prefetch_size as u64;
-            let mut st = self.shared.state.lock().unwrap();
-            while st.first_error.is_none()
-                && self.pushed - self.shared.committed_samples.load(Ordering::Acquire)
-                    > limit.max(in_batch)
-            {
-                st = self.shared.changed.wait(st).unwrap();
-            }
-        }
+        let limit = (self.opts.prefetch_size as u64).max(in_batch);
+        drop(self.wait_until(|st| {
+            st.error.is_some()
+                || self.pushed - self.shared.committed_samples.load(Ordering::Acquire) <= limit
+        })?);
         let batch = std::mem::take(&mut self.batch);
         self.batch_bytes = 0;
         let seq = self.batches_submitted;
@@ -712,15 +886,28 @@ impl CacheWriter {
         }
     }
 
-    /// Waits until every counted batch is committed (or the write failed) and no commit is
-    /// still writing into the temporary directory.
-    fn wait_for_commits(&self) -> std::sync::MutexGuard<'_, CommitState> {
-        let mut st = self.shared.state.lock().unwrap();
-        while st.committing || (st.first_error.is_none() && st.next_batch < self.batches_submitted)
-        {
-            st = self.shared.changed.wait(st).unwrap();
+    /// Whether every counted batch is committed (or the write failed: then no further batch
+    /// commits) and no commit is still writing into the temporary directory. `error`, not
+    /// `first_error`, decides: `finish` takes the first error out to return it.
+    fn commits_done(&self, st: &CommitState) -> bool {
+        !st.committing && (st.error.is_some() || st.next_batch >= self.batches_submitted)
+    }
+
+    /// Waits for `job` on the pool, asking the interrupt check while it waits. `abandon`: on an
+    /// interrupt, return at once (the job only reads); otherwise wait for the job to stop at
+    /// its next step, so that nothing writes into the temporary directory once it is removed.
+    fn wait_for_job(&self, job: &crate::pool::Slot<()>, abandon: bool) -> Result<()> {
+        loop {
+            if let Some(result) = job.wait_timeout(INTERRUPT_POLL) {
+                return result;
+            }
+            if let Err(e) = self.check_interrupt() {
+                if !abandon {
+                    let _ = job.wait();
+                }
+                return Err(e);
+            }
         }
-        st
     }
 
     /// Waits for every queued sample, writes the manifest and publishes the cache.
@@ -728,7 +915,10 @@ impl CacheWriter {
         self.submit_batch()?;
         // `next_batch` counts a batch when its commit starts, so the last one may still be
         // appending: the shards are closed only once no commit is in progress.
-        let failed = self.wait_for_commits().first_error.take();
+        let failed = self
+            .wait_until(|st| self.commits_done(st))?
+            .first_error
+            .take();
         if let Some(e) = failed {
             return Err(e);
         }
@@ -747,10 +937,16 @@ impl CacheWriter {
         let id_type = self.id_type;
         let shared = self.shared.clone();
         let num_samples = self.pushed;
-        // File finishing, syncing and validation are I/O: they run on the pool too.
-        self.pool.run(move || {
+        // File finishing, syncing and validation are I/O: they run on the pool too. Each step
+        // first checks that the write was not stopped meanwhile.
+        let tmp_dir = tmp.clone();
+        let validator = shared.clone();
+        let validated_name = name.clone();
+        let written = self.pool.submit(move || {
             let mut sink = shared.sink.lock().unwrap();
+            shared.check_live()?;
             sink.close_shard()?;
+            shared.check_live()?;
             let (bytes, checksum) = sink.metadata.take().expect("opened").finish()?;
             let metadata = FileEntry {
                 file: METADATA_FILE.into(),
@@ -760,6 +956,7 @@ impl CacheWriter {
             let index_path = tmp.join(INDEX_FILE);
             let index_writer = sink.index.take().expect("open until finish");
             let (bytes, checksum) = finish_file(index_writer, &index_path)?;
+            shared.check_live()?;
             let mut manifest = Manifest {
                 format: FORMAT_NAME.into(),
                 format_version: FORMAT_VERSION,
@@ -789,14 +986,21 @@ impl CacheWriter {
             json.push(b'\n');
             let mut f = File::create(&manifest_path).ctx("create", &manifest_path)?;
             f.write_all(&json).ctx("write", &manifest_path)?;
+            make_read_only(&f, &manifest_path)?;
             f.sync_all().ctx("sync", &manifest_path)?;
             sync_dir(&tmp.join(SHARDS_DIR))?;
-            sync_dir(&tmp)?;
-            if opts.validate {
-                Cache::open_as(&tmp, &name, Validation::Full)?.verify_all()?;
-            }
-            Ok(())
+            sync_dir(&tmp)
         })?;
+        self.wait_for_job(&written, false)?;
+        if opts.validate {
+            // Validation only reads: an interrupt abandons it at once.
+            let validated = self.pool.submit(move || {
+                validator.check_live()?;
+                Cache::open_as(&tmp_dir, &validated_name, Validation::Full)?.verify_all()
+            })?;
+            self.wait_for_job(&validated, true)?;
+        }
+        self.shared.check_live()?;
         let final_dir = self.lock.final_dir();
         fs::rename(&self.tmp_dir, &final_dir).ctx("publish (rename)", &final_dir)?;
         self.published = true;
@@ -825,10 +1029,18 @@ fn describe_schema(fields: &[Field]) -> String {
 impl Drop for CacheWriter {
     fn drop(&mut self) {
         if !self.published {
-            // Wait until no commit can write into the directory, then clean up. Batches still
-            // being encoded may deliver later; after an error (or with every batch committed)
-            // a delivery commits nothing.
-            drop(self.wait_for_commits());
+            // An unpublished writer is abandoned: with its error recorded no further batch
+            // commits (batches still being encoded deliver into nothing), so the wait lasts at
+            // most the one commit in progress. Then nothing writes into the directory.
+            self.shared.fail(Error::Runtime(format!(
+                "the writer of cache {:?} was dropped before it published",
+                self.lock.name
+            )));
+            let mut st = self.shared.state.lock().unwrap();
+            while st.committing {
+                st = self.shared.changed.wait(st).unwrap();
+            }
+            drop(st);
             let _ = fs::remove_dir_all(&self.tmp_dir);
         }
     }

@@ -375,6 +375,41 @@ fn a_record_larger_than_the_shard_size_gets_a_shard_of_its_own() {
     assert_eq!(&cache.payload(1).unwrap()[..], &rows[1][..]);
 }
 
+fn make_writable(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
+}
+
+#[test]
+fn every_published_file_is_read_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let rows: Vec<Vec<u8>> = (0..6).map(|i| noise(100, i)).collect();
+    write(
+        dir.path(),
+        "ro",
+        options(Compression::NONE, 512),
+        rows.iter().map(|d| sample(d.clone(), &[])).collect(),
+    );
+    let cache = dir.path().join("ro");
+    let mut files = vec![
+        cache.join("manifest.json"),
+        cache.join("index.bin"),
+        cache.join("metadata.arrow"),
+    ];
+    for shard in std::fs::read_dir(cache.join("shards")).unwrap() {
+        files.push(shard.unwrap().path());
+    }
+    assert!(files.len() > 4, "{files:?}");
+    for file in files {
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, 0o444, "{} has mode {mode:o}", file.display());
+    }
+    // Directories stay writable by their owner, so a cache can still be deleted.
+    let mode = std::fs::metadata(&cache).unwrap().permissions().mode();
+    assert_ne!(mode & 0o200, 0, "{mode:o}");
+}
+
 #[test]
 fn empty_source_publishes_an_empty_cache() {
     let dir = tempfile::tempdir().unwrap();
@@ -479,6 +514,7 @@ fn a_flipped_payload_byte_names_cache_shard_offset_and_sample() {
     drop(cache);
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[start as usize + 10] ^= 0xff;
+    make_writable(&path); // published read-only
     std::fs::write(&path, bytes).unwrap();
 
     let full = Cache::open(&dir.path().join("flip"), Validation::Full)

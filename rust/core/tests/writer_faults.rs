@@ -1,15 +1,18 @@
-//! The writer when the pool cannot run its work, and the removal of dead writers' leftovers:
-//! every failure is an error that returns, never a hang, and leaves nothing behind.
+//! The writer when the pool cannot run its work, when a commit fails, when it is interrupted,
+//! when its lock file was planted, and the removal of dead writers' leftovers: every failure is
+//! an error that returns, never a hang, and leaves nothing behind.
 
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use dataset_rt_core::format::Compression;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::writer::{
-    reap_dead_leftovers, CacheLock, CacheWriter, SampleInput, WriterOptions,
+    reap_dead_leftovers, validate_name, CacheLock, CacheWriter, InterruptCheck, SampleInput,
+    WriterOptions, MAX_NAME_BYTES,
 };
 use dataset_rt_core::Error;
 
@@ -153,4 +156,237 @@ fn a_new_writer_removes_every_leftover_of_its_name_under_the_lock() {
     writer.finish().unwrap();
     assert!(!stale.exists());
     assert!(other_name.exists());
+}
+
+fn tmp_dir_of(base: &Path) -> PathBuf {
+    let tmp: Vec<PathBuf> = std::fs::read_dir(base)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().contains(".tmp-"))
+        .collect();
+    assert_eq!(tmp.len(), 1, "{tmp:?}");
+    tmp.into_iter().next().unwrap()
+}
+
+/// A commit fails (as on a full disk) and a later batch was already handed over when `finish`
+/// returns the error: dropping the writer must not wait for commits that never come.
+#[test]
+fn a_failed_commit_with_a_later_batch_pending_ends_and_cleans_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().to_owned();
+    let finish_err = within_a_minute("a write whose commit failed", move || {
+        // One worker: a job submitted after another runs after it, so the order is fixed.
+        let pool = Pool::new(1).unwrap();
+        let barrier = |pool: &std::sync::Arc<Pool>| pool.run(|| Ok(())).unwrap();
+        let lock = CacheLock::acquire(&base, "c").unwrap();
+        let mut writer = CacheWriter::create(pool.clone(), lock, options()).unwrap();
+        // The first shard cannot be created: the first commit fails.
+        std::fs::remove_dir(tmp_dir_of(&base).join("shards")).unwrap();
+        for i in 0..4 {
+            let _ = writer.push(sample(i)); // batch 0 (prefetch_size 4)
+        }
+        barrier(&pool); // batch 0 failed to commit
+        for i in 4..8 {
+            let _ = writer.push(sample(i)); // batch 1: handed over, never committed
+        }
+        barrier(&pool);
+        writer
+            .finish()
+            .err()
+            .expect("nothing is published")
+            .to_string()
+    });
+    assert!(finish_err.contains("shards"), "{finish_err}");
+    assert_eq!(entries(dir.path()), [".c.lock"]);
+}
+
+/// An interrupt check that starts failing once `flag` is set.
+fn interrupt_when(flag: &Arc<AtomicBool>) -> InterruptCheck {
+    let flag = flag.clone();
+    Arc::new(move || {
+        if flag.load(Ordering::SeqCst) {
+            Err(Error::Interrupted("test interrupt".into()))
+        } else {
+            Ok(())
+        }
+    })
+}
+
+/// Occupies the pool's only worker until the returned sender is dropped or sent to.
+fn block_pool(pool: &Arc<Pool>) -> mpsc::Sender<()> {
+    let (tx, rx) = mpsc::channel::<()>();
+    pool.submit(move || {
+        let _ = rx.recv();
+        Ok(())
+    })
+    .unwrap();
+    tx
+}
+
+fn interrupt_soon(flag: &Arc<AtomicBool>) {
+    let flag = flag.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        flag.store(true, Ordering::SeqCst);
+    });
+}
+
+#[test]
+fn an_interrupt_stops_a_push_waiting_for_commits_and_the_next_write_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().to_owned();
+    let flag = Arc::new(AtomicBool::new(false));
+    let check = interrupt_when(&flag);
+    let err = within_a_minute("an interrupted push", move || {
+        let pool = Pool::new(1).unwrap();
+        let unblock = block_pool(&pool);
+        let lock = CacheLock::acquire(&base, "c").unwrap();
+        let opts = WriterOptions {
+            prefetch_size: 1,
+            ..options()
+        };
+        let mut writer = CacheWriter::create(pool.clone(), lock, opts).unwrap();
+        writer.set_interrupt(check);
+        interrupt_soon(&flag);
+        // Nothing commits while the worker is busy: the second push waits for room.
+        let err = (0..4)
+            .find_map(|i| writer.push(sample(i)).err())
+            .expect("the interrupt stops the push");
+        drop(unblock);
+        drop(writer);
+        // The lock is free and the next write of the name works.
+        let lock = CacheLock::acquire(&base, "c").unwrap();
+        let mut writer = CacheWriter::create(pool, lock, options()).unwrap();
+        writer.push(sample(0)).unwrap();
+        writer.finish().unwrap();
+        err
+    });
+    assert!(matches!(err, Error::Interrupted(_)), "{err:?}");
+    assert_eq!(entries(dir.path()), [".c.lock", "c"]);
+}
+
+#[test]
+fn an_interrupt_stops_finish_waiting_for_commits_and_publishes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().to_owned();
+    let flag = Arc::new(AtomicBool::new(false));
+    let check = interrupt_when(&flag);
+    let err = within_a_minute("an interrupted finish", move || {
+        let pool = Pool::new(1).unwrap();
+        let unblock = block_pool(&pool);
+        let lock = CacheLock::acquire(&base, "c").unwrap();
+        let mut writer = CacheWriter::create(pool.clone(), lock, options()).unwrap();
+        writer.set_interrupt(check);
+        writer.push(sample(0)).unwrap();
+        interrupt_soon(&flag);
+        let err = writer.finish().err().expect("the interrupt stops finish");
+        drop(unblock);
+        err
+    });
+    assert!(matches!(err, Error::Interrupted(_)), "{err:?}");
+    assert_eq!(entries(dir.path()), [".c.lock"]);
+}
+
+#[test]
+fn an_interrupt_stops_waiting_for_a_lock_another_writer_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let held = CacheLock::acquire(dir.path(), "c").unwrap();
+    let base = dir.path().to_owned();
+    let flag = Arc::new(AtomicBool::new(false));
+    let check = interrupt_when(&flag);
+    interrupt_soon(&flag);
+    let err = within_a_minute("an interrupted lock wait", move || {
+        CacheLock::acquire_interruptible(&base, "c", &*check)
+            .err()
+            .expect("the lock is held elsewhere")
+    });
+    assert!(matches!(err, Error::Interrupted(_)), "{err:?}");
+    drop(held);
+    CacheLock::acquire(dir.path(), "c").unwrap();
+}
+
+#[test]
+fn a_symlink_planted_as_the_lock_file_is_refused_and_nothing_outside_is_created() {
+    let dir = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base");
+    std::fs::create_dir(&base).unwrap();
+    let target = outside.path().join("created-by-the-writer");
+    std::os::unix::fs::symlink(&target, base.join(".c.lock")).unwrap();
+    let err = CacheLock::acquire(&base, "c").err().expect("refused");
+    let msg = err.to_string();
+    assert!(msg.contains("symbolic link"), "{msg}");
+    assert!(
+        msg.contains(&*base.join(".c.lock").to_string_lossy()),
+        "{msg}"
+    );
+    assert!(!target.exists());
+    assert_eq!(entries(outside.path()), Vec::<String>::new());
+}
+
+#[test]
+fn a_fifo_planted_as_the_lock_file_is_refused_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join(".c.lock");
+    let c_path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid, NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o644) }, 0);
+    let base = dir.path().to_owned();
+    let msg = within_a_minute("opening a FIFO lock", move || {
+        CacheLock::acquire(&base, "c")
+            .err()
+            .expect("refused")
+            .to_string()
+    });
+    assert!(msg.contains("not a regular file"), "{msg}");
+}
+
+#[test]
+fn the_lock_file_is_created_with_mode_0644() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let _lock = CacheLock::acquire(dir.path(), "c").unwrap();
+    let mode = std::fs::metadata(dir.path().join(".c.lock"))
+        .unwrap()
+        .permissions()
+        .mode();
+    // The umask may take bits away, never add them.
+    assert_eq!(mode & !0o644 & 0o777, 0, "{mode:o}");
+}
+
+#[test]
+fn a_base_directory_that_is_a_file_gets_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    for base in [file.clone(), file.join("below")] {
+        let err = CacheLock::acquire(&base, "c").err().expect("refused");
+        let msg = err.to_string();
+        assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
+        assert!(msg.contains("is not a directory"), "{msg}");
+        assert!(msg.contains(&*file.to_string_lossy()), "{msg}");
+    }
+}
+
+#[test]
+fn names_are_limited_so_the_temporary_directory_name_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    let longest = "n".repeat(MAX_NAME_BYTES);
+    let pool = Pool::new(1).unwrap();
+    let lock = CacheLock::acquire(dir.path(), &longest).unwrap();
+    let mut writer = CacheWriter::create(pool, lock, options()).unwrap();
+    writer.push(sample(0)).unwrap();
+    writer.finish().unwrap();
+    assert!(dir.path().join(&longest).is_dir());
+
+    for len in [MAX_NAME_BYTES + 1, 226, 255] {
+        let name = "n".repeat(len);
+        let err = validate_name(&name).expect_err("too long");
+        assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
+        assert!(
+            err.to_string()
+                .contains(&format!("at most {MAX_NAME_BYTES} bytes")),
+            "{err}"
+        );
+    }
 }

@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use dataset_rt_core::cache::{Cache, Validation};
@@ -14,7 +14,8 @@ use dataset_rt_core::pool::Pool;
 use dataset_rt_core::progress::{SourceProgress, WriteProgress};
 use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::writer::{
-    reap_dead_leftovers, validate_name, CacheLock, CacheWriter, SampleInput, WriterOptions,
+    check_base_dir, reap_dead_leftovers, validate_name, CacheLock, CacheWriter, InterruptCheck,
+    SampleInput, WriterOptions,
 };
 use dataset_rt_core::Error;
 use pyo3::prelude::*;
@@ -128,12 +129,7 @@ impl Runtime {
         let mut names = Vec::with_capacity(sources.len());
         let mut seen = HashSet::new();
         for (i, s) in sources.iter().enumerate() {
-            let name: String = s.getattr("name").and_then(|n| n.extract()).map_err(|_| {
-                ConfigError::new_err(format!(
-                    "source {i} ({}) has no str attribute `name`; every source needs one",
-                    type_name(s)
-                ))
-            })?;
+            let name = source_name(i, s)?;
             validate_name(&name).py_err()?;
             if !seen.insert(name.clone()) {
                 return Err(ConfigError::new_err(format!(
@@ -143,6 +139,8 @@ impl Runtime {
             }
             names.push(name);
         }
+
+        check_base_dir(&base_cache_dir).py_err()?;
 
         let validation = if read_validate {
             Validation::Full
@@ -187,6 +185,67 @@ impl Runtime {
 
 type SourceResult = ((&'static str, Option<String>, Option<u64>), Option<Cache>);
 
+/// A source's `name`: a str that is valid UTF-8 (it names a directory on disk).
+fn source_name(i: usize, source: &Bound<'_, PyAny>) -> PyResult<String> {
+    let refuse = |what: String| {
+        ConfigError::new_err(format!(
+            "source {i} ({}) {what}; every source needs one",
+            type_name(source)
+        ))
+    };
+    let name = source
+        .getattr("name")
+        .map_err(|_| refuse("has no str attribute `name`".into()))?;
+    let name = name.cast::<PyString>().map_err(|_| {
+        refuse(format!(
+            "has no str attribute `name` (it is {})",
+            type_name(&name)
+        ))
+    })?;
+    match name.to_str() {
+        Ok(s) => Ok(s.to_owned()),
+        Err(_) => Err(ConfigError::new_err(format!(
+            "source {i} ({}): the name {} is not valid UTF-8 (it holds lone surrogates, as \
+             os.fsdecode gives for a file name that is not UTF-8); a cache name becomes a \
+             directory name, so give the source a UTF-8 name",
+            type_name(source),
+            name.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))),
+    }
+}
+
+/// Runs Python's signal handlers from inside a wait that released the GIL, and keeps the
+/// exception a handler raised (KeyboardInterrupt for Ctrl-C) for the caller to re-raise.
+#[derive(Clone, Default)]
+struct Signals(Arc<Mutex<Option<PyErr>>>);
+
+impl Signals {
+    fn check(&self) -> dataset_rt_core::Result<()> {
+        Python::attach(|py| py.check_signals()).map_err(|err| {
+            *self.0.lock().unwrap() = Some(err);
+            Error::Interrupted("stopped by a signal handler's exception".into())
+        })
+    }
+
+    fn interrupt_check(&self) -> InterruptCheck {
+        let signals = self.clone();
+        Arc::new(move || signals.check())
+    }
+
+    /// The exception a signal handler raised, if the failure came from one.
+    fn take(&self) -> Option<PyErr> {
+        self.0.lock().unwrap().take()
+    }
+
+    /// A failed write's outcome; the signal handler's exception, when there is one, propagates.
+    fn failure(&self, err: Error) -> WriteFailure {
+        match self.take() {
+            Some(raised) => WriteFailure::Raise(raised),
+            None => WriteFailure::from(err),
+        }
+    }
+}
+
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
         .name()
@@ -213,10 +272,15 @@ impl Runtime {
         if published.exists() {
             return self.load_existing(py, &published, validation);
         }
-        let lock = match py.detach(|| CacheLock::acquire(base, name)) {
-            Ok(l) => l,
-            Err(e) => return Ok((("write_error", Some(e.to_string()), None), None)),
-        };
+        let signals = Signals::default();
+        let lock =
+            match py.detach(|| CacheLock::acquire_interruptible(base, name, &|| signals.check())) {
+                Ok(l) => l,
+                Err(e) => match signals.take() {
+                    Some(raised) => return Err(raised),
+                    None => return Ok((("write_error", Some(e.to_string()), None), None)),
+                },
+            };
         let dir = lock.final_dir();
         if dir.exists() {
             // Another writer published it while this one waited for the lock.
@@ -327,11 +391,17 @@ impl Runtime {
         let mut writer = py
             .detach(|| CacheWriter::create(self.pool.clone(), lock, *write))
             .map_err(WriteFailure::from)?;
+        // Every wait of the writer runs the signal handlers: Ctrl-C stops the write, and the
+        // writer's drop then removes its temporary directory and releases the lock.
+        let signals = Signals::default();
+        writer.set_interrupt(signals.interrupt_check());
         let iter = source.try_iter().map_err(|e| {
             WriteFailure::from_py(py, e, |d| format!("source {name:?}: iter() failed: {d}"))
         })?;
         let mut pushed = 0u64;
         for (index, item) in iter.enumerate() {
+            // A source in C (a list, say) runs no bytecode, which is where signals are handled.
+            py.check_signals().map_err(WriteFailure::Raise)?;
             let item = item.map_err(|e| {
                 WriteFailure::from_py(py, e, |d| {
                     format!("source {name:?}, sample {index}: the source raised {d}")
@@ -345,14 +415,16 @@ impl Runtime {
                 })
             })?;
             py.detach(|| writer.push(sample))
-                .map_err(WriteFailure::from)?;
+                .map_err(|e| signals.failure(e))?;
             pushed += 1;
             if let Some(l) = line.as_deref_mut() {
                 let (s, b) = writer.progress();
                 l.update(s, b);
             }
         }
-        let published = py.detach(|| writer.finish()).map_err(WriteFailure::from)?;
+        let published = py
+            .detach(|| writer.finish())
+            .map_err(|e| signals.failure(e))?;
         debug_assert_eq!(published.samples, pushed);
         Ok((published.dir, published.samples, published.raw_bytes))
     }
@@ -400,6 +472,44 @@ fn describe_py_err(py: Python<'_>, err: &PyErr) -> String {
     format!("{ty}: {}", err.value(py))
 }
 
+/// One metadata value of a primitive Python type; `None` for any other type.
+fn meta_value(key: &str, v: &Bound<'_, PyAny>) -> Result<Option<MetaValue>, String> {
+    Ok(Some(if let Ok(b) = v.cast::<PyBool>() {
+        MetaValue::Bool(b.is_true())
+    } else if v.is_instance_of::<PyInt>() {
+        MetaValue::Int(
+            v.extract::<i64>().map_err(|_| {
+                format!("metadata {key:?} = {v} does not fit a 64-bit signed integer")
+            })?,
+        )
+    } else if v.is_instance_of::<PyFloat>() {
+        MetaValue::Float(v.extract::<f64>().map_err(|e| e.to_string())?)
+    } else if let Ok(s) = v.cast::<PyString>() {
+        MetaValue::Str(
+            s.to_str()
+                .map_err(|e| format!("metadata {key:?}: {e}"))?
+                .to_owned(),
+        )
+    } else {
+        return Ok(None);
+    }))
+}
+
+/// The Python value of a NumPy scalar (`numpy.bool_`, `numpy.int64`, `numpy.float32` ...);
+/// `None` for anything else. NumPy is only looked up when the value's type comes from it, so a
+/// source without NumPy never imports it.
+fn numpy_item<'py>(v: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
+    let ty = v.get_type();
+    if ty.module().ok()?.to_str().ok()? != "numpy" {
+        return None;
+    }
+    let generic = v.py().import("numpy").ok()?.getattr("generic").ok()?;
+    if !v.is_instance(&generic).ok()? {
+        return None;
+    }
+    v.call_method0("item").ok()
+}
+
 /// Converts one `CacheInput`: bytes-like data and a dict of primitive metadata.
 fn to_sample(item: &Bound<'_, PyAny>) -> Result<SampleInput, String> {
     let (data, metadata) = match (item.getattr("data"), item.getattr("metadata")) {
@@ -437,25 +547,26 @@ fn to_sample(item: &Bound<'_, PyAny>) -> Result<SampleInput, String> {
             .to_str()
             .map_err(|e| format!("metadata key {k:?} is not valid UTF-8: {e}"))?
             .to_owned();
-        let value = if let Ok(b) = v.cast::<PyBool>() {
-            MetaValue::Bool(b.is_true())
-        } else if v.is_instance_of::<PyInt>() {
-            MetaValue::Int(v.extract::<i64>().map_err(|_| {
-                format!("metadata {key:?} = {v} does not fit a 64-bit signed integer")
-            })?)
-        } else if v.is_instance_of::<PyFloat>() {
-            MetaValue::Float(v.extract::<f64>().map_err(|e| e.to_string())?)
-        } else if let Ok(s) = v.cast::<PyString>() {
-            MetaValue::Str(
-                s.to_str()
-                    .map_err(|e| format!("metadata {key:?}: {e}"))?
-                    .to_owned(),
-            )
-        } else {
-            return Err(format!(
-                "metadata {key:?} has type {}; supported: bool, int, float, str",
-                type_name(&v)
-            ));
+        let value = match meta_value(&key, &v)? {
+            Some(value) => value,
+            // A NumPy scalar stands for its Python value, which `item()` gives.
+            None => match numpy_item(&v) {
+                Some(item) => meta_value(&key, &item)?.ok_or_else(|| {
+                    format!(
+                        "metadata {key:?} is a numpy.{} whose value is a {}; supported: bool, \
+                         int, float, str (and NumPy scalars of those)",
+                        type_name(&v),
+                        type_name(&item)
+                    )
+                })?,
+                None => {
+                    return Err(format!(
+                        "metadata {key:?} has type {}; supported: bool, int, float, str (and \
+                         NumPy scalars of those)",
+                        type_name(&v)
+                    ))
+                }
+            },
         };
         meta.push((key, value));
     }
