@@ -2,6 +2,7 @@
 
 use std::borrow::Cow;
 use std::fs::File;
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -396,9 +397,32 @@ impl Cache {
 
     /// Locates and verifies record `sample`: its header must agree with the index and its
     /// checksum with its bytes. Returns the header and the payload's offset in its shard.
+    ///
+    /// Never panics on a damaged record: a panic in the checks below (a case they did not
+    /// foresee) is caught and reported as that record's corruption.
     pub fn verify_record(&self, sample: u64) -> Result<(IndexEntry, RecordHeader, u64)> {
         debug_assert!(sample < self.len());
         let e = self.entry(sample);
+        // Unwind safety: the checks only read the cache, so a panic leaves nothing half-changed.
+        let checked = AssertUnwindSafe(|| self.verify_record_checked(sample, e));
+        std::panic::catch_unwind(checked).unwrap_or_else(|panic| {
+            Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!(
+                    "the record could not be parsed: {}",
+                    crate::pool::panic_payload(&panic)
+                ),
+            ))
+        })
+    }
+
+    fn verify_record_checked(
+        &self,
+        sample: u64,
+        e: IndexEntry,
+    ) -> Result<(IndexEntry, RecordHeader, u64)> {
         let shard = self.shards.get(e.shard as usize).ok_or_else(|| {
             self.corrupt(
                 e.shard,
