@@ -109,23 +109,29 @@ pub fn dir_cache_name(dir: &Path) -> String {
 
 /// Reads and checks `manifest.json` alone; the manifest must name the cache `cache`.
 pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
-    let cache = cache.to_owned();
     let path = dir.join(MANIFEST_FILE);
     let bytes = match std::fs::read(&path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::malformed(&cache, &path, "file is missing"))
+            return Err(Error::malformed(cache, &path, "file is missing"))
         }
         Err(e) => return Err(Error::io("read", &path, e)),
     };
-    let value: serde_json::Value = serde_json::from_slice(&bytes)
-        .map_err(|e| Error::malformed(&cache, &path, format!("invalid JSON: {e}")))?;
+    parse_manifest(&bytes, cache, &path)
+}
+
+/// Parses and checks the bytes of a `manifest.json` (every check `read_manifest` runs), naming
+/// `path` in its errors. Takes bytes so that fuzzers and tests can call it without files.
+pub fn parse_manifest(bytes: &[u8], cache: &str, path: &Path) -> Result<Manifest> {
+    let cache = cache.to_owned();
+    let value: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| Error::malformed(&cache, path, format!("invalid JSON: {e}")))?;
     match value.get("format").and_then(|v| v.as_str()) {
         Some(FORMAT_NAME) => {}
         other => {
             return Err(Error::malformed(
                 &cache,
-                &path,
+                path,
                 format!("not a DatasetRT manifest: format is {other:?}, expected {FORMAT_NAME:?}"),
             ))
         }
@@ -135,7 +141,7 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
         Some(v) => {
             return Err(Error::malformed(
                 &cache,
-                &path,
+                path,
                 format!(
                 "unsupported format version {v}: this DatasetRT reads version {FORMAT_VERSION}; \
                      upgrade dataset-rt or rebuild the cache"
@@ -145,17 +151,17 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
         None => {
             return Err(Error::malformed(
                 &cache,
-                &path,
+                path,
                 "format_version is missing or not an integer",
             ))
         }
     }
     let manifest: Manifest = serde_json::from_value(value)
-        .map_err(|e| Error::malformed(&cache, &path, format!("invalid manifest: {e}")))?;
+        .map_err(|e| Error::malformed(&cache, path, format!("invalid manifest: {e}")))?;
     if manifest.name != cache {
         return Err(Error::malformed(
             &cache,
-            &path,
+            path,
             format!(
                 "manifest names cache {:?}, but it lives in directory {cache:?}",
                 manifest.name
@@ -165,11 +171,11 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
     manifest
         .compression
         .validate()
-        .map_err(|e| Error::malformed(&cache, &path, e.to_string()))?;
+        .map_err(|e| Error::malformed(&cache, path, e.to_string()))?;
     if manifest.checksum_algo != CHECKSUM_ALGO || manifest.alignment != ALIGN {
         return Err(Error::malformed(
             &cache,
-            &path,
+            path,
             format!(
                 "checksum_algo {:?} / alignment {} are not {CHECKSUM_ALGO:?} / {ALIGN}",
                 manifest.checksum_algo, manifest.alignment
@@ -180,7 +186,7 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
     if fingerprint != manifest.fingerprint {
         return Err(Error::malformed(
             &cache,
-            &path,
+            path,
             format!(
                 "fingerprint mismatch: computed {fingerprint}, the manifest says {}",
                 manifest.fingerprint
@@ -195,7 +201,7 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
         let held = shard_records.map_or("more than 2**64".to_owned(), |n| n.to_string());
         return Err(Error::malformed(
             &cache,
-            &path,
+            path,
             format!(
                 "shards hold {held} records, num_samples is {}",
                 manifest.num_samples
@@ -206,7 +212,7 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
         if s.file != shard_file_name(i as u32) {
             return Err(Error::malformed(
                 &cache,
-                &path,
+                path,
                 format!(
                     "shard {i} is named {:?}, expected {:?}",
                     s.file,
@@ -218,7 +224,7 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
     if manifest.index.file != INDEX_FILE || manifest.metadata.file != METADATA_FILE {
         return Err(Error::malformed(
             &cache,
-            &path,
+            path,
             "index or metadata file name is not standard",
         ));
     }
