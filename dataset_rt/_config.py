@@ -35,7 +35,8 @@ class ReaderConfig:
     """How a dataset is read.
 
     - ``seed``: decides the shuffled order together with the epoch (docs/determinism.md).
-    - ``prefetch_size``: samples read ahead on the runtime's workers (memory stays bounded by it).
+    - ``prefetch_size``: samples read ahead on the runtime's workers (memory stays bounded by it;
+      LZ4 records read ahead also stay within 64 MiB decompressed, or one record if larger).
     - ``shuffle``: ``False`` reads in storage order, caches in source order.
     - ``validate_cache``: also hash every shard when loading (structure, index and metadata
       checksums are always checked; every record's checksum is checked whenever it is read).

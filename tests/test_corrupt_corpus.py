@@ -4,6 +4,8 @@ as `CacheMalformed`, never overwritten, even when its source could rewrite it.""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import struct
 from collections.abc import Callable
@@ -14,13 +16,16 @@ import pytest
 from dataset_rt import (
     CacheLoaded,
     CacheMalformed,
+    CacheMalformedError,
     CacheSourcesDatasetError,
     CacheSourcesDatasetSuccess,
     CorruptRecordError,
     DatasetRTError,
     ReaderConfig,
     WriterConfig,
+    _native,
 )
+from dataset_rt.cli import EXIT_FAILED, main
 from dataset_rt.testing import ListSource, corrupt_byte, make_source, truncate_file
 
 NAME = "victim"
@@ -390,3 +395,125 @@ def test_malformed_cache_does_not_block_other_sources(runtime, cache):
     assert isinstance(result, CacheSourcesDatasetSuccess)
     assert [type(r).__name__ for r in result.results] == ["CacheMalformed", "CacheWritten"]
     assert [bytes(s.data) for s in result.dataset] == [b"h"]
+
+
+# --- re-signed forgeries -----------------------------------------------------------------------
+# After the damage, the manifest is made to agree with the files again, the way a forger would:
+# DatasetRT's own messages reveal the checksums and the fingerprint it computed. The forgery then
+# reaches the structural checks behind the checksums.
+
+FINGERPRINT = re.compile(r"fingerprint mismatch: computed ([0-9a-f]{32})")
+CHECKSUM = re.compile(
+    r"(index\.bin|metadata\.arrow|shards/(\d{6})\.bin): checksum mismatch: "
+    r"computed xxh3-64 ([0-9a-f]{16})"
+)
+
+
+def resign(cache_dir: Path) -> None:
+    path = cache_dir / "manifest.json"
+    for _ in range(12):
+        try:
+            _native.verify_cache(str(cache_dir))
+            return
+        except CacheMalformedError as error:
+            message = str(error)
+        manifest = json.loads(path.read_text())
+        if found := FINGERPRINT.search(message):
+            manifest["fingerprint"] = found[1]
+        elif found := CHECKSUM.search(message):
+            file, shard, value = found.groups()
+            if file == "index.bin":
+                manifest["index"]["checksum"] = value
+            elif file == "metadata.arrow":
+                manifest["metadata"]["checksum"] = value
+            else:
+                manifest["shards"][int(shard)]["checksum"] = value
+        else:
+            return  # consistent: what is left is the structural damage
+        path.write_text(json.dumps(manifest, indent=2))
+    raise AssertionError("re-signing did not converge")
+
+
+def first_block(path: Path) -> int:
+    """The position of the footer's first record batch Block in an Arrow IPC file
+    (offset i64, metaDataLength i32, padding, bodyLength i64)."""
+    data = path.read_bytes()
+    schema_at = data.index(b"\xff\xff\xff\xff", 8)
+    (schema_len,) = struct.unpack_from("<i", data, schema_at + 4)
+    batch_at = schema_at + 8 + schema_len
+    assert data[batch_at : batch_at + 4] == b"\xff\xff\xff\xff"
+    (batch_len,) = struct.unpack_from("<i", data, batch_at + 4)
+    (footer_len,) = struct.unpack_from("<i", data, len(data) - 10)
+    return data.index(struct.pack("<qi", batch_at, 8 + batch_len), len(data) - 10 - footer_len)
+
+
+# (metaDataLength or None to keep it, bodyLength, what the message says)
+FORGED_BLOCKS = {
+    "zero_lengths": (0, 0, "record batch block 0 has a metadata length of 0"),
+    "negative_body": (None, -1, "record batch block 0 has a body length of -1"),
+    "body_of_1_gib": (None, 1 << 30, "lies past the end of its region"),
+}
+
+
+def forge_block(cache_dir: Path, case: str) -> str:
+    meta_len, body_len, words = FORGED_BLOCKS[case]
+    path = cache_dir / "metadata.arrow"
+    at = first_block(path)
+    with path.open("r+b") as f:
+        if meta_len is not None:
+            f.seek(at + 8)
+            f.write(struct.pack("<i", meta_len))
+        f.seek(at + 16)
+        f.write(struct.pack("<q", body_len))
+    resign(cache_dir)
+    return words
+
+
+@pytest.mark.parametrize("case", FORGED_BLOCKS)
+def test_resigned_metadata_footer_is_malformed_not_a_panic(runtime, cache, case):
+    words = forge_block(cache, case)
+
+    result = load(runtime, cache, validate=False)
+
+    assert isinstance(result, CacheSourcesDatasetError), result
+    (outcome,) = result.results
+    assert isinstance(outcome, CacheMalformed), outcome
+    assert f"{cache / 'metadata.arrow'}: " in outcome.message
+    assert words in outcome.message
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "head"])
+def test_cli_reports_a_resigned_metadata_footer_as_malformed(cache, capsys, command):
+    forge_block(cache, "zero_lengths")
+
+    assert main([command, str(cache)]) == EXIT_FAILED
+
+    err = capsys.readouterr().err
+    assert f'cache "{NAME}" is malformed' in err
+    assert "record batch block 0 has a metadata length of 0" in err
+
+
+def test_shard_truncated_before_its_first_view_is_a_corrupt_record(runtime, cache):
+    """Every record is verified ahead (prefetch), then shard 1 is cut to its header before any of
+    its payloads is handed out: its first record is an error naming it, never an empty view."""
+    result = runtime.from_cache_sources(
+        source(),
+        cache.parent,
+        reader_config=ReaderConfig(shuffle=False, prefetch_size=64),
+        writer_config=WriterConfig(show_progress=False),
+    )
+    shards = [record_payload_offset(cache, i)[:2] for i in range(NUM_SAMPLES)]
+    victim = cache / "shards" / "000001.bin"
+    first = next(i for i, (shard, _) in enumerate(shards) if shard == victim)
+    size = victim.stat().st_size
+    it = iter(result.dataset)
+    received = [bytes(next(it).data)]  # the whole epoch is read and verified by now
+    os.truncate(victim, 16)
+
+    with pytest.raises(CorruptRecordError) as info:
+        while True:
+            received.append(bytes(next(it).data))
+    message = str(info.value)
+    assert f"shard {victim} at offset {shards[first][1]}, sample {first}:" in message
+    assert f"the shard is 16 bytes now but was {size} bytes when the cache was opened" in message
+    assert received == [source().samples[i].data for i in range(first)]

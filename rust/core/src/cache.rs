@@ -2,6 +2,7 @@
 
 use std::borrow::Cow;
 use std::fs::File;
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -9,6 +10,11 @@ use memmap2::Mmap;
 use crate::error::{Error, IoContext, Result};
 use crate::format::*;
 use crate::metadata::MetadataTable;
+
+/// The most an LZ4 block can expand: a match of length `4 + 15 + 255 * k` costs at least
+/// `3 + k` bytes, and literals are stored as they are, so no valid block decodes to more than
+/// 255 times its size. A record that claims more is refused before anything is allocated.
+pub const LZ4_MAX_RATIO: u64 = 255;
 
 /// A published cache, opened and validated.
 pub struct Cache {
@@ -31,7 +37,8 @@ pub enum Validation {
     Full,
 }
 
-fn map_file(cache: &str, dir: &Path, rel: &str, expected_len: u64) -> Result<(File, Mmap)> {
+/// Opens a cache file and checks its real size against the manifest's, before anything reads it.
+fn open_sized(cache: &str, dir: &Path, rel: &str, expected_len: u64) -> Result<File> {
     let path = dir.join(rel);
     let file = match File::open(&path) {
         Ok(f) => f,
@@ -48,14 +55,37 @@ fn map_file(cache: &str, dir: &Path, rel: &str, expected_len: u64) -> Result<(Fi
             format!("size is {len} bytes, the manifest says {expected_len}"),
         ));
     }
-    // SAFETY: a published cache is immutable by contract: DatasetRT never modifies a file after
-    // the atomic rename, and every read verifies the bytes it uses against checksums before
-    // trusting them, so altered contents give an error, never wrong data. The map cannot protect
-    // against another process truncating the file while it is mapped: touching the lost pages
-    // then raises SIGBUS. Replacing the directory (rename, delete, rewrite) is safe: the map and
-    // `Cache::shard_file` keep the original inode.
-    let map = unsafe { Mmap::map(&file) }.ctx("mmap", &path)?;
-    Ok((file, map))
+    Ok(file)
+}
+
+/// Maps a file opened by `open_sized`, with exactly the size just validated: the map never
+/// covers more than the bytes the manifest accounts for, whatever the file grows to later.
+fn map_sized(cache: &str, dir: &Path, rel: &str, file: &File, len: u64) -> Result<Mmap> {
+    let path = dir.join(rel);
+    let len = usize::try_from(len).map_err(|_| {
+        Error::malformed(cache, &path, format!("{len} bytes cannot be mapped here"))
+    })?;
+    // SAFETY: `Mmap` hands out `&[u8]` over the file, which Rust assumes nobody changes while
+    // it is borrowed. DatasetRT never modifies a published file (they are read-only, 0444), but
+    // another process with write access can, and nothing here can stop it:
+    // - bytes changed in place are seen by every later read; a record is verified against its
+    //   checksum each time it is fetched, so a change made before that fetch is an error, but a
+    //   change made after it (for example under a zero-copy view already handed out) is not
+    //   detected;
+    // - a file truncated while mapped makes any access to the lost pages raise SIGBUS, which
+    //   kills the process.
+    // Both are documented in docs/storage-format.md ("Reading while files change"). Replacing
+    // the directory or the files (rename, delete, rewrite into a new file) is harmless: the map
+    // and `Cache::shard_file` keep the inode that was validated.
+    let map = unsafe { memmap2::MmapOptions::new().len(len).map(file) }.ctx("mmap", &path)?;
+    if map.len() != len {
+        return Err(Error::malformed(
+            cache,
+            &path,
+            format!("mapped {} bytes, expected {len}", map.len()),
+        ));
+    }
+    Ok(map)
 }
 
 fn check_sum(cache: &str, path: &Path, bytes: &[u8], expected: &str) -> Result<()> {
@@ -79,23 +109,29 @@ pub fn dir_cache_name(dir: &Path) -> String {
 
 /// Reads and checks `manifest.json` alone; the manifest must name the cache `cache`.
 pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
-    let cache = cache.to_owned();
     let path = dir.join(MANIFEST_FILE);
     let bytes = match std::fs::read(&path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::malformed(&cache, &path, "file is missing"))
+            return Err(Error::malformed(cache, &path, "file is missing"))
         }
         Err(e) => return Err(Error::io("read", &path, e)),
     };
-    let value: serde_json::Value = serde_json::from_slice(&bytes)
-        .map_err(|e| Error::malformed(&cache, &path, format!("invalid JSON: {e}")))?;
+    parse_manifest(&bytes, cache, &path)
+}
+
+/// Parses and checks the bytes of a `manifest.json` (every check `read_manifest` runs), naming
+/// `path` in its errors. Takes bytes so that fuzzers and tests can call it without files.
+pub fn parse_manifest(bytes: &[u8], cache: &str, path: &Path) -> Result<Manifest> {
+    let cache = cache.to_owned();
+    let value: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| Error::malformed(&cache, path, format!("invalid JSON: {e}")))?;
     match value.get("format").and_then(|v| v.as_str()) {
         Some(FORMAT_NAME) => {}
         other => {
             return Err(Error::malformed(
                 &cache,
-                &path,
+                path,
                 format!("not a DatasetRT manifest: format is {other:?}, expected {FORMAT_NAME:?}"),
             ))
         }
@@ -105,7 +141,7 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
         Some(v) => {
             return Err(Error::malformed(
                 &cache,
-                &path,
+                path,
                 format!(
                 "unsupported format version {v}: this DatasetRT reads version {FORMAT_VERSION}; \
                      upgrade dataset-rt or rebuild the cache"
@@ -115,17 +151,17 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
         None => {
             return Err(Error::malformed(
                 &cache,
-                &path,
+                path,
                 "format_version is missing or not an integer",
             ))
         }
     }
     let manifest: Manifest = serde_json::from_value(value)
-        .map_err(|e| Error::malformed(&cache, &path, format!("invalid manifest: {e}")))?;
+        .map_err(|e| Error::malformed(&cache, path, format!("invalid manifest: {e}")))?;
     if manifest.name != cache {
         return Err(Error::malformed(
             &cache,
-            &path,
+            path,
             format!(
                 "manifest names cache {:?}, but it lives in directory {cache:?}",
                 manifest.name
@@ -135,11 +171,11 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
     manifest
         .compression
         .validate()
-        .map_err(|e| Error::malformed(&cache, &path, e.to_string()))?;
+        .map_err(|e| Error::malformed(&cache, path, e.to_string()))?;
     if manifest.checksum_algo != CHECKSUM_ALGO || manifest.alignment != ALIGN {
         return Err(Error::malformed(
             &cache,
-            &path,
+            path,
             format!(
                 "checksum_algo {:?} / alignment {} are not {CHECKSUM_ALGO:?} / {ALIGN}",
                 manifest.checksum_algo, manifest.alignment
@@ -150,20 +186,24 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
     if fingerprint != manifest.fingerprint {
         return Err(Error::malformed(
             &cache,
-            &path,
+            path,
             format!(
                 "fingerprint mismatch: computed {fingerprint}, the manifest says {}",
                 manifest.fingerprint
             ),
         ));
     }
-    let shard_records: u64 = manifest.shards.iter().map(|s| s.records).sum();
-    if shard_records != manifest.num_samples {
+    let shard_records = manifest
+        .shards
+        .iter()
+        .try_fold(0u64, |sum, s| sum.checked_add(s.records));
+    if shard_records != Some(manifest.num_samples) {
+        let held = shard_records.map_or("more than 2**64".to_owned(), |n| n.to_string());
         return Err(Error::malformed(
             &cache,
-            &path,
+            path,
             format!(
-                "shards hold {shard_records} records, num_samples is {}",
+                "shards hold {held} records, num_samples is {}",
                 manifest.num_samples
             ),
         ));
@@ -172,7 +212,7 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
         if s.file != shard_file_name(i as u32) {
             return Err(Error::malformed(
                 &cache,
-                &path,
+                path,
                 format!(
                     "shard {i} is named {:?}, expected {:?}",
                     s.file,
@@ -184,7 +224,7 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
     if manifest.index.file != INDEX_FILE || manifest.metadata.file != METADATA_FILE {
         return Err(Error::malformed(
             &cache,
-            &path,
+            path,
             "index or metadata file name is not standard",
         ));
     }
@@ -198,30 +238,91 @@ impl Cache {
     }
 
     /// Opens a cache whose directory name is not (yet) its name: the writer's temporary one.
+    ///
+    /// The checks run cheapest first (see "Size checks" in docs/storage-format.md): the
+    /// manifest, then every size it implies against the files' real sizes, and only then the
+    /// hashing and parsing, so a forged size costs nothing before it is refused. It never
+    /// panics: a panic in a parser is caught as a last line of defence and reported as a
+    /// malformed cache.
     pub fn open_as(dir: &Path, name: &str, validation: Validation) -> Result<Cache> {
+        std::panic::catch_unwind(|| Self::open_checked(dir, name, validation)).unwrap_or_else(
+            |panic| {
+                Err(Error::malformed(
+                    name,
+                    dir,
+                    format!(
+                        "the cache could not be parsed: {}",
+                        crate::pool::panic_payload(&panic)
+                    ),
+                ))
+            },
+        )
+    }
+
+    fn open_checked(dir: &Path, name: &str, validation: Validation) -> Result<Cache> {
         let manifest = read_manifest(dir, name)?;
         let name = manifest.name.clone();
 
-        let index_len = INDEX_HEADER_LEN + INDEX_ENTRY_LEN * manifest.num_samples;
+        // 1. Sizes the manifest implies, with checked arithmetic.
         let index_path = dir.join(INDEX_FILE);
-        if manifest.index.bytes != index_len {
+        let index_len = manifest
+            .num_samples
+            .checked_mul(INDEX_ENTRY_LEN)
+            .and_then(|n| n.checked_add(INDEX_HEADER_LEN));
+        if index_len != Some(manifest.index.bytes) {
+            let need = index_len.map_or("more than 2**64".to_owned(), |n| n.to_string());
             return Err(Error::malformed(
                 &name,
                 &index_path,
                 format!(
-                    "the manifest says {} bytes, {} samples need {index_len}",
+                    "the manifest says {} bytes, {} samples need {need}",
                     manifest.index.bytes, manifest.num_samples
                 ),
             ));
         }
-        let (_, index) = map_file(&name, dir, INDEX_FILE, index_len)?;
+        let index_len = manifest.index.bytes;
+        for s in &manifest.shards {
+            // Every record takes at least its header: a shard cannot hold more records than that.
+            let min = s
+                .records
+                .checked_mul(RECORD_HEADER_LEN)
+                .and_then(|n| n.checked_add(SHARD_HEADER_LEN));
+            if min.is_none_or(|min| s.bytes < min) {
+                return Err(Error::malformed(
+                    &name,
+                    dir.join(&s.file),
+                    format!(
+                        "the manifest says {} bytes for {} records, which need at least \
+                         {SHARD_HEADER_LEN} + {RECORD_HEADER_LEN} per record",
+                        s.bytes, s.records
+                    ),
+                ));
+            }
+        }
+
+        // 2. Every file's real size against the manifest, before any of them is read.
+        let index_file = open_sized(&name, dir, INDEX_FILE, index_len)?;
+        let meta_file = open_sized(&name, dir, METADATA_FILE, manifest.metadata.bytes)?;
+        let mut shard_files = Vec::with_capacity(manifest.shards.len());
+        for s in &manifest.shards {
+            shard_files.push(open_sized(&name, dir, &s.file, s.bytes)?);
+        }
+
+        // 3. Contents: checksums, headers, the metadata table.
+        let index = map_sized(&name, dir, INDEX_FILE, &index_file, index_len)?;
         check_sum(&name, &index_path, &index, &manifest.index.checksum)?;
-        if index[..][..INDEX_HEADER_LEN as usize] != index_header() {
+        if index[..INDEX_HEADER_LEN as usize] != index_header() {
             return Err(Error::malformed(&name, &index_path, "bad index header"));
         }
 
         let meta_path = dir.join(METADATA_FILE);
-        let (_, meta_map) = map_file(&name, dir, METADATA_FILE, manifest.metadata.bytes)?;
+        let meta_map = map_sized(
+            &name,
+            dir,
+            METADATA_FILE,
+            &meta_file,
+            manifest.metadata.bytes,
+        )?;
         check_sum(&name, &meta_path, &meta_map, &manifest.metadata.checksum)?;
         let metadata = MetadataTable::decode(
             &meta_map,
@@ -232,20 +333,16 @@ impl Cache {
         .map_err(|reason| Error::malformed(&name, &meta_path, reason))?;
 
         let mut shards = Vec::with_capacity(manifest.shards.len());
-        let mut shard_files = Vec::with_capacity(manifest.shards.len());
-        for (i, s) in manifest.shards.iter().enumerate() {
+        for (i, (s, file)) in manifest.shards.iter().zip(&shard_files).enumerate() {
             let path = dir.join(&s.file);
-            let (file, map) = map_file(&name, dir, &s.file, s.bytes)?;
-            if map.len() < SHARD_HEADER_LEN as usize
-                || map[..SHARD_HEADER_LEN as usize] != shard_header(i as u32)
-            {
+            let map = map_sized(&name, dir, &s.file, file, s.bytes)?;
+            if map[..SHARD_HEADER_LEN as usize] != shard_header(i as u32) {
                 return Err(Error::malformed(&name, &path, "bad shard header"));
             }
             if validation == Validation::Full {
                 check_sum(&name, &path, &map, &s.checksum)?;
             }
             shards.push(map);
-            shard_files.push(file);
         }
         Ok(Cache {
             dir: dir.to_owned(),
@@ -284,6 +381,12 @@ impl Cache {
         &self.shard_files[shard as usize]
     }
 
+    /// The validated size of shard `shard` in bytes: the length of its map. Whoever maps the
+    /// shard again maps exactly this many bytes.
+    pub fn shard_len(&self, shard: u32) -> u64 {
+        self.shards[shard as usize].len() as u64
+    }
+
     pub fn num_shards(&self) -> usize {
         self.shards.len()
     }
@@ -300,9 +403,32 @@ impl Cache {
 
     /// Locates and verifies record `sample`: its header must agree with the index and its
     /// checksum with its bytes. Returns the header and the payload's offset in its shard.
+    ///
+    /// Never panics on a damaged record: a panic in the checks below (a case they did not
+    /// foresee) is caught and reported as that record's corruption.
     pub fn verify_record(&self, sample: u64) -> Result<(IndexEntry, RecordHeader, u64)> {
         debug_assert!(sample < self.len());
         let e = self.entry(sample);
+        // Unwind safety: the checks only read the cache, so a panic leaves nothing half-changed.
+        let checked = AssertUnwindSafe(|| self.verify_record_checked(sample, e));
+        std::panic::catch_unwind(checked).unwrap_or_else(|panic| {
+            Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!(
+                    "the record could not be parsed: {}",
+                    crate::pool::panic_payload(&panic)
+                ),
+            ))
+        })
+    }
+
+    fn verify_record_checked(
+        &self,
+        sample: u64,
+        e: IndexEntry,
+    ) -> Result<(IndexEntry, RecordHeader, u64)> {
         let shard = self.shards.get(e.shard as usize).ok_or_else(|| {
             self.corrupt(
                 e.shard,
@@ -342,6 +468,18 @@ impl Cache {
                 e.offset,
                 sample,
                 format!("unknown flags {:#x}", h.flags),
+            ));
+        }
+        if h.flags & FLAG_LZ4 != 0 && u64::from(h.raw_len) > LZ4_MAX_RATIO * u64::from(h.stored_len)
+        {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!(
+                    "raw length {} is more than LZ4 can expand {} stored bytes to",
+                    h.raw_len, h.stored_len
+                ),
             ));
         }
         let payload_start = start as u64 + h.payload_offset();

@@ -14,6 +14,9 @@ use crate::sampler::{try_epoch_order, EpochParams, RankPolicy, RankSplit, Weight
 
 pub const STATE_VERSION: u32 = 1;
 
+/// The default bound on decompressed bytes an [`EpochReader`] holds ahead of its consumer.
+pub const DEFAULT_PREFETCH_BYTES: u64 = 64 << 20;
+
 /// Reading options that decide the order and the split.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReadOptions {
@@ -336,6 +339,20 @@ impl Dataset {
         }
     }
 
+    /// The bytes `fetch` allocates for sample `global`: its decompressed size when it is stored
+    /// compressed, 0 when it is served from the map. Read from the index (checksummed when the
+    /// cache was opened); `fetch` refuses a record whose header disagrees with it, and
+    /// decompresses into at most this many bytes.
+    pub fn decoded_bytes(&self, global: u64) -> u64 {
+        let (c, row) = self.locate(global);
+        let e = self.caches[c].entry(row);
+        if e.flags & FLAG_LZ4 != 0 {
+            u64::from(e.raw_len)
+        } else {
+            0
+        }
+    }
+
     /// Verifies and, when compressed, decompresses one sample.
     pub fn fetch(&self, global: u64) -> Result<Fetched> {
         let (c, row) = self.locate(global);
@@ -379,6 +396,12 @@ pub struct EpochReader {
     ready: VecDeque<Result<Fetched>>,
     chunk: u64,
     prefetch: u64,
+    /// Bound on `bytes_in_flight`, except that one sample is always let through.
+    prefetch_bytes: u64,
+    /// Decompressed bytes of the samples submitted and not yet yielded.
+    bytes_in_flight: u64,
+    /// The decompressed bytes of each sample submitted and not yet yielded, in order.
+    costs: VecDeque<u64>,
     failed: bool,
 }
 
@@ -412,8 +435,29 @@ impl EpochReader {
             // one pool hand-off per chunk rather than per sample.
             chunk: (prefetch / 2).clamp(1, 256),
             prefetch,
+            prefetch_bytes: DEFAULT_PREFETCH_BYTES,
+            bytes_in_flight: 0,
+            costs: VecDeque::new(),
             failed: false,
         }
+    }
+
+    /// Bounds the decompressed bytes read ahead of the consumer (default
+    /// [`DEFAULT_PREFETCH_BYTES`]). Samples served from the map cost nothing; one sample is always
+    /// read even when it alone is larger, so a huge record still makes progress.
+    pub fn with_prefetch_bytes(mut self, bytes: u64) -> Self {
+        self.prefetch_bytes = bytes;
+        self
+    }
+
+    /// Decompressed bytes read (or being read) ahead of the consumer and not yet yielded.
+    pub fn bytes_in_flight(&self) -> u64 {
+        self.bytes_in_flight
+    }
+
+    /// Samples submitted to the pool and not yet yielded.
+    pub fn samples_in_flight(&self) -> u64 {
+        self.submitted - self.yielded
     }
 
     /// Samples this pass yields in all.
@@ -435,17 +479,35 @@ impl EpochReader {
             .global_progress(self.epoch_len, self.start, self.yielded)
     }
 
+    /// Submits chunks until `prefetch` samples or `prefetch_bytes` decompressed bytes are ahead
+    /// of the consumer, whichever comes first (and always at least one sample).
     fn fill(&mut self) -> Result<()> {
-        while self.submitted < self.len
+        let mut over_budget = false;
+        while !over_budget
+            && self.submitted < self.len
             && self.submitted - self.yielded + self.chunk <= self.prefetch.max(self.chunk)
         {
             let k0 = self.submitted;
             let k1 = (k0 + self.chunk).min(self.len);
-            let globals: Vec<u64> = (k0..k1)
-                .map(|k| {
-                    self.order[self.split.global_position(self.epoch_len, self.start, k) as usize]
-                })
-                .collect();
+            let mut globals = Vec::with_capacity((k1 - k0) as usize);
+            for k in k0..k1 {
+                let g =
+                    self.order[self.split.global_position(self.epoch_len, self.start, k) as usize];
+                let cost = self.dataset.decoded_bytes(g);
+                let nothing_ahead = self.submitted == self.yielded && globals.is_empty();
+                if !nothing_ahead && self.bytes_in_flight.saturating_add(cost) > self.prefetch_bytes
+                {
+                    over_budget = true;
+                    break;
+                }
+                self.bytes_in_flight += cost;
+                self.costs.push_back(cost);
+                globals.push(g);
+            }
+            if globals.is_empty() {
+                break;
+            }
+            let k1 = k0 + globals.len() as u64;
             let dataset = self.dataset.clone();
             // One result per sample: a corrupt record fails only when its turn comes, after
             // every good sample before it was delivered.
@@ -499,6 +561,10 @@ impl EpochReader {
             }
         };
         self.yielded += 1;
+        self.bytes_in_flight -= self
+            .costs
+            .pop_front()
+            .expect("one cost per submitted sample");
         // Keep the window full while the consumer works on this sample.
         if let Err(e) = self.fill() {
             self.failed = true;

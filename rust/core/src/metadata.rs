@@ -267,18 +267,180 @@ pub struct MetadataTable {
     pub fields: Vec<Field>,
 }
 
+/// Bytes before the first message of an Arrow IPC file: the magic padded to 8 bytes.
+const IPC_FILE_HEAD: usize = 8;
+/// Bytes after the footer: its length (4 bytes) and the magic again.
+const IPC_FILE_TRAILER: usize = 10;
+
+/// The bytes of `bytes` from `offset` for `len` bytes, or a reason naming `what` when that range
+/// is not inside `limit` (the first byte past the region it must lie in). Every offset and length
+/// read from the file goes through here before it is used or anything is allocated for it.
+fn checked_range(
+    what: &str,
+    offset: i64,
+    len: i64,
+    limit: usize,
+) -> Result<(usize, usize), String> {
+    let start = usize::try_from(offset).map_err(|_| format!("{what} has offset {offset}"))?;
+    let n = usize::try_from(len).map_err(|_| format!("{what} has length {len}"))?;
+    match start.checked_add(n) {
+        Some(end) if end <= limit => Ok((start, n)),
+        _ => Err(format!(
+            "{what} at offset {offset} with length {len} lies past the end of its region ({limit} bytes)"
+        )),
+    }
+}
+
+/// The checks of one record batch block before arrow-ipc decodes it: the block lies between the
+/// file's head and its footer, its message is a record batch whose buffers all lie inside its
+/// body, and nothing is compressed (DatasetRT never writes compressed metadata).
+fn check_block(
+    bytes: &[u8],
+    i: usize,
+    block: &arrow_ipc::Block,
+    footer_start: usize,
+) -> Result<(usize, usize), String> {
+    let what = format!("record batch block {i}");
+    let meta_len = i64::from(block.metaDataLength());
+    if meta_len < 8 {
+        return Err(format!(
+            "{what} has a metadata length of {meta_len} (at least 8 expected)"
+        ));
+    }
+    if block.bodyLength() < 0 {
+        return Err(format!(
+            "{what} has a body length of {}",
+            block.bodyLength()
+        ));
+    }
+    let total = meta_len
+        .checked_add(block.bodyLength())
+        .ok_or_else(|| format!("{what} has a body length of {}", block.bodyLength()))?;
+    let (start, len) = checked_range(&what, block.offset(), total, footer_start)?;
+    if start < IPC_FILE_HEAD {
+        return Err(format!(
+            "{what} starts at offset {start}, inside the file's magic"
+        ));
+    }
+    let meta = &bytes[start..start + meta_len as usize];
+    let flatbuffer = if meta[..4] == [0xff; 4] {
+        &meta[8..]
+    } else {
+        &meta[4..]
+    };
+    let message = arrow_ipc::root_as_message(flatbuffer)
+        .map_err(|e| format!("{what}: unreadable message: {e}"))?;
+    let batch = message
+        .header_as_record_batch()
+        .ok_or_else(|| format!("{what} does not hold a record batch"))?;
+    if batch.compression().is_some() {
+        return Err(format!(
+            "{what} is compressed; DatasetRT writes uncompressed metadata"
+        ));
+    }
+    if batch.length() < 0 {
+        return Err(format!("{what} claims {} rows", batch.length()));
+    }
+    let body = block.bodyLength() as usize;
+    for (j, b) in batch.buffers().into_iter().flatten().enumerate() {
+        checked_range(
+            &format!("{what}, buffer {j},"),
+            b.offset(),
+            b.length(),
+            body,
+        )?;
+    }
+    Ok((start, len))
+}
+
+/// Parses the Arrow IPC file in `bytes` into its schema and record batches. Every size in the
+/// file is checked against the length of `bytes` before it is used, so nothing is allocated
+/// beyond one copy of `bytes` (which the arrays then share).
+fn decode_ipc_file(bytes: &[u8]) -> Result<(Schema, Vec<RecordBatch>), String> {
+    const MAGIC: &[u8; 6] = b"ARROW1";
+    if bytes.len() < IPC_FILE_HEAD + IPC_FILE_TRAILER {
+        return Err(format!(
+            "not an Arrow IPC file: {} bytes is too short",
+            bytes.len()
+        ));
+    }
+    if &bytes[..MAGIC.len()] != MAGIC {
+        return Err("not an Arrow IPC file: the file does not start with its magic".into());
+    }
+    let trailer_start = bytes.len() - IPC_FILE_TRAILER;
+    let footer_len =
+        arrow_ipc::reader::read_footer_length(bytes[trailer_start..].try_into().expect("10 bytes"))
+            .map_err(|e| format!("not an Arrow IPC file: {e}"))?;
+    let footer_start = trailer_start
+        .checked_sub(footer_len)
+        .filter(|&s| s >= IPC_FILE_HEAD)
+        .ok_or_else(|| {
+            format!("not an Arrow IPC file: its footer length {footer_len} exceeds the file")
+        })?;
+    let footer = arrow_ipc::root_as_footer(&bytes[footer_start..trailer_start])
+        .map_err(|e| format!("not an Arrow IPC file: unreadable footer: {e}"))?;
+    let ipc_schema = footer
+        .schema()
+        .ok_or("not an Arrow IPC file: the footer has no schema")?;
+    if !ipc_schema.endianness().equals_to_target_endianness() {
+        return Err("the file was written on a machine of the other byte order".into());
+    }
+    let schema = arrow_ipc::convert::try_fb_to_schema(ipc_schema)
+        .map_err(|e| format!("unreadable schema: {e}"))?;
+    if footer.dictionaries().is_some_and(|d| !d.is_empty()) {
+        return Err("the file holds dictionary batches; DatasetRT writes none".into());
+    }
+    let blocks = footer
+        .recordBatches()
+        .ok_or("not an Arrow IPC file: the footer lists no record batches")?;
+    let mut ranges = Vec::with_capacity(blocks.len().min(bytes.len() / 8));
+    for (i, block) in blocks.iter().enumerate() {
+        ranges.push((check_block(bytes, i, block, footer_start)?, *block));
+    }
+    let buffer = arrow_buffer::Buffer::from_slice_ref(bytes);
+    let decoder = arrow_ipc::reader::FileDecoder::new(Arc::new(schema.clone()), footer.version());
+    let mut batches = Vec::with_capacity(ranges.len());
+    for (i, ((start, len), block)) in ranges.into_iter().enumerate() {
+        let batch = decoder
+            .read_record_batch(&block, &buffer.slice_with_length(start, len))
+            .map_err(|e| format!("unreadable record batch {i}: {e}"))?
+            .ok_or_else(|| format!("record batch block {i} holds no record batch"))?;
+        batches.push(batch);
+    }
+    Ok((schema, batches))
+}
+
 impl MetadataTable {
     /// Decodes the IPC file held in `bytes` and checks it against the manifest's schema.
+    ///
+    /// Takes the file's bytes, not a path, so that fuzzers and tests can call it directly. It
+    /// never panics: a panic inside the Arrow decoder (a case the checks above did not foresee)
+    /// is caught and returned as a reason like every other.
     pub fn decode(
         bytes: &[u8],
         fields: &[Field],
         sample_id_type: FieldType,
         expected_rows: u64,
     ) -> std::result::Result<Self, String> {
-        let reader = arrow_ipc::reader::FileReader::try_new(std::io::Cursor::new(bytes), None)
-            .map_err(|e| format!("not an Arrow IPC file: {e}"))?;
+        std::panic::catch_unwind(|| {
+            Self::decode_checked(bytes, fields, sample_id_type, expected_rows)
+        })
+        .unwrap_or_else(|panic| {
+            Err(format!(
+                "the Arrow IPC decoder failed on this file: {}",
+                crate::pool::panic_payload(&panic)
+            ))
+        })
+    }
+
+    fn decode_checked(
+        bytes: &[u8],
+        fields: &[Field],
+        sample_id_type: FieldType,
+        expected_rows: u64,
+    ) -> std::result::Result<Self, String> {
+        let (schema, decoded) = decode_ipc_file(bytes)?;
         let expected = arrow_schema(fields, sample_id_type);
-        let schema = reader.schema();
         let names = |s: &Schema| {
             s.fields()
                 .iter()
@@ -302,8 +464,7 @@ impl MetadataTable {
         let mut batches = Vec::new();
         let mut starts = Vec::new();
         let mut rows = 0u64;
-        for batch in reader {
-            let batch = batch.map_err(|e| format!("unreadable record batch: {e}"))?;
+        for batch in decoded {
             if batch.columns().iter().any(|c| c.null_count() > 0) {
                 return Err("null values in metadata".into());
             }

@@ -152,12 +152,17 @@ fn watch_forks() {
     });
 }
 
-pub fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
-    let what = panic
+/// The message a panic carried (its `&str` or `String` payload).
+pub fn panic_payload(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
         .downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into());
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+pub fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    let what = panic_payload(panic);
     format!("a DatasetRT worker panicked: {what} (this is a bug; please report it)")
 }
 

@@ -166,3 +166,310 @@ fn flipped_payload_byte_without_full_validation_fails_that_record_only() {
         other => panic!("expected CorruptRecord, got {other:?}"),
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Re-signed forgeries: after the damage every checksum and the fingerprint are recomputed, the way
+// an attacker would, so that the structural checks and parsers behind the checksums are reached.
+
+use dataset_rt_core::format::{checksum_hex, hash_bytes, Manifest, RecordHeader};
+
+fn read_manifest_file(dir: &Path) -> Manifest {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap()
+}
+
+/// Recomputes the manifest's file checksums and its fingerprint from the files as they are.
+fn resign(dir: &Path, edit: impl FnOnce(&mut Manifest)) {
+    let mut m = read_manifest_file(dir);
+    edit(&mut m);
+    let sum = |rel: &str| checksum_hex(hash_bytes(&std::fs::read(dir.join(rel)).unwrap()));
+    m.index.checksum = sum("index.bin");
+    m.metadata.checksum = sum("metadata.arrow");
+    for s in &mut m.shards {
+        s.checksum = sum(&s.file);
+    }
+    m.fingerprint = m.compute_fingerprint();
+    std::fs::write(
+        dir.join("manifest.json"),
+        serde_json::to_string_pretty(&m).unwrap(),
+    )
+    .unwrap();
+}
+
+fn write_at(path: &Path, offset: usize, bytes: &[u8]) {
+    let mut data = std::fs::read(path).unwrap();
+    data[offset..offset + bytes.len()].copy_from_slice(bytes);
+    std::fs::write(path, data).unwrap();
+}
+
+/// The position in `metadata.arrow` of the footer's first record batch Block
+/// (offset: i64, metaDataLength: i32, padding, bodyLength: i64).
+fn first_block_position(bytes: &[u8]) -> usize {
+    let n = bytes.len();
+    let footer_len = i32::from_le_bytes(bytes[n - 10..n - 6].try_into().unwrap()) as usize;
+    let footer_start = n - 10 - footer_len;
+    let footer = arrow_ipc::root_as_footer(&bytes[footer_start..n - 10]).unwrap();
+    let block = footer.recordBatches().unwrap().get(0);
+    let mut needle = block.offset().to_le_bytes().to_vec();
+    needle.extend(block.metaDataLength().to_le_bytes());
+    let at = bytes[footer_start..]
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .expect("the block is in the footer");
+    footer_start + at
+}
+
+/// Rewrites the footer's first Block, re-signs, and returns the malformation.
+fn forged_block(meta_len: Option<i32>, body_len: i64) -> (PathBuf, String) {
+    malformed(
+        |d| {
+            let path = d.join("metadata.arrow");
+            let at = first_block_position(&std::fs::read(&path).unwrap());
+            if let Some(m) = meta_len {
+                write_at(&path, at + 8, &m.to_le_bytes());
+            }
+            write_at(&path, at + 16, &body_len.to_le_bytes());
+            resign(d, |_| {});
+        },
+        Validation::Structure,
+    )
+}
+
+#[test]
+fn resigned_block_of_zero_lengths_is_malformed_metadata() {
+    let (file, reason) = forged_block(Some(0), 0);
+    assert_eq!(file, Path::new("metadata.arrow"));
+    assert_eq!(
+        reason,
+        "record batch block 0 has a metadata length of 0 (at least 8 expected)"
+    );
+}
+
+#[test]
+fn resigned_block_of_negative_body_length_is_malformed_metadata() {
+    let (file, reason) = forged_block(None, -1);
+    assert_eq!(file, Path::new("metadata.arrow"));
+    assert_eq!(reason, "record batch block 0 has a body length of -1");
+}
+
+#[test]
+fn resigned_block_of_1_gib_body_is_refused_against_the_file_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(golden_copy(tmp.path()).join("metadata.arrow")).unwrap();
+    let at = first_block_position(&bytes);
+    let offset = i64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+    let meta_len = i32::from_le_bytes(bytes[at + 8..at + 12].try_into().unwrap());
+    let n = bytes.len();
+    let footer_start =
+        n - 10 - i32::from_le_bytes(bytes[n - 10..n - 6].try_into().unwrap()) as usize;
+
+    let (file, reason) = forged_block(None, 1 << 30);
+    assert_eq!(file, Path::new("metadata.arrow"));
+    assert_eq!(
+        reason,
+        format!(
+            "record batch block 0 at offset {offset} with length {} lies past the end of its \
+             region ({footer_start} bytes)",
+            (1i64 << 30) + i64::from(meta_len)
+        )
+    );
+}
+
+#[test]
+fn resigned_footer_length_past_the_file_is_malformed_metadata() {
+    let (file, reason) = malformed(
+        |d| {
+            let path = d.join("metadata.arrow");
+            let n = std::fs::metadata(&path).unwrap().len() as usize;
+            write_at(&path, n - 10, &(i32::MAX).to_le_bytes());
+            resign(d, |_| {});
+        },
+        Validation::Structure,
+    );
+    assert_eq!(file, Path::new("metadata.arrow"));
+    assert_eq!(
+        reason,
+        format!(
+            "not an Arrow IPC file: its footer length {} exceeds the file",
+            i32::MAX
+        )
+    );
+}
+
+#[test]
+fn resigned_buffer_past_its_body_is_malformed_metadata() {
+    let (file, reason) = malformed(
+        |d| {
+            let path = d.join("metadata.arrow");
+            let bytes = std::fs::read(&path).unwrap();
+            let at = first_block_position(&bytes);
+            let offset = i64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+            let meta_len = i32::from_le_bytes(bytes[at + 8..at + 12].try_into().unwrap()) as usize;
+            let meta = &bytes[offset + 8..offset + meta_len];
+            let message = arrow_ipc::root_as_message(meta).unwrap();
+            let buffers = message.header_as_record_batch().unwrap().buffers().unwrap();
+            // Buffer 1 (the offsets of the str column `sample_id`): offset i64, length i64.
+            let pos = buffers.bytes().as_ptr() as usize - bytes.as_ptr() as usize + 16;
+            write_at(&path, pos, &(1i64 << 40).to_le_bytes());
+            resign(d, |_| {});
+        },
+        Validation::Structure,
+    );
+    assert_eq!(file, Path::new("metadata.arrow"));
+    assert!(
+        reason.starts_with(&format!(
+            "record batch block 0, buffer 1, at offset {} with length ",
+            1i64 << 40
+        )) && reason.contains("lies past the end of its region"),
+        "{reason}"
+    );
+}
+
+#[test]
+fn resigned_sample_count_whose_index_size_wraps_is_malformed() {
+    let (file, reason) = malformed(
+        |d| {
+            resign(d, |m| {
+                m.num_samples += 1 << 59;
+                m.shards[0].records += 1 << 59;
+            })
+        },
+        Validation::Structure,
+    );
+    assert_eq!(file, Path::new("index.bin"));
+    assert_eq!(
+        reason,
+        format!(
+            "the manifest says 208 bytes, {} samples need more than 2**64",
+            (1u64 << 59) + 6
+        )
+    );
+}
+
+#[test]
+fn resigned_record_counts_whose_sum_wraps_are_malformed() {
+    let (file, reason) = malformed(
+        |d| {
+            resign(d, |m| {
+                // 3 + (2**64 - 3) + 6 wraps to 6, the true number of samples.
+                m.shards[0].records = 3u64.wrapping_neg();
+                m.shards[1].records = 9;
+            })
+        },
+        Validation::Structure,
+    );
+    assert_eq!(file, Path::new("manifest.json"));
+    assert_eq!(
+        reason,
+        "shards hold more than 2**64 records, num_samples is 6"
+    );
+}
+
+/// A forged sample count with a matching sparse `index.bin` of 64 MiB: the shards cannot hold
+/// that many records, which is refused from the sizes alone, before the index is hashed (the
+/// index's checksum is left stale on purpose: hashing it first would report that instead).
+#[test]
+fn forged_sample_count_is_refused_by_sizes_before_the_index_is_hashed() {
+    let n: u64 = 1 << 21;
+    let (file, reason) = malformed(
+        |d| {
+            let index = std::fs::OpenOptions::new()
+                .write(true)
+                .open(d.join("index.bin"))
+                .unwrap();
+            index.set_len(16 + 32 * n).unwrap();
+            let mut m = read_manifest_file(d);
+            m.num_samples = n;
+            m.index.bytes = 16 + 32 * n;
+            m.shards[0].records = n - 3;
+            m.fingerprint = m.compute_fingerprint();
+            std::fs::write(d.join("manifest.json"), serde_json::to_string(&m).unwrap()).unwrap();
+        },
+        Validation::Structure,
+    );
+    assert_eq!(file, Path::new("shards/000000.bin"));
+    assert_eq!(
+        reason,
+        format!(
+            "the manifest says 528 bytes for {} records, which need at least 16 + 40 per record",
+            n - 3
+        )
+    );
+}
+
+/// Every file's size is checked before any file is hashed: a stale index checksum is not what
+/// is reported when a later file has the wrong size.
+#[test]
+fn file_sizes_are_checked_before_any_checksum() {
+    let (file, reason) = malformed(
+        |d| {
+            flip_byte(&d.join("index.bin"), 100);
+            let shard = std::fs::OpenOptions::new()
+                .write(true)
+                .open(d.join("shards/000001.bin"))
+                .unwrap();
+            shard.set_len(480).unwrap();
+        },
+        Validation::Structure,
+    );
+    assert_eq!(file, Path::new("shards/000001.bin"));
+    assert_eq!(reason, "size is 480 bytes, the manifest says 496");
+}
+
+/// A compressed record whose raw length (header and index, re-signed) is more than LZ4 can
+/// produce from its stored bytes is refused before anything is allocated for it.
+#[test]
+fn resigned_lz4_raw_length_beyond_what_lz4_can_expand_is_a_corrupt_record() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = golden_copy(tmp.path());
+    let cache = Cache::open(&dir, Validation::Structure).unwrap();
+    let sample = (0..cache.len())
+        .find(|&s| cache.entry(s).flags & dataset_rt_core::format::FLAG_LZ4 != 0)
+        .expect("the golden cache has a compressed record");
+    let e = cache.entry(sample);
+    let (_, h, payload_start) = cache.verify_record(sample).unwrap();
+    drop(cache);
+
+    let raw_len: u32 = 1 << 31;
+    let forged = RecordHeader { raw_len, ..h };
+    let shard = dir.join(format!("shards/{:06}.bin", e.shard));
+    let bytes = std::fs::read(&shard).unwrap();
+    let meta_start = e.offset as usize + 40;
+    let checksum = forged.compute_checksum(
+        &bytes[meta_start..meta_start + h.meta_len as usize],
+        &bytes[payload_start as usize..payload_start as usize + h.stored_len as usize],
+    );
+    let forged = RecordHeader { checksum, ..forged };
+    write_at(&shard, e.offset as usize, &forged.encode());
+    let entry_at = 16 + 32 * sample as usize;
+    write_at(
+        &dir.join("index.bin"),
+        entry_at + 20,
+        &raw_len.to_le_bytes(),
+    );
+    write_at(
+        &dir.join("index.bin"),
+        entry_at + 24,
+        &checksum.to_le_bytes(),
+    );
+    resign(&dir, |_| {});
+
+    let cache = Cache::open(&dir, Validation::Full).unwrap();
+    match cache.payload(sample).unwrap_err() {
+        Error::CorruptRecord {
+            sample: s,
+            offset,
+            reason,
+            ..
+        } => {
+            assert_eq!((s, offset), (sample, e.offset));
+            assert_eq!(
+                reason,
+                format!(
+                    "raw length {raw_len} is more than LZ4 can expand {} stored bytes to",
+                    h.stored_len
+                )
+            );
+        }
+        other => panic!("expected CorruptRecord, got {other:?}"),
+    }
+}

@@ -32,17 +32,29 @@ struct PySide {
 }
 
 impl PySide {
+    /// The zero-copy view of shard `shard`, mapped on first use. `sample` and `offset` (the
+    /// record's) name the record being read when the map fails.
     fn shard_view<'py>(
         &self,
         py: Python<'py>,
         cache: &Cache,
         c: usize,
         shard: u32,
+        sample: u64,
     ) -> PyResult<Bound<'py, PyAny>> {
         let cell = &self.caches[c].shards[shard as usize];
         if let Some(v) = cell.get() {
             return Ok(v.bind(py).clone());
         }
+        let changed = |reason: String| {
+            crate::errors::to_py(dataset_rt_core::Error::CorruptRecord {
+                cache: cache.name().to_owned(),
+                shard: cache.shard_path(shard),
+                offset: cache.entry(sample).offset,
+                sample,
+                reason,
+            })
+        };
         // Map the very file the core validated and verifies records against, through a
         // duplicate of its descriptor (mmap keeps its own): opening the path again could map
         // another file if the cache directory was replaced since the dataset was opened.
@@ -53,17 +65,49 @@ impl PySide {
                 e,
             ))
         })?;
+        // Map exactly the validated size, never the file's current one: a shard cut short since
+        // it was opened is an error here instead of views that come back empty.
+        let len = cache.shard_len(shard);
+        let now = file
+            .metadata()
+            .map_err(|e| {
+                crate::errors::to_py(dataset_rt_core::Error::io(
+                    "stat",
+                    cache.shard_path(shard),
+                    e,
+                ))
+            })?
+            .len();
+        let truncated = |now: u64| {
+            changed(format!(
+                "the shard is {now} bytes now but was {len} bytes when the cache was opened: it \
+                 was truncated while in use (a published cache must not be modified while it is \
+                 read)"
+            ))
+        };
+        if now < len {
+            return Err(truncated(now));
+        }
         let mmap = py.import("mmap")?;
         let kwargs = PyDict::new(py);
         kwargs.set_item("access", mmap.getattr("ACCESS_READ")?)?;
         let map = mmap
             .getattr("mmap")?
-            .call((file.as_raw_fd(), 0), Some(&kwargs));
+            .call((file.as_raw_fd(), len), Some(&kwargs));
+        let map = match map {
+            Ok(map) => map,
+            // Python refuses a length past the end of the file: truncated after the check above.
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyValueError>(py) => {
+                let now = file.metadata().map(|m| m.len()).unwrap_or(0);
+                return Err(truncated(now));
+            }
+            Err(e) => return Err(e),
+        };
         drop(file);
         let view = py
             .import("builtins")?
             .getattr("memoryview")?
-            .call1((map?,))?;
+            .call1((map,))?;
         let _ = cell.set(view.clone().unbind());
         Ok(cell.get().expect("set above").bind(py).clone())
     }
@@ -382,9 +426,26 @@ impl DatasetIterator {
         let cache = &self.dataset.caches[c];
         let data = match fetched.payload {
             Payload::Mapped { shard, offset, len } => {
-                let view = self.py_side.shard_view(py, cache, c, shard)?;
+                let view = self.py_side.shard_view(py, cache, c, shard, fetched.row)?;
                 let slice = PySlice::new(py, offset as isize, (offset + len) as isize, 1);
-                view.get_item(slice)?
+                let data = view.get_item(slice)?;
+                // The view has the validated size and the core checked the record against it,
+                // so this holds; it is checked because a short slice would be silently wrong.
+                if data.len()? as u64 != len {
+                    return Err(crate::errors::to_py(
+                        dataset_rt_core::Error::CorruptRecord {
+                            cache: cache.name().to_owned(),
+                            shard: cache.shard_path(shard),
+                            offset: cache.entry(fetched.row).offset,
+                            sample: fetched.row,
+                            reason: format!(
+                                "the payload's view holds {} bytes, the record {len}",
+                                data.len()?
+                            ),
+                        },
+                    ));
+                }
+                data
             }
             Payload::Owned(bytes) => PyBytes::new(py, &bytes).into_any(),
         };

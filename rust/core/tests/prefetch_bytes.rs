@@ -1,0 +1,121 @@
+//! The read-ahead of an `EpochReader` is bounded in decompressed bytes as well as in samples:
+//! records that compress well (LZ4) cannot make it hold `prefetch_size` times their raw size.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use dataset_rt_core::cache::{Cache, Validation};
+use dataset_rt_core::dataset::{Dataset, EpochReader, Payload, ReadOptions, WeightTable};
+use dataset_rt_core::format::{Compression, FLAG_LZ4};
+use dataset_rt_core::metadata::MetaValue;
+use dataset_rt_core::pool::Pool;
+use dataset_rt_core::sampler::RankPolicy;
+use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+
+const RECORD: usize = 1 << 20;
+const RECORDS: u64 = 24;
+
+/// `RECORDS` records of `RECORD` zero bytes each (plus the sample number), stored as LZ4.
+fn zeros_cache(pool: &Arc<Pool>, base: &Path) -> Arc<Cache> {
+    let lock = CacheLock::acquire(base, "zeros").unwrap();
+    let opts = WriterOptions {
+        prefetch_size: 4,
+        compression: Compression::new("lz4", 1.0).unwrap(),
+        validate: false,
+        shard_size: 1 << 20,
+    };
+    let mut writer = CacheWriter::create(pool.clone(), lock, opts).unwrap();
+    for i in 0..RECORDS {
+        let mut data = vec![0u8; RECORD];
+        data[0] = i as u8;
+        writer
+            .push(SampleInput {
+                data,
+                metadata: vec![("i".to_string(), MetaValue::Int(i as i64))],
+            })
+            .unwrap();
+    }
+    writer.finish().unwrap();
+    let cache = Cache::open(&base.join("zeros"), Validation::Full).unwrap();
+    assert!((0..RECORDS).all(|s| cache.entry(s).flags & FLAG_LZ4 != 0));
+    assert!(
+        cache.manifest.shards.iter().map(|s| s.bytes).sum::<u64>() < RECORDS * RECORD as u64 / 50
+    );
+    Arc::new(cache)
+}
+
+fn options(prefetch_size: usize) -> ReadOptions {
+    ReadOptions {
+        seed: 0,
+        shuffle: false,
+        prefetch_size,
+        epoch_len: None,
+        rank: 0,
+        world_size: 1,
+        policy: RankPolicy::Pad,
+    }
+}
+
+/// Reads a whole pass; after every sample checks what the reader holds ahead of the consumer,
+/// counted two ways: its own byte count, and the samples in flight times their decoded size.
+/// Returns the most samples that were ever in flight.
+fn read_pass(reader: &mut EpochReader, budget: u64) -> u64 {
+    let mut most = 0;
+    let mut seen = 0u64;
+    while let Some(sample) = reader.next_sample() {
+        let sample = sample.unwrap();
+        match sample.payload {
+            Payload::Owned(bytes) => {
+                assert_eq!(bytes.len(), RECORD);
+                assert_eq!(bytes[0], seen as u8);
+            }
+            Payload::Mapped { .. } => panic!("an LZ4 record is served decompressed"),
+        }
+        seen += 1;
+        let ahead = reader.samples_in_flight();
+        assert_eq!(reader.bytes_in_flight(), ahead * RECORD as u64);
+        // One record is always allowed, however small the budget.
+        assert!(
+            ahead <= 1 || ahead * RECORD as u64 <= budget,
+            "{ahead} records of {RECORD} bytes in flight, budget {budget}"
+        );
+        most = most.max(ahead);
+    }
+    assert_eq!(seen, RECORDS);
+    most
+}
+
+#[test]
+fn decompressed_bytes_ahead_of_the_consumer_stay_within_the_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(2).unwrap();
+    let dataset = Arc::new(Dataset::new(vec![zeros_cache(&pool, tmp.path())]));
+    let opts = options(64);
+    let order = Arc::new(
+        dataset
+            .try_order(&opts, &WeightTable::uniform(), 0)
+            .unwrap(),
+    );
+
+    let budget = 3 * RECORD as u64 + RECORD as u64 / 2;
+    let mut reader = EpochReader::new(pool.clone(), dataset.clone(), order.clone(), &opts, 0, 0)
+        .with_prefetch_bytes(budget);
+    let most = read_pass(&mut reader, budget);
+    // The budget, not prefetch_size = 64, is what bounded the read-ahead.
+    assert_eq!(most, 3);
+}
+
+#[test]
+fn a_record_larger_than_the_budget_still_makes_progress() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(2).unwrap();
+    let dataset = Arc::new(Dataset::new(vec![zeros_cache(&pool, tmp.path())]));
+    let opts = options(64);
+    let order = Arc::new(
+        dataset
+            .try_order(&opts, &WeightTable::uniform(), 0)
+            .unwrap(),
+    );
+    let mut reader = EpochReader::new(pool, dataset, order, &opts, 0, 0).with_prefetch_bytes(1);
+    assert_eq!(read_pass(&mut reader, 1), 1);
+}
