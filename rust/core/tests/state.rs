@@ -1,12 +1,13 @@
-//! Iterator states as the core checks them: what no `state_dict()` produces is refused, and
-//! epochs advance without wrapping.
+//! Iterator states as the core checks them, and resume on the rank split: a pass checkpointed
+//! and resumed on the same world size gives every rank what the uninterrupted pass gives it,
+//! padding included.
 
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{
-    next_epoch, resume_point, Dataset, ReadOptions, State, WeightTable, LAST_EPOCH,
+    next_epoch, resume_point, Dataset, EpochReader, ReadOptions, State, WeightTable, LAST_EPOCH,
 };
 use dataset_rt_core::format::Compression;
 use dataset_rt_core::metadata::MetaValue;
@@ -14,11 +15,13 @@ use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
 use dataset_rt_core::Error;
+use proptest::prelude::*;
 
 const N: u64 = 23;
 
 struct Fixture {
     _dir: tempfile::TempDir,
+    pool: Arc<Pool>,
     dataset: Arc<Dataset>,
 }
 
@@ -32,6 +35,7 @@ fn fixture() -> &'static Fixture {
         let cache = Cache::open(&dir.path().join("c"), Validation::Full).unwrap();
         Fixture {
             dataset: Arc::new(Dataset::new(vec![Arc::new(cache)])),
+            pool,
             _dir: dir,
         }
     })
@@ -69,6 +73,33 @@ fn options(epoch_len: u64, rank: u64, world_size: u64, policy: RankPolicy) -> Re
     }
 }
 
+/// A pass of one rank from `start`: reads `limit` samples (all when `None`); returns the global
+/// sample indices read and the position a checkpoint then stores.
+fn read(opts: &ReadOptions, epoch: u64, start: u64, limit: Option<u64>) -> (Vec<u64>, u64) {
+    let f = fixture();
+    let order = f
+        .dataset
+        .try_order(opts, &WeightTable::uniform(), epoch)
+        .unwrap();
+    let mut reader = EpochReader::new(
+        f.pool.clone(),
+        f.dataset.clone(),
+        Arc::new(order),
+        opts,
+        epoch,
+        start,
+    );
+    let mut got = Vec::new();
+    while limit.is_none_or(|l| (got.len() as u64) < l) {
+        let Some(fetched) = reader.next_sample() else {
+            break;
+        };
+        let fetched = fetched.unwrap();
+        got.push(f.dataset.cache_start(fetched.cache as usize) + fetched.row);
+    }
+    (got, reader.position())
+}
+
 fn state(opts: &ReadOptions, epoch: u64, position: u64) -> State {
     fixture()
         .dataset
@@ -84,6 +115,68 @@ fn refusal(state: &State) -> String {
         .unwrap_err();
     assert!(matches!(err, Error::State(_)), "{err:?}");
     err.to_string()
+}
+
+#[test]
+fn padded_resume_on_the_same_world_size_delivers_the_same_pad() {
+    // 11 positions on 2 ranks: rank 1's 6th sample is a pad. Checkpoint after 2 samples per
+    // rank and resume on 2 ranks: rank 1 still ends with the pad of the uninterrupted pass.
+    let opts = options(11, 1, 2, RankPolicy::Pad);
+    let (full, _) = read(&opts, 0, 0, None);
+    assert_eq!(full.len(), 6);
+    let order = fixture()
+        .dataset
+        .try_order(&opts, &WeightTable::uniform(), 0)
+        .unwrap();
+    assert_eq!(
+        full[5], order[0],
+        "the pad repeats the epoch's first position"
+    );
+    let (head, position) = read(&opts, 0, 0, Some(2));
+    assert_eq!(position, 4);
+    let (tail, _) = read(&opts, 0, position, None);
+    assert_eq!([head, tail].concat(), full);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// For every rank: what it read before a checkpoint, then what it reads after resuming the
+    /// checkpoint's state (through JSON and `check_state`) on the same world size, equals the
+    /// uninterrupted pass, padding included; and the state after the resumed pass is the next
+    /// epoch's start.
+    #[test]
+    fn resume_on_the_same_world_size_matches_the_uninterrupted_pass(
+        epoch_len in 0u64..60,
+        world_size in 1u64..6,
+        pad: bool,
+        cut in 0.0f64..=1.0,
+        epoch in 0u64..3,
+    ) {
+        let policy = if pad { RankPolicy::Pad } else { RankPolicy::Drop };
+        let rank_len = options(epoch_len, 0, world_size, policy).split().rank_len(epoch_len, 0);
+        let k = ((rank_len as f64) * cut) as u64;
+        let mut positions = Vec::new();
+        for rank in 0..world_size {
+            let opts = options(epoch_len, rank, world_size, policy);
+            let (full, end) = read(&opts, epoch, 0, None);
+            prop_assert_eq!(full.len() as u64, rank_len);
+            let (head, position) = read(&opts, epoch, 0, Some(k));
+            positions.push(position);
+            let text = state(&opts, epoch, position).to_json();
+            let loaded = State::from_json(&text).unwrap();
+            let (e, start) = fixture()
+                .dataset
+                .check_state(&loaded, &opts, &WeightTable::uniform())
+                .unwrap();
+            prop_assert_eq!((e, start), (epoch, position));
+            let (tail, resumed_end) = read(&opts, e, start, None);
+            prop_assert_eq!([head, tail].concat(), full, "rank {}", rank);
+            prop_assert_eq!(resumed_end, end);
+        }
+        // Every rank's checkpoint names the same global position.
+        prop_assert!(positions.windows(2).all(|p| p[0] == p[1]));
+    }
 }
 
 #[test]
