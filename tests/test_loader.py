@@ -205,6 +205,32 @@ def test_resume_with_another_world_size(base):
     assert before == expected[:16]
 
 
+@pytest.mark.parametrize("rank", [0, 4, 6])
+def test_padded_resume_on_the_same_world_size(base, rank):
+    # 60 samples on 7 ranks: ranks 4, 5 and 6 end with a pad. A checkpoint after 2 batches of 2
+    # (position 28), resumed on 7 ranks, must deliver exactly the uninterrupted pass, pads
+    # included, and the in-process dataset's share.
+    dataset = load(base, N, rank=rank, world_size=7)
+    expected = epoch_ids(dataset, 0)
+    assert len(expected) == 9
+    with DataLoader(dataset, batch_size=2, num_workers=2, transform=keyed) as loader:
+        full = [i for b in loader for i, _ in b]
+    with DataLoader(dataset, batch_size=2, transform=keyed) as loader:
+        it = iter(loader)
+        before = [i for _ in range(2) for i, _ in next(it)]
+        state = loader.state_dict()
+    assert state["position"] == 28
+    with DataLoader(dataset, batch_size=3, num_workers=1, transform=keyed) as resumed:
+        resumed.load_state_dict(state)
+        after = [i for b in resumed for i, _ in b]
+        assert (resumed.state_dict()["epoch"], resumed.state_dict()["position"]) == (1, 0)
+    assert full == expected
+    assert before + after == expected
+    if rank >= 4:
+        order = dataset_rt._native.epoch_order(SEED, 0, N)
+        assert expected[-1] == order[rank - 4]  # the pad: the epoch's first positions
+
+
 def test_two_loaders_at_once_do_not_interfere(dataset, base):
     other = load(base, N)
     other.set_epoch(0)

@@ -44,7 +44,8 @@ def split_positions(epoch_len: int, start: int, world: int, rank: int, pad: bool
     positions = []
     for k in range(length):
         q = rank + k * world
-        positions.append(start + (q if q < remainder else q % remainder))
+        # Padding wraps around the epoch: slot start + q is position (start + q) mod L.
+        positions.append(start + q if q < remainder else (start + q) % epoch_len)
     return positions
 
 
@@ -206,7 +207,10 @@ def resume_other_world(
         assert set(union) == set(range(n))
         padding = sum(union.values()) - n
         assert 0 <= padding < second_world
-        assert all(c == 1 for i, c in union.items() if i in consumed_real)
+        # The only repeats are the padding slots, which wrap around to the epoch's start.
+        length = -(-remainder // second_world)
+        pads = [(position + q) % n for q in range(remainder, second_world * length)]
+        assert union - Counter(order) == Counter(order[p] for p in pads)
     for rank, share in enumerate(rest):
         positions = split_positions(n, position, second_world, rank, not drop_last)
         assert share == [order[p] for p in positions]
@@ -265,6 +269,78 @@ def test_resume_chain_across_three_world_sizes(base_dir: Path) -> None:
     assert received == order
     assert state is not None
     assert (state["epoch"], state["position"]) == (1, 0)
+
+
+def resume_same_world(
+    base: Path,
+    n: int,
+    world: int,
+    cuts: list[float],
+    drop_last: bool,
+    seed: int,
+    samples_per_epoch: int | None = None,
+) -> None:
+    """Every rank reads its uninterrupted share; then the same pass is checkpointed after a
+    fraction `cut` of what is left, and resumed from that state on the same world size, once per
+    cut. Each rank's pieces, concatenated, must be its uninterrupted share, padding included."""
+    reader: dict[str, Any] = {
+        "seed": seed,
+        "drop_last": drop_last,
+        "samples_per_epoch": samples_per_epoch,
+    }
+    with Ranks(base, n, world, **reader) as datasets:
+        full = [ids(d) for d in datasets]
+    got: list[list[int]] = [[] for _ in range(world)]
+    state: dict[str, Any] | None = None
+    for cut in [*cuts, None]:
+        with Ranks(base, n, world, workers=1 + len(got[0]) % 3, **reader) as datasets:
+            iterators = []
+            for d in datasets:
+                if state is not None:
+                    d.load_state_dict(state)
+                iterators.append(iter(d))
+            left = len(iterators[0])
+            k = left if cut is None else int(left * cut)
+            for rank, it in enumerate(iterators):
+                got[rank] += take(it, k)
+            states = [json.loads(json.dumps(d.state_dict())) for d in datasets]
+        assert len({(s["epoch"], s["position"]) for s in states}) == 1
+        state = states[0]
+        if state["epoch"] != 0:  # every rank received its whole share
+            break
+    assert got == full
+    assert state is not None
+    assert (state["epoch"], state["position"]) == (1, 0)
+
+
+def test_padded_resume_on_the_same_world_size_keeps_the_pads(base_dir: Path) -> None:
+    # 11 samples on 2 ranks: rank 1's last sample is a pad (the epoch's first position). A
+    # checkpoint after 2 samples per rank, resumed on 2 ranks, must end rank 1 with that pad.
+    order = _native.epoch_order(42, 0, 11)
+    with Ranks(base_dir, 11, 2, seed=42) as datasets:
+        assert ids(datasets[1])[-1] == order[0]
+    resume_same_world(base_dir, 11, 2, [0.4], drop_last=False, seed=42)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(min_value=1, max_value=30),
+    world=st.integers(min_value=1, max_value=5),
+    cuts=st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=1, max_size=3),
+    drop_last=st.booleans(),
+    seed=st.integers(min_value=0, max_value=2**64 - 1),
+    samples_per_epoch=st.none() | st.integers(min_value=0, max_value=45),
+)
+def test_resume_on_the_same_world_size_property(
+    base_dir: Path,
+    n: int,
+    world: int,
+    cuts: list[float],
+    drop_last: bool,
+    seed: int,
+    samples_per_epoch: int | None,
+) -> None:
+    resume_same_world(base_dir, n, world, cuts, drop_last, seed, samples_per_epoch)
 
 
 # ---- where rank and world size come from

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataset_rt import (
+    DataLoader,
     Dataset,
     DatasetRuntime,
     ReaderConfig,
@@ -485,6 +486,10 @@ def test_state_under_another_weight_table_refused(
         ({"position": "3"}, "iterator state"),
         ({"epoch": 1.5}, "iterator state"),
         ({"fingerprint": "0" * 32}, "another dataset"),
+        ({"world_size": 0}, "world_size 0 is not a world size"),
+        ({"rank": 1}, "rank 1 is not below world_size 1"),
+        ({"rank": 99, "world_size": 4}, "rank 99 is not below world_size 4"),
+        ({"epoch": 2**64 - 1}, "epoch 18446744073709551615 is not an epoch"),
     ],
 )
 def test_tampered_state_refused(
@@ -511,3 +516,72 @@ def test_non_dict_state_refused(base_dir: Path) -> None:
             dataset.load_state_dict([1, 2, 3])  # type: ignore[arg-type]
         with pytest.raises(StateError):
             dataset.load_state_dict({})
+
+
+def test_list_of_the_state_values_refused(base_dir: Path, checkpoint: dict[str, Any]) -> None:
+    # The values in field order: a JSON array that serde alone would take as the state.
+    assert_refused(base_dir, list(checkpoint.values()), "a state is a JSON object .a dict.")  # type: ignore[arg-type]
+
+
+def impossible_states(checkpoint: dict[str, Any]) -> list[tuple[Any, str]]:
+    return [
+        (list(checkpoint.values()), "this is a list"),
+        ({**checkpoint, "world_size": 0}, "world_size 0"),
+        ({**checkpoint, "rank": 2, "world_size": 2}, "rank 2 is not below world_size 2"),
+        ({**checkpoint, "epoch": 2**64 - 1}, "is not an epoch"),
+    ]
+
+
+def test_impossible_states_refused_by_the_loader(
+    base_dir: Path, checkpoint: dict[str, Any]
+) -> None:
+    with (
+        Opened(base_dir, positional_source("s10", 10), ReaderConfig(seed=42)) as dataset,
+        DataLoader(dataset, batch_size=3) as loader,
+    ):
+        before = loader.state_dict()
+        for state, match in impossible_states(checkpoint):
+            with pytest.raises(StateError, match=match):
+                loader.load_state_dict(state)
+            assert loader.state_dict() == before
+        loader.load_state_dict(checkpoint)  # the real state still loads
+        assert [s.metadata["sample_id"] for b in loader for s in b] == _native.epoch_order(
+            42, 0, 10
+        )[4:]
+
+
+LAST_EPOCH = 2**64 - 2
+
+
+def test_the_last_epoch_has_no_next_epoch(base_dir: Path) -> None:
+    """A pass of the last epoch runs; the epoch after it is an error, never a wrap to 0."""
+    with Opened(base_dir, positional_source("s10", 10), ReaderConfig(seed=42)) as dataset:
+        state = {**dataset.state_dict(), "epoch": LAST_EPOCH, "position": 3}
+        dataset.load_state_dict(state)
+        assert dataset.state_dict() == state
+        assert ids(dataset) == _native.epoch_order(42, LAST_EPOCH, 10)[3:]
+        for call in (dataset.state_dict, lambda: iter(dataset)):
+            with pytest.raises(StateError, match=f"epoch {LAST_EPOCH} is the last.*set_epoch"):
+                call()
+        dataset.set_epoch(0)
+        assert (dataset.state_dict()["epoch"], dataset.state_dict()["position"]) == (0, 0)
+        assert ids(dataset) == _native.epoch_order(42, 0, 10)
+
+
+def test_the_loader_stops_at_the_last_epoch(base_dir: Path) -> None:
+    with (
+        Opened(base_dir, positional_source("s10", 10), ReaderConfig(seed=42)) as dataset,
+        DataLoader(dataset, batch_size=4) as loader,
+    ):
+        state = {**loader.state_dict(), "epoch": LAST_EPOCH, "position": 3}
+        loader.load_state_dict(state)
+        got = [s.metadata["sample_id"] for b in loader for s in b]
+        assert got == _native.epoch_order(42, LAST_EPOCH, 10)[3:]
+        for call in (loader.state_dict, lambda: iter(loader)):
+            with pytest.raises(StateError, match=f"epoch {LAST_EPOCH} is the last epoch"):
+                call()
+        loader.set_epoch(1)
+        assert [s.metadata["sample_id"] for b in loader for s in b] == _native.epoch_order(
+            42, 1, 10
+        )
+        assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (2, 0)

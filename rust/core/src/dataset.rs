@@ -95,9 +95,55 @@ impl State {
         serde_json::to_string(self).expect("plain data serialises")
     }
 
+    /// Parses a state. Only a JSON object is a state: serde would also take the ten values as
+    /// an array, in field order, which no `state_dict()` produces.
     pub fn from_json(text: &str) -> Result<State> {
-        serde_json::from_str(text)
-            .map_err(|e| Error::State(format!("not a DatasetRT iterator state: {e}")))
+        let not_a_state = |e: serde_json::Error| {
+            Error::State(format!(
+                "not a DatasetRT iterator state: {e}; pass the dict that state_dict() returned"
+            ))
+        };
+        let kind = match serde_json::from_str(text).map_err(not_a_state)? {
+            value @ serde_json::Value::Object(_) => {
+                return serde_json::from_value(value).map_err(not_a_state)
+            }
+            serde_json::Value::Null => "null",
+            serde_json::Value::Bool(_) => "a boolean",
+            serde_json::Value::Number(_) => "a number",
+            serde_json::Value::String(_) => "a string",
+            serde_json::Value::Array(_) => "a list",
+        };
+        Err(Error::State(format!(
+            "not a DatasetRT iterator state: a state is a JSON object (a dict), this is {kind}; \
+             pass the dict that state_dict() returned"
+        )))
+    }
+}
+
+/// The last epoch. `u64::MAX` is never an epoch: a state naming it is refused, and the epoch
+/// after `LAST_EPOCH` is an error rather than a wrap to epoch 0 (which would replay epoch 0's
+/// order under the name of a new epoch).
+pub const LAST_EPOCH: u64 = u64::MAX - 1;
+
+/// The epoch after `epoch`: the one place where an epoch advances.
+pub fn next_epoch(epoch: u64) -> Result<u64> {
+    if epoch >= LAST_EPOCH {
+        return Err(Error::State(format!(
+            "epoch {epoch} is the last epoch there is (2**64 - 2), no epoch follows it: call \
+             set_epoch to choose the epoch of the next pass"
+        )));
+    }
+    Ok(epoch + 1)
+}
+
+/// Where a pass of `epoch` leaves the iterator, as (epoch, global position): the position it
+/// reached, or the start of the next epoch once it `finished` (every sample of this rank was
+/// received).
+pub fn resume_point(epoch: u64, position: u64, finished: bool) -> Result<(u64, u64)> {
+    if finished {
+        Ok((next_epoch(epoch)?, 0))
+    } else {
+        Ok((epoch, position))
     }
 }
 
@@ -272,6 +318,30 @@ impl Dataset {
             return Err(Error::State(format!(
                 "state format version {} is not {STATE_VERSION}",
                 state.format_version
+            )));
+        }
+        if state.world_size == 0 {
+            return Err(Error::State(
+                "world_size 0 is not a world size (a state is taken by one of at least 1 \
+                 ranks): the state is damaged or was not made by state_dict(); load the dict \
+                 that state_dict() returned"
+                    .into(),
+            ));
+        }
+        if state.rank >= state.world_size {
+            return Err(Error::State(format!(
+                "rank {} is not below world_size {}: no rank of that world took this state; it \
+                 is damaged or was not made by state_dict(); load the dict that state_dict() \
+                 returned",
+                state.rank, state.world_size
+            )));
+        }
+        if state.epoch > LAST_EPOCH {
+            return Err(Error::State(format!(
+                "epoch {} is not an epoch (the last one is 2**64 - 2 = {LAST_EPOCH}): the state \
+                 is damaged or was not made by state_dict(); load the dict that state_dict() \
+                 returned, or call set_epoch instead",
+                state.epoch
             )));
         }
         if state.fingerprint != self.fingerprint {

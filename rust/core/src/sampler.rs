@@ -13,8 +13,9 @@ use rand_core::{RngCore, SeedableRng};
 
 use crate::error::{Error, Result};
 
-/// Version of the order algorithm; bump whenever any output changes.
-pub const SAMPLER_VERSION: u32 = 1;
+/// Version of the order and rank-split algorithms; bump whenever any output changes.
+/// 2: padding slots of a resumed pass wrap to the epoch's start, as in the uninterrupted pass.
+pub const SAMPLER_VERSION: u32 = 2;
 
 /// Largest epoch length (positions per epoch, before the rank split) a reader accepts: 2^40.
 /// The order costs 8 bytes per position, so even this bound is far beyond any machine's memory;
@@ -263,7 +264,8 @@ pub fn epoch_counts(params: EpochParams, weights: Weights<'_>) -> Vec<u64> {
 /// What ranks do with a remainder that does not divide by the world size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RankPolicy {
-    /// Every rank yields ceil(R/W); the short ranks repeat positions from the remainder's start.
+    /// Every rank yields ceil(R/W); the short ranks' padding slots wrap around to the epoch's
+    /// first positions (see [`RankSplit::global_position`]).
     Pad,
     /// Every rank yields floor(R/W); the last R mod W positions are not yielded.
     Drop,
@@ -300,7 +302,12 @@ impl RankSplit {
     }
 
     /// Global position (index into the epoch order) of this rank's k-th sample
-    /// (k < rank_len). q = rank + k*W; if q < R: start + q, else (padding) start + (q mod R).
+    /// (k < rank_len). q = rank + k*W; if q < R: start + q, else (padding) (start + q) mod L.
+    ///
+    /// Padding wraps around the epoch rather than the remainder, so it depends only on the
+    /// slot's place in the epoch, start + q. A pass resumed at a checkpoint of the same world
+    /// size (start moved on by a multiple of W) therefore gives every rank exactly the slots,
+    /// padding included, that the uninterrupted pass would have given it.
     pub fn global_position(&self, epoch_len: u64, start: u64, k: u64) -> u64 {
         debug_assert!(k < self.rank_len(epoch_len, start), "k must be < rank_len");
         let r = u128::from(self.remainder(epoch_len, start));
@@ -308,10 +315,14 @@ impl RankSplit {
             // No valid k exists; answer something in range rather than divide by zero.
             return start;
         }
-        // u128: rank + k*W cannot overflow.
+        // u128: rank + k*W and start + q cannot overflow. R > 0 implies L > 0.
         let q = u128::from(self.rank) + u128::from(k) * u128::from(self.world_size);
-        let off = if q < r { q } else { q % r };
-        start + off as u64
+        let slot = u128::from(start) + q;
+        if q < r {
+            slot as u64
+        } else {
+            (slot % u128::from(epoch_len)) as u64
+        }
     }
 
     /// Global position reached once every rank has yielded k samples: start + min(k*W, R).
@@ -510,6 +521,28 @@ mod tests {
         assert_eq!(resumed, [[4, 7], [5, 8], [6, 9]]);
     }
 
+    #[test]
+    fn padded_resume_on_the_same_world_size_keeps_the_pads() {
+        // L = 11, W = 2, Pad: rank 1's last slot is a pad. Checkpoint after 2 samples per rank
+        // (position 4) and resume on 2 ranks: rank 1 must still pad with position 0.
+        let split = |rank| RankSplit {
+            rank,
+            world_size: 2,
+            policy: RankPolicy::Pad,
+        };
+        let positions = |rank, start| -> Vec<u64> {
+            let s = split(rank);
+            (0..s.rank_len(11, start))
+                .map(|k| s.global_position(11, start, k))
+                .collect()
+        };
+        assert_eq!(positions(1, 0), [1, 3, 5, 7, 9, 0]);
+        let p = split(0).global_progress(11, 0, 2);
+        assert_eq!(p, 4);
+        assert_eq!(positions(0, p), [4, 6, 8, 10]);
+        assert_eq!(positions(1, p), [5, 7, 9, 0]);
+    }
+
     const GOLDEN_U10_E0: [u64; 10] = [8, 9, 5, 2, 0, 4, 1, 7, 3, 6];
     const GOLDEN_U10_E1: [u64; 10] = [9, 6, 1, 2, 0, 5, 7, 4, 8, 3];
     const GOLDEN_W_COUNTS: [u64; 4] = [1, 2, 3, 4];
@@ -539,10 +572,10 @@ mod tests {
             3,
             3,
             RankPolicy::Pad,
-            &[&[3, 6, 9], &[4, 7, 3], &[5, 8, 4]],
+            &[&[3, 6, 9], &[4, 7, 0], &[5, 8, 1]],
         ),
         (10, 3, 3, RankPolicy::Drop, &[&[3, 6], &[4, 7], &[5, 8]]),
-        (10, 8, 4, RankPolicy::Pad, &[&[8], &[9], &[8], &[9]]),
+        (10, 8, 4, RankPolicy::Pad, &[&[8], &[9], &[0], &[1]]),
         (10, 8, 4, RankPolicy::Drop, &[&[], &[], &[], &[]]),
     ];
 
@@ -825,13 +858,17 @@ mod tests {
             let ranks = all_positions(l, start, w, RankPolicy::Pad);
             let len = r.div_ceil(w);
             prop_assert!(ranks.iter().all(|v| v.len() as u64 == len));
-            // Non-padding slots (q < R) are exactly [start, L) once each; padding stays inside it.
+            // Non-padding slots (q < R) are exactly [start, L) once each; padding slots wrap
+            // around the epoch: slot start + q is position (start + q) mod L.
             let mut real = Vec::new();
             for (rank, v) in ranks.iter().enumerate() {
                 for (k, &pos) in v.iter().enumerate() {
-                    prop_assert!(pos >= start && pos < l);
-                    if rank as u64 + k as u64 * w < r {
+                    let q = rank as u64 + k as u64 * w;
+                    if q < r {
+                        prop_assert!(pos >= start && pos < l);
                         real.push(pos);
+                    } else {
+                        prop_assert_eq!(pos, (start + q) % l);
                     }
                 }
             }
@@ -854,6 +891,38 @@ mod tests {
         }
 
         #[test]
+        fn same_world_resume_continues_every_rank_exactly(
+            l in 0u64..300,
+            origin_frac in 0.0f64..=1.0,
+            w in 1u64..16,
+            pad: bool,
+            cuts in prop::collection::vec(0.0f64..=1.0, 1..4),
+        ) {
+            // A pass from `origin` (0, or a checkpoint of another world size) is checkpointed
+            // and resumed on the same world size, possibly several times: every rank's
+            // concatenated positions, padding included, equal the uninterrupted pass's.
+            let origin = ((l as f64) * origin_frac) as u64;
+            let policy = if pad { RankPolicy::Pad } else { RankPolicy::Drop };
+            let full = all_positions(l, origin, w, policy);
+            let len = full[0].len() as u64;
+            let mut got: Vec<Vec<u64>> = vec![Vec::new(); w as usize];
+            let mut start = origin;
+            for cut in cuts {
+                let left = RankSplit { rank: 0, world_size: w, policy }.rank_len(l, start);
+                let k = ((left as f64) * cut) as u64;
+                for (rank, v) in all_positions(l, start, w, policy).into_iter().enumerate() {
+                    got[rank].extend(&v[..k as usize]);
+                }
+                start = RankSplit { rank: 0, world_size: w, policy }.global_progress(l, start, k);
+            }
+            for (rank, v) in all_positions(l, start, w, policy).into_iter().enumerate() {
+                got[rank].extend(v);
+            }
+            prop_assert!(got.iter().all(|v| v.len() as u64 == len));
+            prop_assert_eq!(got, full);
+        }
+
+        #[test]
         fn progress_marks_consumed_prefix(
             l in 0u64..300,
             start_frac in 0.0f64..=1.0,
@@ -869,9 +938,20 @@ mod tests {
             for k in 0..=len {
                 let s = RankSplit { rank: 0, world_size: w, policy };
                 let p = s.global_progress(l, start, k as u64);
-                let mut got: Vec<u64> = ranks.iter().flat_map(|v| v[..k].iter().copied()).collect();
+                // Real slots are q = rank + j*W < R; padding slots repeat earlier positions.
+                let r = l - start;
+                let mut got: Vec<u64> = ranks
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(rank, v)| {
+                        v[..k]
+                            .iter()
+                            .enumerate()
+                            .filter(move |&(j, _)| rank as u64 + j as u64 * w < r)
+                            .map(|(_, &pos)| pos)
+                    })
+                    .collect();
                 got.sort_unstable();
-                got.dedup();
                 prop_assert_eq!(got, (start..p).collect::<Vec<_>>());
             }
         }

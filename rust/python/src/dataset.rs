@@ -131,6 +131,8 @@ struct Resume {
 }
 
 struct EpochControl {
+    /// The epoch of the next pass while no pass was started since `set_epoch` (or creation);
+    /// after a pass, the next one reads the epoch after it.
     next_epoch: u64,
     resume: Option<Resume>,
     current: Option<Arc<Progress>>,
@@ -184,27 +186,32 @@ impl Dataset {
         })
     }
 
-    fn current_state(&self) -> State {
+    fn current_state(&self) -> dataset_rt_core::Result<State> {
         let control = self.control.lock().unwrap();
         let weights = self.weights.lock().unwrap();
         // A position inside a pass belongs to that pass's order, and so to its weights; the
         // start of a pass not begun yet reads under the weights in force.
         let (epoch, position, weights_fingerprint) = match (&control.resume, &control.current) {
             (Some(r), _) => (r.epoch, r.position, r.weights_fingerprint.as_str()),
-            (None, Some(p)) if p.finished.load(Ordering::Acquire) => (
-                p.epoch.load(Ordering::Acquire) + 1,
-                0,
-                weights.fingerprint.as_str(),
-            ),
-            (None, Some(p)) => (
-                p.epoch.load(Ordering::Acquire),
-                p.position.load(Ordering::Acquire),
-                p.weights_fingerprint.as_str(),
-            ),
+            (None, Some(p)) => {
+                let finished = p.finished.load(Ordering::Acquire);
+                let (epoch, position) = core::resume_point(
+                    p.epoch.load(Ordering::Acquire),
+                    p.position.load(Ordering::Acquire),
+                    finished,
+                )?;
+                let fingerprint = if finished {
+                    weights.fingerprint.as_str()
+                } else {
+                    p.weights_fingerprint.as_str()
+                };
+                (epoch, position, fingerprint)
+            }
             (None, None) => (control.next_epoch, 0, weights.fingerprint.as_str()),
         };
-        self.inner
-            .state_under(&self.opts, weights_fingerprint, epoch, position)
+        Ok(self
+            .inner
+            .state_under(&self.opts, weights_fingerprint, epoch, position))
     }
 }
 
@@ -257,8 +264,8 @@ impl Dataset {
         let weights = self.weights.lock().unwrap().clone();
         let (epoch, start, cached) = {
             let control = self.control.lock().unwrap();
-            let (epoch, start) = match &control.resume {
-                Some(r) if r.weights_fingerprint != weights.fingerprint => {
+            let (epoch, start) = match (&control.resume, &control.current) {
+                (Some(r), _) if r.weights_fingerprint != weights.fingerprint => {
                     return Err(crate::errors::StateError::new_err(format!(
                         "the loaded state (epoch {}, position {}) was taken under weight table \
                          {}, but set_samples_metadata has since put {} in force: apply the \
@@ -267,8 +274,12 @@ impl Dataset {
                         r.epoch, r.position, r.weights_fingerprint, weights.fingerprint
                     )));
                 }
-                Some(r) => (r.epoch, r.position),
-                None => (control.next_epoch, 0),
+                (Some(r), _) => (r.epoch, r.position),
+                (None, Some(p)) => (
+                    core::next_epoch(p.epoch.load(Ordering::Acquire)).py_err()?,
+                    0,
+                ),
+                (None, None) => (control.next_epoch, 0),
             };
             let cached = control
                 .order
@@ -311,7 +322,6 @@ impl Dataset {
         }
         let mut control = self.control.lock().unwrap();
         control.resume = None;
-        control.next_epoch = epoch + 1;
         control.order = Some((epoch, weights.fingerprint, order));
         control.current = Some(progress.clone());
         drop(control);
@@ -337,8 +347,8 @@ impl Dataset {
     }
 
     /// The iterator state as JSON text.
-    fn state_json(&self) -> String {
-        self.current_state().to_json()
+    fn state_json(&self) -> PyResult<String> {
+        Ok(self.current_state().py_err()?.to_json())
     }
 
     /// The samples-metadata table as an Arrow C stream capsule (`arrow_array_stream`): Polars

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use dataset_rt_core::dataset::State;
+use dataset_rt_core::dataset::{next_epoch, resume_point, State};
 use dataset_rt_core::metadata::MetaRef;
 use dataset_rt_shm::batch::{decode_metadata, max_sample_bytes, read_batch, slot_size_for};
 use dataset_rt_shm::layout::*;
@@ -106,6 +106,7 @@ struct Resume {
 
 /// A pass this plan started: its control segment holds the state.
 struct LivePass {
+    epoch: u64,
     ring: Arc<Ring>,
     weights_fingerprint: String,
 }
@@ -119,6 +120,8 @@ struct EndedPass {
 }
 
 struct PlanControl {
+    /// The epoch of the next pass while no pass was committed since `set_epoch` (or creation);
+    /// after a pass, the next one reads the epoch after it.
     next_epoch: u64,
     resume: Option<Resume>,
     current: Option<LivePass>,
@@ -129,11 +132,23 @@ struct PlanControl {
 }
 
 impl PlanControl {
+    /// (epoch, global start position) of the next pass.
+    fn next_pass(&self) -> dataset_rt_core::Result<(u64, u64)> {
+        if let Some(r) = &self.resume {
+            return Ok((r.epoch, r.position));
+        }
+        match (&self.current, &self.last) {
+            (Some(live), _) => Ok((next_epoch(live.epoch)?, 0)),
+            (None, Some(ended)) => Ok((next_epoch(ended.epoch)?, 0)),
+            (None, None) => Ok((self.next_epoch, 0)),
+        }
+    }
+
     /// (epoch, position, weights fingerprint) the state reports; `None` for the fingerprint:
     /// the dataset's current weight table.
-    fn state(&self) -> (u64, u64, Option<String>) {
+    fn state(&self) -> dataset_rt_core::Result<(u64, u64, Option<String>)> {
         if let Some(r) = &self.resume {
-            return (r.epoch, r.position, Some(r.weights_fingerprint.clone()));
+            return Ok((r.epoch, r.position, Some(r.weights_fingerprint.clone())));
         }
         let (epoch, position, finished, fingerprint) = match (&self.current, &self.last) {
             (Some(live), _) => {
@@ -146,14 +161,10 @@ impl PlanControl {
                 ended.finished,
                 &ended.weights_fingerprint,
             ),
-            (None, None) => return (self.next_epoch, 0, None),
+            (None, None) => return Ok((self.next_epoch, 0, None)),
         };
-        let fingerprint = Some(fingerprint.clone());
-        if finished {
-            (epoch + 1, 0, fingerprint)
-        } else {
-            (epoch, position, fingerprint)
-        }
+        let (epoch, position) = resume_point(epoch, position, finished)?;
+        Ok((epoch, position, Some(fingerprint.clone())))
     }
 }
 
@@ -228,14 +239,14 @@ impl LoaderPlan {
 
     /// The dataset's state format at what the training loop received: read from the live
     /// pass's control segment, with the weight table that pass reads.
-    fn state_json(&self) -> String {
-        let (epoch, position, fingerprint) = self.control.lock().unwrap().state();
+    fn state_json(&self) -> PyResult<String> {
+        let (epoch, position, fingerprint) = self.control.lock().unwrap().state().py_err()?;
         let (inner, opts, weights) = self.dataset.get().reading();
         let mut state = inner.state(&opts, &weights, epoch, position);
         if let Some(fingerprint) = fingerprint {
             state.weights_fingerprint = fingerprint;
         }
-        state.to_json()
+        Ok(state.to_json())
     }
 
     /// Makes the next pass resume at the exact next sample of the state (any batch size,
@@ -271,10 +282,7 @@ impl LoaderPlan {
         let (inner, opts, weights) = self.dataset.get().reading();
         let (epoch, start, generation) = {
             let control = self.control.lock().unwrap();
-            let (epoch, start) = control
-                .resume
-                .as_ref()
-                .map_or((control.next_epoch, 0), |r| (r.epoch, r.position));
+            let (epoch, start) = control.next_pass().py_err()?;
             (epoch, start, control.generation)
         };
         let slot_size = match slot_size {
@@ -368,8 +376,8 @@ impl LoaderPlan {
             return Ok(());
         }
         control.resume = None;
-        control.next_epoch = owner.epoch + 1;
         control.current = Some(LivePass {
+            epoch: owner.epoch,
             ring: ring.ring.clone(),
             weights_fingerprint: owner.weights_fingerprint.clone(),
         });
