@@ -6,10 +6,11 @@ starts and watches processes and moves results.
 
 Lifetimes of the zero-copy views (``CachedSample.data``, a ``memoryview`` into a slot):
 
-- ``num_workers=0``: valid until the next batch is requested (or the loader is closed); after
-  that they are released and any use raises ``ValueError``. Copy (``bytes(view)``) what must
-  live longer. A view still exported then (``numpy.frombuffer`` of it alive) raises
-  ``LoaderError`` instead of letting the slot be reused under it.
+- ``num_workers=0``: valid until the next batch is requested (or the pass ends: the loader is
+  closed, or the loader and its iterator are both gone); after that they are released and any
+  use raises ``ValueError``. Copy (``bytes(view)``) what must live longer. A view still
+  exported then (``numpy.frombuffer`` of it alive) raises ``LoaderError`` instead of letting the
+  slot be reused under it.
 - ``num_workers>0``: valid inside ``transform`` / ``collate_fn``; the result is pickled (views
   become ``bytes``: one copy) before the slot is released.
 """
@@ -25,10 +26,8 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -203,7 +202,20 @@ class _LoaderIterator(Iterator[Any]):
     """One pass (one epoch) of a :class:`DataLoader`."""
 
     def __init__(self, loader: DataLoader) -> None:
-        self._loader = loader
+        # What the pass needs of its loader, copied: the iterator holds no reference to the
+        # loader, so neither keeps the other alive in a cycle. Whichever of the two goes last
+        # (`del loader` after `for batch in loader: break`, or `iter(DataLoader(...))` kept
+        # alone) ends the pass at once through reference counting, without the cycle collector.
+        self._plan = loader._plan
+        self._context = loader._context
+        self._num_workers = loader.num_workers
+        self._prefetch_factor = loader.prefetch_factor
+        self._slot_size_bytes = loader.slot_size_bytes
+        self._transform = loader.transform
+        self._collate_fn = loader.collate_fn
+        self._worker_init_fn = loader.worker_init_fn
+        self._timeout = loader.timeout
+        self._heartbeat_timeout = loader.heartbeat_timeout
         self._owner = os.getpid()
         self._closed = False
         self._next = 0
@@ -221,8 +233,6 @@ class _LoaderIterator(Iterator[Any]):
         self._total = 0
         self._slot_size = 0
         _native.reap_shm_leftovers()
-        # Named like the segments (owner pid first), so a dead owner's directory is reaped too.
-        self._dir = tempfile.mkdtemp(prefix=f"dataset-rt-{self._owner}-spec-", dir=SHM_DIR)
         try:
             self._start()
         except BaseException:
@@ -230,30 +240,28 @@ class _LoaderIterator(Iterator[Any]):
             raise
 
     def _start(self) -> None:
-        loader = self._loader
-        workers = loader.num_workers
-        num_slots = max(2, max(1, workers) * loader.prefetch_factor)
-        self._ring = ring = loader._plan.start_pass(
-            self._dir, num_slots, loader.slot_size_bytes, workers
-        )
+        workers = self._num_workers
+        num_slots = max(2, max(1, workers) * self._prefetch_factor)
+        # The segments and the producer's private directory, all locked by this process.
+        self._ring = ring = self._plan.start_pass(num_slots, self._slot_size_bytes, workers)
         self._total = ring.total_batches
         self._slot_size = ring.slot_size
         if workers == 0:
             self._fd = _open_ring(ring.ring_name)
         self._producer = subprocess.Popen(
-            _producer.command(self._owner, self._spec_path()), stdin=subprocess.DEVNULL
+            _producer.command(self._owner, ring.spec_path), stdin=subprocess.DEVNULL
         )
         for i in range(workers):
-            receiver, sender = loader._context.Pipe(duplex=False)
-            process = loader._context.Process(
+            receiver, sender = self._context.Pipe(duplex=False)
+            process = self._context.Process(
                 target=_consumer_main,
                 args=(
                     ring.ctl_name,
                     i,
                     self._owner,
-                    loader.transform,
-                    loader.collate_fn,
-                    loader.worker_init_fn,
+                    self._transform,
+                    self._collate_fn,
+                    self._worker_init_fn,
                     sender,
                 ),
                 name=f"dataset-rt-worker-{i}",
@@ -270,10 +278,7 @@ class _LoaderIterator(Iterator[Any]):
             self._conns.append(receiver)
             self._open.add(i)
         # Every process runs: only now does the pass use up a loaded state or the epoch.
-        loader._plan.commit_pass(ring)
-
-    def _spec_path(self) -> str:
-        return os.path.join(self._dir, "spec.json")
+        self._plan.commit_pass(ring)
 
     def __iter__(self) -> _LoaderIterator:
         return self
@@ -326,9 +331,9 @@ class _LoaderIterator(Iterator[Any]):
         ring = self._ring
         assert ring is not None and self._producer is not None
         if not self._unlinked and ring.all_attached():
+            # Every party has mapped the segments and the producer has read its spec: nothing
+            # of this loader stays in /dev/shm.
             ring.unlink()
-            # Every party has read the spec and weights: nothing of this loader stays on disk.
-            shutil.rmtree(self._dir, ignore_errors=True)
             self._unlinked = True
         ring.check_error(seq)
         code = self._producer.poll()
@@ -339,16 +344,16 @@ class _LoaderIterator(Iterator[Any]):
                 f"{_describe_exit(code)} before writing batch {seq}"
                 + (f"; its error: {ring.error_text()}" if ring.error_text() else "")
             )
-        for index, silent in ring.stalls(self._loader.heartbeat_timeout):
+        for index, silent in ring.stalls(self._heartbeat_timeout):
             self._check_stall(index, silent, seq)
-        timeout = self._loader.timeout
+        timeout = self._timeout
         if timeout > 0 and time.monotonic() - started > timeout:
             raise LoaderError(f"batch {seq} did not arrive within timeout={timeout} s")
 
     def _check_stall(self, index: int | None, silent: float, seq: int) -> None:
         """A party wrote no heartbeat for longer than ``heartbeat_timeout``: raises unless it
         already exited (the exit checks report a death in its own words)."""
-        bound = self._loader.heartbeat_timeout
+        bound = self._heartbeat_timeout
         if index is None:
             assert self._producer is not None
             if self._producer.poll() is not None:
@@ -396,7 +401,7 @@ class _LoaderIterator(Iterator[Any]):
         samples = [
             CachedSample(v, meta) for v, (_, _, meta) in zip(views.views, items, strict=True)
         ]
-        return _apply(samples, self._loader.transform, self._loader.collate_fn)
+        return _apply(samples, self._transform, self._collate_fn)
 
     def _release_held(self) -> None:
         if self._held is not None:
@@ -496,8 +501,7 @@ class _LoaderIterator(Iterator[Any]):
                 self._producer.wait()
         if ring is not None:
             ring.unlink()
-            self._loader._plan.end_pass(ring)
-        shutil.rmtree(self._dir, ignore_errors=True)
+            self._plan.end_pass(ring)
         self._buffer.clear()
         if self._fd is not None:
             os.close(self._fd)
@@ -635,7 +639,3 @@ class DataLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()

@@ -146,7 +146,6 @@ class LoaderPlan:
     def load_state_json(self, text: str) -> None: ...
     def start_pass(
         self,
-        private_dir: str | PathLike[str],
         num_slots: int,
         slot_size: int | None,
         num_consumers: int,
@@ -168,6 +167,8 @@ class RingHandle:
     def ctl_name(self) -> str: ...
     @property
     def ring_name(self) -> str: ...
+    @property
+    def spec_path(self) -> str: ...
     @property
     def ring_len(self) -> int: ...
     @property

@@ -1,4 +1,4 @@
-"""The loader's producer process: ``python -c LAUNCHER PACKAGE_ROOT OWNER_PID SPEC_PATH``
+"""The loader's producer process: ``python -I -S -c LAUNCHER PACKAGE_ROOT OWNER_PID SPEC_PATH``
 (:func:`command` builds it).
 
 Its loop is Rust (``_native.run_producer``) and runs without the GIL. It exits when its owner
@@ -13,29 +13,28 @@ import sys
 
 from dataset_rt import _native
 
-# Makes the producer import the same `dataset_rt` as the training process, found under
-# PACKAGE_ROOT (argv[1]), without shadowing anything: the working directory ('' under -c) is
-# dropped, and PACKAGE_ROOT goes first only when the default path does not already find that
-# very package. An installed package's root is site-packages, which must never move in front of
-# the standard library; a source checkout (or another copy found first) needs it.
-PATH_SETUP = """\
-import importlib.util, os, sys
-if sys.path and sys.path[0] == "":
-    del sys.path[0]
-_root = os.path.realpath(sys.argv[1])
-_found = importlib.util.find_spec("dataset_rt")
-_where = [os.path.realpath(p) for p in (_found.submodule_search_locations or [])] if _found else []
-if os.path.join(_root, "dataset_rt") not in _where:
-    sys.path.insert(0, _root)
-"""
+# The producer runs `python -I -S -c LAUNCHER`: isolated (no working directory, no PYTHONPATH or
+# other PYTHON* variables, no user site) and without `site` (no site-packages, no .pth files).
+# Its `sys.path` is the standard library alone until the launcher appends PACKAGE_ROOT, the
+# directory the training process imported `dataset_rt` from: the same package, found after the
+# standard library, and nothing else of that directory can shadow a standard module. The
+# launcher imports nothing before that (`sys` is built in).
+LAUNCHER = (
+    "import sys\n"
+    "sys.path.append(sys.argv[1])\n"
+    "from dataset_rt._producer import main\n"
+    "sys.exit(main(sys.argv[2:]))\n"
+)
 
-LAUNCHER = PATH_SETUP + "from dataset_rt._producer import main\nsys.exit(main(sys.argv[2:]))\n"
+
+def package_root() -> str:
+    """The directory the running `dataset_rt` was imported from."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def command(owner_pid: int, spec_path: str) -> list[str]:
     """The producer's command line: a fresh interpreter, whatever the multiprocessing context."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return [sys.executable, "-c", LAUNCHER, root, str(owner_pid), spec_path]
+    return [sys.executable, "-I", "-S", "-c", LAUNCHER, package_root(), str(owner_pid), spec_path]
 
 
 def main(argv: list[str]) -> int:

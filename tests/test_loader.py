@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 from loader_helpers import SEED, load, no_leaks, own_segments, payload  # noqa: F401
 
-import dataset_rt
-from dataset_rt import ConfigError, StateError, _producer
+from dataset_rt import ConfigError, StateError
 from dataset_rt._loader import DataLoader
-from dataset_rt._native import LoaderError, WorkerError, reap_shm_leftovers
+from dataset_rt._native import LoaderError, WorkerError
 
 N = 60
 
@@ -305,24 +304,6 @@ def test_bad_arguments(dataset):
         DataLoader(dataset, num_workers=-1)
     with pytest.raises(ConfigError):
         DataLoader(dataset, multiprocessing_context="forkserver")
-
-
-def test_leftovers_of_dead_owners_are_reaped_and_live_ones_kept():
-    dead = 2**22 + 12345  # above the default pid_max: no process has it
-    ours = f"/dev/shm/dataset-rt-{os.getpid()}-feedface-ctl"
-    theirs = f"/dev/shm/dataset-rt-{dead}-feedface-ctl"
-    for path in (ours, theirs):
-        with open(path, "wb") as f:
-            f.write(b"x")
-    try:
-        removed = reap_shm_leftovers()
-        assert os.path.basename(theirs) in removed
-        assert not os.path.exists(theirs)
-        assert os.path.exists(ours)
-    finally:
-        for path in (ours, theirs):
-            if os.path.exists(path):
-                os.unlink(path)
 
 
 def test_set_epoch_and_len(dataset):
@@ -628,40 +609,6 @@ def test_the_producer_imports_this_package_without_a_changed_path(dataset):
         next(it)
     ours = os.environ.get("PYTHONPATH")
     assert environ.get(b"PYTHONPATH") == (None if ours is None else ours.encode())
-
-
-@pytest.mark.parametrize("importable", [True, False])
-def test_the_producer_path_setup(tmp_path, importable):
-    """The producer finds the training process's `dataset_rt`, and puts the package root in
-    front of the path only when the default path would not find that very package."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(dataset_rt.__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    if importable:
-        env["PYTHONPATH"] = root
-    report = "import json, dataset_rt; print(json.dumps([dataset_rt.__file__, sys.path]))"
-    plain = subprocess.run(
-        [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    setup = subprocess.run(
-        [sys.executable, "-c", _producer.PATH_SETUP + report, root],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    found, path = json.loads(setup.stdout)
-    default = [p for p in json.loads(plain.stdout) if p != ""]
-    assert os.path.realpath(found) == os.path.realpath(dataset_rt.__file__)
-    if importable:
-        assert path == default
-    else:
-        assert path in (default, [root, *default])
 
 
 def test_linux_only(dataset, monkeypatch):

@@ -381,42 +381,6 @@ def test_existing_cache_loads_from_read_only_storage(runtime, tmp_path):
     assert sorted(p.name for p in base.iterdir()) == ["ro"]
 
 
-def test_loading_a_cache_reaps_leftovers_of_dead_writers_only(runtime, tmp_path):
-    """Without taking the lock (loading works on read-only storage): a live writer has a live
-    pid, so only directories of dead pids go."""
-    runtime.from_cache_sources(
-        make_source("kept", [(b"k", {})]), tmp_path, writer_config=WriterConfig(show_progress=False)
-    )
-    exited = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    dead = int(exited.stdout)
-
-    def leftover(name: str, pid: int, nanos: int) -> Path:
-        path = tmp_path / f".{name}.tmp-{pid}-{nanos}"
-        (path / "shards").mkdir(parents=True)
-        (path / "shards" / "000000.bin").write_bytes(b"half a shard")
-        return path
-
-    dead_dir = leftover("kept", dead, 1)
-    live_dirs = [leftover("kept", os.getpid(), 2), leftover("kept", 1, 3)]
-    other_name = leftover("kept2", dead, 4)
-
-    result = runtime.from_cache_sources(
-        make_source("kept", [(b"other", {})]),
-        tmp_path,
-        writer_config=WriterConfig(show_progress=False),
-    )
-
-    assert result.results == [CacheLoaded("kept", tmp_path / "kept", 1)]
-    assert not dead_dir.exists()
-    assert all(d.exists() for d in live_dirs)
-    assert other_name.exists()
-
-
 def test_a_cache_that_cannot_be_read_raises_its_os_error_instead_of_being_malformed(
     runtime, tmp_path
 ):

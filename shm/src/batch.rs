@@ -5,6 +5,7 @@ use std::borrow::Cow;
 
 use dataset_rt_core::cache::Cache;
 use dataset_rt_core::dataset::Dataset;
+use dataset_rt_core::format::FLAG_LZ4;
 use dataset_rt_core::metadata::{FieldType, MetaRef};
 
 use crate::layout::*;
@@ -56,7 +57,8 @@ pub fn write_batch(slot: &mut [u8], seq: u64, samples: &[SampleOut<'_>]) -> u64 
         let e = B_HEADER_LEN + B_ENTRY_LEN * i as u64;
         put(slot, e, &s.global.to_le_bytes());
         put(slot, e + 8, &s.cache.to_le_bytes());
-        put(slot, e + 12, &(s.meta.len() as u32).to_le_bytes());
+        let meta_len = u32::try_from(s.meta.len()).expect("encode_metadata bounds it");
+        put(slot, e + 12, &meta_len.to_le_bytes());
         put(slot, e + 16, &s.row.to_le_bytes());
         put(slot, e + 24, &meta_at.to_le_bytes());
         put(slot, e + 32, &data_at.to_le_bytes());
@@ -125,13 +127,28 @@ pub fn read_batch(slot: &[u8], seq: u64) -> Result<Vec<Entry>> {
         .collect()
 }
 
-/// Encodes one row of metadata: u32 count, then per field u16 key length, key, u8 tag, value.
-pub fn encode_metadata<'a>(row: impl Iterator<Item = (&'a str, MetaRef<'a>)>) -> Vec<u8> {
+/// A length that the slot encoding stores as u32, or the error naming what is too long.
+fn len_u32(len: usize, what: impl FnOnce() -> String) -> Result<u32> {
+    u32::try_from(len).map_err(|_| {
+        ShmError::Protocol(format!(
+            "{} is {len} bytes: the loader carries at most {} bytes",
+            what(),
+            u32::MAX
+        ))
+    })
+}
+
+/// Encodes one row of metadata: u32 count, then per field u32 key length, key, u8 tag, value.
+/// Every length is checked, never truncated: what does not fit is an error.
+pub fn encode_metadata<'a>(row: impl Iterator<Item = (&'a str, MetaRef<'a>)>) -> Result<Vec<u8>> {
     let mut out = vec![0u8; 4];
     let mut count = 0u32;
     for (key, value) in row {
-        count += 1;
-        out.extend_from_slice(&(key.len() as u16).to_le_bytes());
+        count = count
+            .checked_add(1)
+            .ok_or_else(|| ShmError::Protocol("more than 2^32 metadata fields".into()))?;
+        let key_len = len_u32(key.len(), || "a metadata key".into())?;
+        out.extend_from_slice(&key_len.to_le_bytes());
         out.extend_from_slice(key.as_bytes());
         match value {
             MetaRef::Bool(b) => out.extend_from_slice(&[META_BOOL, u8::from(b)]),
@@ -145,13 +162,15 @@ pub fn encode_metadata<'a>(row: impl Iterator<Item = (&'a str, MetaRef<'a>)>) ->
             }
             MetaRef::Str(s) => {
                 out.push(META_STR);
-                out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+                let len = len_u32(s.len(), || format!("the value of metadata field {key:?}"))?;
+                out.extend_from_slice(&len.to_le_bytes());
                 out.extend_from_slice(s.as_bytes());
             }
         }
     }
     out[..4].copy_from_slice(&count.to_le_bytes());
-    out
+    len_u32(out.len(), || "one sample's metadata".into())?;
+    Ok(out)
 }
 
 /// Bytes [`encode_metadata`] writes for this row, without writing them.
@@ -163,15 +182,65 @@ pub fn metadata_len<'a>(row: impl Iterator<Item = (&'a str, MetaRef<'a>)>) -> u6
                 MetaRef::Int(_) | MetaRef::Float(_) => 8,
                 MetaRef::Str(s) => 4 + s.len() as u64,
             };
-            2 + key.len() as u64 + 1 + value_len
+            4 + key.len() as u64 + 1 + value_len
         })
         .sum::<u64>()
 }
 
+/// The most a record's LZ4 block can decode to: every stored byte yields at most 255 bytes
+/// (a match-length byte adds at most 255; literals decode one to one).
+const LZ4_MAX_RATIO: u64 = 255;
+
+/// The largest decompressed payload of `cache`, proved by reading it. Every index entry's
+/// `raw_len` is unverified until its record is read; the largest one decides the slot size, so
+/// that record is verified (checksum, header against the index) and decoded before anything is
+/// allocated from it, and its decoded length must be its `raw_len`. Every other sample's
+/// `raw_len` is no larger, so slots sized from this one hold any batch of verified samples,
+/// and a sample whose forged `raw_len` claims less than it holds is caught when the producer
+/// reads it. Decoding is bounded by LZ4's ratio over the record's real stored bytes (within
+/// its shard): a forged size cannot make this allocate more than those bytes can decode to.
+fn verified_max_payload(cache: &Cache) -> Result<u64> {
+    let Some(row) = (0..cache.len()).max_by_key(|&row| cache.entry(row).raw_len) else {
+        return Ok(0);
+    };
+    let (e, header, start) = cache.verify_record(row)?;
+    let raw_len = u64::from(e.raw_len);
+    let stored_len = u64::from(header.stored_len);
+    let corrupt = |reason: String| -> ShmError {
+        dataset_rt_core::Error::CorruptRecord {
+            cache: cache.name().to_owned(),
+            shard: cache.shard_path(e.shard),
+            offset: e.offset,
+            sample: row,
+            reason,
+        }
+        .into()
+    };
+    let plausible = if header.flags & FLAG_LZ4 == 0 {
+        raw_len == stored_len
+    } else {
+        raw_len <= stored_len.saturating_mul(LZ4_MAX_RATIO)
+    };
+    if !plausible {
+        return Err(corrupt(format!(
+            "the index claims {raw_len} decompressed bytes, which {stored_len} stored bytes \
+             cannot hold"
+        )));
+    }
+    let payload = cache.decode_payload(row, &e, &header, start)?;
+    if payload.len() as u64 != raw_len {
+        return Err(corrupt(format!(
+            "the payload decodes to {} bytes, the index says {raw_len}",
+            payload.len()
+        )));
+    }
+    Ok(raw_len)
+}
+
 /// The most bytes one sample of `cache` takes in a slot beyond the header: its offsets entry,
-/// its metadata, the payload's alignment padding and the decompressed payload. Read from the
-/// index (no record is touched); the metadata rows are walked only when a field is a string.
-fn max_sample_bytes_of(cache: &Cache) -> u64 {
+/// its metadata, the payload's alignment padding and the decompressed payload (verified: see
+/// [`verified_max_payload`]). The metadata rows are walked only when a field is a string.
+fn max_sample_bytes_of(cache: &Cache) -> Result<u64> {
     let fixed_metadata = cache
         .metadata
         .fields
@@ -185,21 +254,18 @@ fn max_sample_bytes_of(cache: &Cache) -> u64 {
             .max()
             .unwrap_or(0),
     };
-    let max_payload = (0..cache.len())
-        .map(|row| u64::from(cache.entry(row).raw_len))
-        .max()
-        .unwrap_or(0);
-    B_ENTRY_LEN + max_metadata + (PAYLOAD_ALIGN - 1) + max_payload
+    let max_payload = verified_max_payload(cache)?;
+    Ok(B_ENTRY_LEN + max_metadata + (PAYLOAD_ALIGN - 1) + max_payload)
 }
 
 /// The most bytes any one sample of `ds` takes in a slot beyond the header (see
-/// [`slot_size_for`]).
-pub fn max_sample_bytes(ds: &Dataset) -> u64 {
+/// [`slot_size_for`]); reads and verifies the largest record of each cache (a corrupt one is
+/// reported here, before a ring is sized from it).
+pub fn max_sample_bytes(ds: &Dataset) -> Result<u64> {
     ds.caches
         .iter()
         .map(|c| max_sample_bytes_of(c))
-        .max()
-        .unwrap_or(0)
+        .try_fold(0, |max, bytes| Ok(max.max(bytes?)))
 }
 
 /// A slot size that holds every batch of `batch_size` samples that take at most `max_sample`
@@ -223,7 +289,7 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<Vec<(&str, MetaRef<'_>)>> {
     let count = u32::from_le_bytes(take(4)?.try_into().unwrap());
     let mut out = Vec::with_capacity(count as usize);
     for _ in 0..count {
-        let klen = u16::from_le_bytes(take(2)?.try_into().unwrap()) as usize;
+        let klen = u32::from_le_bytes(take(4)?.try_into().unwrap()) as usize;
         let key = std::str::from_utf8(take(klen)?).map_err(|_| bad())?;
         let value = match take(1)?[0] {
             META_BOOL => MetaRef::Bool(take(1)?[0] != 0),
@@ -249,7 +315,7 @@ mod tests {
             global,
             cache: (global % 3) as u32,
             row: global / 3,
-            meta: encode_metadata(meta.iter().copied()),
+            meta: encode_metadata(meta.iter().copied()).unwrap(),
             data: Cow::Owned(data.to_vec()),
         }
     }
@@ -339,11 +405,28 @@ mod tests {
     #[test]
     fn truncated_metadata_is_refused() {
         let meta =
-            encode_metadata([("tag", MetaRef::Str("hello")), ("n", MetaRef::Int(3))].into_iter());
+            encode_metadata([("tag", MetaRef::Str("hello")), ("n", MetaRef::Int(3))].into_iter())
+                .unwrap();
         for cut in 0..meta.len() {
             assert!(decode_metadata(&meta[..cut]).is_err(), "cut at {cut}");
         }
         assert!(decode_metadata(&meta).is_ok());
+    }
+
+    #[test]
+    fn metadata_keys_longer_than_64_kib_round_trip() {
+        // 65,541 bytes: with a u16 length its low bits read as 5 ("abcde") and the rest of the
+        // key as the value; 70,000 bytes: garbage. Both must come back whole.
+        let keys = [
+            format!("abcde\u{1}{}", "A".repeat(65_535)),
+            "k".repeat(70_000),
+        ];
+        for key in &keys {
+            let row = [(key.as_str(), MetaRef::Int(7)), ("s", MetaRef::Str("v"))];
+            let meta = encode_metadata(row.iter().copied()).unwrap();
+            assert_eq!(meta.len() as u64, metadata_len(row.iter().copied()));
+            assert_eq!(decode_metadata(&meta).unwrap(), row.to_vec());
+        }
     }
 
     #[test]
@@ -359,7 +442,7 @@ mod tests {
         for row in rows {
             assert_eq!(
                 metadata_len(row.iter().copied()),
-                encode_metadata(row.iter().copied()).len() as u64
+                encode_metadata(row.iter().copied()).unwrap().len() as u64
             );
         }
     }

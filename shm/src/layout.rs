@@ -1,10 +1,10 @@
-//! Byte offsets of the control segment and of a ring slot (version 1). `shm/LAYOUT.md` is the
+//! Byte offsets of the control segment and of a ring slot (see `LAYOUT_VERSION`). `shm/LAYOUT.md` is the
 //! specification; this file must agree with it byte for byte. Every integer is little-endian
 //! (the only byte order DatasetRT builds for) and naturally aligned.
 
 pub const CTL_MAGIC: &[u8; 8] = b"DRTCTL\0\0";
 pub const SLOT_MAGIC: &[u8; 8] = b"DRTBATCH";
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
 /// Prefix of every segment name in /dev/shm: `dataset-rt-<owner pid>-<nonce>-{ctl,ring}`.
 pub const NAME_PREFIX: &str = "dataset-rt-";

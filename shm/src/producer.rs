@@ -157,7 +157,7 @@ fn fill(ring: &Arc<Ring>, spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Res
                     global,
                     cache: c as u32,
                     row,
-                    meta: encode_metadata(cache.metadata.row(row)),
+                    meta: encode_metadata(cache.metadata.row(row))?,
                     data: cache.payload(row)?,
                 })
             })

@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use dataset_rt_core::sampler::{RankPolicy, RankSplit};
 
+use dataset_rt_core::liveness::OwnerLock;
+
 use crate::futex;
 use crate::layout::*;
 use crate::segment::{self, Segment};
@@ -56,6 +58,8 @@ pub struct Ring {
     /// When this party mapped the segments (CLOCK_MONOTONIC ns): the owner counts a party that
     /// never wrote a heartbeat as silent since then.
     mapped_ns: u64,
+    /// The owner's lock on its private directory (the owner's ring only).
+    _private_dir: Option<OwnerLock>,
 }
 
 /// A party that writes heartbeats: the producer, or consumer `i`.
@@ -100,6 +104,35 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// The name of the private directory of the pass whose control segment is `ctl_name`.
+fn private_dir_name(ctl_name: &str) -> String {
+    format!("{}-spec", ctl_name.strip_suffix("-ctl").unwrap_or(ctl_name))
+}
+
+/// Creates a pass's two segments and the owner's private directory under a fresh stem, each
+/// locked by this process; on failure nothing of them is left.
+fn create_names(
+    owner_pid: u64,
+    geometry: Geometry,
+    ring_bytes: u64,
+) -> Result<(Segment, Segment, OwnerLock)> {
+    let stem = segment::new_stem(owner_pid);
+    let ctl_name = format!("{stem}-ctl");
+    let ring_name = format!("{stem}-ring");
+    let ctl = Segment::create(
+        &ctl_name,
+        ctl_len(geometry.num_slots, geometry.max_consumers),
+    )?;
+    let ring = Segment::create(&ring_name, ring_bytes).inspect_err(|_| {
+        segment::unlink(&ctl_name);
+    })?;
+    let dir = segment::create_private_dir(&private_dir_name(&ctl_name)).inspect_err(|_| {
+        segment::unlink(&ctl_name);
+        segment::unlink(&ring_name);
+    })?;
+    Ok((ctl, ring, dir))
+}
+
 fn parent_pid() -> u64 {
     // SAFETY: getppid cannot fail.
     unsafe { libc::getppid() as u64 }
@@ -124,18 +157,15 @@ impl Ring {
                 geometry.num_slots, geometry.slot_size
             )));
         };
-        let stem = segment::new_stem(owner_pid);
-        let ctl_name = format!("{stem}-ctl");
-        let ring_name = format!("{stem}-ring");
-        let ctl = Segment::create(
-            &ctl_name,
-            ctl_len(geometry.num_slots, geometry.max_consumers),
-        )?;
-        let ring = match Segment::create(&ring_name, ring_bytes) {
-            Ok(r) => r,
-            Err(e) => {
-                segment::unlink(&ctl_name);
-                return Err(e);
+        // A reaper that removes a fresh entry before it is locked costs a new name, not the pass.
+        let mut lost = 0;
+        let (ctl, ring, private_dir) = loop {
+            match create_names(owner_pid, geometry, ring_bytes) {
+                Err(ShmError::Io {
+                    op: segment::LOST_TO_REAPER,
+                    ..
+                }) if lost < 2 => lost += 1,
+                created => break created?,
             }
         };
         let r = Ring {
@@ -144,6 +174,7 @@ impl Ring {
             geometry,
             owner_pid,
             mapped_ns: monotonic_ns(),
+            _private_dir: Some(private_dir),
         };
         // The segment is fresh (all zero, every slot FREE for batch 0); nobody else has it yet.
         r.a32(C_VERSION).store(LAYOUT_VERSION, Ordering::Relaxed);
@@ -216,6 +247,7 @@ impl Ring {
             },
             owner_pid,
             mapped_ns: monotonic_ns(),
+            _private_dir: None,
         };
         let version = probe.a32(C_VERSION).load(Ordering::Relaxed);
         if version != LAYOUT_VERSION {
@@ -352,10 +384,16 @@ impl Ring {
         }
     }
 
-    /// Removes both names from /dev/shm (the mappings stay valid).
+    /// The owner's private directory for the producer's parameters, `<stem>-spec`.
+    pub fn private_dir(&self) -> std::path::PathBuf {
+        segment::path_of(&private_dir_name(&self.ctl.name))
+    }
+
+    /// Removes both names and the private directory from /dev/shm (the mappings stay valid).
     pub fn unlink(&self) {
         segment::unlink(&self.ctl.name);
         segment::unlink(&self.ring.name);
+        segment::unlink(&private_dir_name(&self.ctl.name));
     }
 
     fn wake_everyone(&self) {

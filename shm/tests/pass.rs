@@ -184,7 +184,7 @@ fn run_pass(s: &Setup, ring: &Ring) -> (dataset_rt_shm::Result<()>, Received, Op
 #[test]
 fn a_pass_delivers_the_epoch_order_with_every_byte() {
     let s = setup();
-    let slot_size = slot_size_for(max_sample_bytes(&s.ds), BATCH);
+    let slot_size = slot_size_for(max_sample_bytes(&s.ds).unwrap(), BATCH);
     let ring = create_ring(&s, slot_size);
     let names = [ring.ctl_name().to_owned(), ring.ring_name().to_owned()];
     let (produced, got, error) = run_pass(&s, &ring);
@@ -204,7 +204,7 @@ fn a_pass_delivers_the_epoch_order_with_every_byte() {
         let source = &s.ds.caches[c];
         assert_eq!(data, &payload(c, r), "payload of sample {global}");
         assert_eq!(data[..], source.payload(r).unwrap()[..]);
-        assert_eq!(meta, &encode_metadata(source.metadata.row(r)));
+        assert_eq!(meta, &encode_metadata(source.metadata.row(r)).unwrap());
     }
     assert!(s.ds.caches[1].entry(6).stored_len < s.ds.caches[1].entry(6).raw_len);
     assert_eq!(ring.progress(), (EPOCH, 17, true));

@@ -6,6 +6,7 @@ pub mod dataset;
 pub mod error;
 pub mod format;
 mod hashed_file;
+pub mod liveness;
 pub mod metadata;
 pub mod pool;
 pub mod progress;

@@ -21,6 +21,7 @@ use crate::cache::{Cache, Validation};
 use crate::error::{Error, IoContext, Result};
 use crate::format::*;
 use crate::hashed_file::{create_file, finish_file, make_read_only, HashingWriter};
+use crate::liveness;
 use crate::metadata::{
     record_metadata_json, Field, FieldType, MetaValue, MetadataWriter, SAMPLE_ID,
 };
@@ -247,7 +248,7 @@ impl CacheLock {
     /// that none of them is alive. Best effort, like [`reap_dead_leftovers`]: garbage that
     /// cannot be listed or removed never fails a write.
     pub fn remove_leftovers(&self) -> usize {
-        remove_leftovers_where(&self.base, &self.name, |_| true)
+        remove_leftovers_where(&self.base, &self.name)
     }
 }
 
@@ -266,43 +267,38 @@ fn leftover_pid(file_name: &str, name: &str) -> Option<i32> {
     pid.parse().ok()
 }
 
-/// Whether a process with this pid exists (on this machine). `kill(pid, 0)` delivers nothing;
-/// only ESRCH proves the process gone (EPERM means it exists under another user).
-fn pid_alive(pid: i32) -> bool {
-    if pid <= 0 {
-        return true; // not a single process: never judged dead
-    }
-    // SAFETY: signal 0 only checks that the process exists.
-    let rc = unsafe { libc::kill(pid, 0) };
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
-}
-
-/// Removes the leftovers of `name` in `base` whose writer pid satisfies `remove`; returns how
+/// Removes the leftovers of `name` in `base` (the caller proved their writers gone); returns how
 /// many went. Errors (unreadable base, read-only storage, another process removing the same
 /// directory first) are ignored: removing garbage is never worth failing the caller.
-fn remove_leftovers_where(base: &Path, name: &str, remove: impl Fn(i32) -> bool) -> usize {
+fn remove_leftovers_where(base: &Path, name: &str) -> usize {
     let Ok(entries) = fs::read_dir(base) else {
         return 0;
     };
     let mut removed = 0;
     for entry in entries.flatten() {
         let file_name = entry.file_name();
-        let Some(pid) = leftover_pid(&file_name.to_string_lossy(), name) else {
+        if leftover_pid(&file_name.to_string_lossy(), name).is_none() {
             continue;
-        };
-        if remove(pid) && fs::remove_dir_all(entry.path()).is_ok() {
+        }
+        if fs::remove_dir_all(entry.path()).is_ok() {
             removed += 1;
         }
     }
     removed
 }
 
-/// Removes the temporary directories of writers of `name` under `base` whose process is gone,
-/// without taking the lock (loading works on read-only storage). A live writer holds the lock
-/// and has a live pid, so its directory is never touched; our own pid is alive, so neither is
-/// a writer in this process.
+/// Removes the temporary directories of writers of `name` under `base` once no writer of it is
+/// alive, without taking the lock the blocking way and without creating the lock file (loading
+/// works on read-only storage). Every writer holds `.NAME.lock` from before it creates its
+/// directory until after it is gone, so a lock that can be taken at once proves every such
+/// directory a leftover, whatever its pid says (reused, or from another PID namespace); a held,
+/// missing or unopenable lock file removes nothing.
 pub fn reap_dead_leftovers(base: &Path, name: &str) -> usize {
-    remove_leftovers_where(base, name, |pid| !pid_alive(pid))
+    match liveness::probe(&base.join(format!(".{name}.lock"))) {
+        // Held until the removal is done: no writer starts meanwhile.
+        liveness::Owner::Gone(_held) => remove_leftovers_where(base, name),
+        liveness::Owner::Alive | liveness::Owner::Unknown(_) => 0,
+    }
 }
 
 impl Drop for CacheLock {

@@ -122,23 +122,34 @@ fn leftover(base: &Path, name: &str, pid: u32, nanos: u64) -> PathBuf {
 }
 
 #[test]
-fn reaping_removes_leftovers_of_dead_writers_of_that_name_only() {
+fn reaping_waits_for_the_lock_of_the_name_whatever_the_pids_say() {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path();
     let dead = dead_pid();
-    let dead_dir = leftover(base, "c", dead, 1);
-    let ours = leftover(base, "c", std::process::id(), 2); // a live writer in this process
-    let init = leftover(base, "c", 1, 3); // a live process of another user, maybe
+    // A live writer of "c" holds its lock; its directory's pid looks dead (reused, or another
+    // PID namespace), and so may an older one's. Nothing of "c" may go while the lock is held.
+    let writer = CacheLock::acquire(base, "c").unwrap();
+    let live = leftover(base, "c", dead, 1);
+    let foreign = leftover(base, "c", 1, 2);
+    assert_eq!(reap_dead_leftovers(base, "c"), 0);
+    assert!(live.exists() && foreign.exists());
+    drop(writer);
+
+    // Nobody holds the lock: every directory of "c" is a leftover, whatever its pid (this
+    // process's included); other names, and names that only look alike, stay.
+    let ours = leftover(base, "c", std::process::id(), 3);
     let other_name = leftover(base, "c2", dead, 4);
     let not_a_leftover = base.join(format!(".c.tmp-{dead}-x"));
     std::fs::create_dir(&not_a_leftover).unwrap();
-
-    assert_eq!(reap_dead_leftovers(base, "c"), 1);
-
-    assert!(!dead_dir.exists());
-    for kept in [&ours, &init, &other_name, &not_a_leftover] {
-        assert!(kept.exists(), "{}", kept.display());
+    assert_eq!(reap_dead_leftovers(base, "c"), 3);
+    for gone in [&live, &foreign, &ours] {
+        assert!(!gone.exists(), "{}", gone.display());
     }
+    assert!(not_a_leftover.exists() && other_name.exists());
+    // "c2" has no lock file: whether a writer of it lives is unknown, so nothing goes (the next
+    // writer of "c2" removes its leftovers under the lock).
+    assert_eq!(reap_dead_leftovers(base, "c2"), 0);
+    assert!(other_name.exists());
     // Nothing to list is nothing to reap, not an error.
     assert_eq!(reap_dead_leftovers(&base.join("absent"), "c"), 0);
 }

@@ -70,10 +70,13 @@ fn producer_error(kind: u32, batch: u64, text: &str) -> PyErr {
 fn shm_err(err: ShmError) -> PyErr {
     let msg = err.to_string();
     match err {
-        ShmError::Io { source, .. } => match source.kind() {
-            std::io::ErrorKind::NotFound => PyFileNotFoundError::new_err(msg),
-            std::io::ErrorKind::PermissionDenied => PyPermissionError::new_err(msg),
-            _ => PyOSError::new_err(msg),
+        ShmError::Io { source, .. } => match (source.raw_os_error(), source.kind()) {
+            // `OSError(errno, message)` becomes the matching subclass (FileNotFoundError,
+            // PermissionError ...) and keeps `errno` (ENOSPC for a full /dev/shm).
+            (Some(errno), _) => PyOSError::new_err((errno, msg)),
+            (None, std::io::ErrorKind::NotFound) => PyFileNotFoundError::new_err(msg),
+            (None, std::io::ErrorKind::PermissionDenied) => PyPermissionError::new_err(msg),
+            (None, _) => PyOSError::new_err(msg),
         },
         ShmError::Core(e) => errors::to_py(e),
         ShmError::Stopped | ShmError::OwnerGone(_) => RingClosed::new_err(msg),
@@ -178,8 +181,8 @@ pub struct LoaderPlan {
     batch_size: u64,
     drop_last: bool,
     control: Mutex<PlanControl>,
-    /// The most bytes one sample takes in a slot (from the caches' index entries), computed on
-    /// the first pass that sizes its slots from the data.
+    /// The most bytes one sample takes in a slot (the largest record of each cache, verified),
+    /// computed on the first pass that sizes its slots from the data.
     max_sample_bytes: OnceLock<u64>,
 }
 
@@ -266,15 +269,15 @@ impl LoaderPlan {
         Ok(())
     }
 
-    /// Creates the segments of the next pass and writes the producer's spec (and weights) into
-    /// `private_dir`; returns the owner's handle. `slot_size=None` sizes slots from the data:
+    /// Creates the segments and the private directory of the next pass (each locked by this
+    /// process, see `dataset_rt_core::liveness`) and writes the producer's spec (and weights)
+    /// into that directory; returns the owner's handle. `slot_size=None` sizes slots from the data:
     /// a batch of the largest samples fits. Nothing of the plan changes until `commit_pass`:
     /// a start that fails on the way consumes no loaded state and advances no epoch.
-    #[pyo3(signature = (private_dir, num_slots, slot_size, num_consumers))]
+    #[pyo3(signature = (num_slots, slot_size, num_consumers))]
     fn start_pass(
         &self,
         py: Python<'_>,
-        private_dir: PathBuf,
         num_slots: u32,
         slot_size: Option<u64>,
         num_consumers: u32,
@@ -288,11 +291,14 @@ impl LoaderPlan {
         let slot_size = match slot_size {
             Some(bytes) => align(bytes.max(1), PAGE),
             None => {
-                let max_sample = py.detach(|| {
-                    *self
-                        .max_sample_bytes
-                        .get_or_init(|| max_sample_bytes(&inner))
-                });
+                let max_sample = match self.max_sample_bytes.get() {
+                    Some(&bytes) => bytes,
+                    None => {
+                        // A corrupt largest record raises here, before any ring is sized.
+                        let bytes = py.detach(|| max_sample_bytes(&inner)).py_shm()?;
+                        *self.max_sample_bytes.get_or_init(|| bytes)
+                    }
+                };
                 slot_size_for(max_sample, self.batch_size)
             }
         };
@@ -319,6 +325,7 @@ impl LoaderPlan {
             py.detach(|| Ring::create(own_pid(), geometry, pass))
                 .py_shm()?,
         );
+        let private_dir = ring.private_dir();
         let written = py.detach(|| -> dataset_rt_shm::Result<()> {
             let weights_file = match &weights.weights {
                 Some(w) => {
@@ -489,6 +496,13 @@ impl RingHandle {
     #[getter]
     fn ring_name(&self) -> String {
         self.ring.ring_name().to_owned()
+    }
+
+    /// The producer's spec file in the owner's private directory.
+    #[getter]
+    fn spec_path(&self) -> String {
+        let path = self.ring.private_dir().join("spec.json");
+        path.to_string_lossy().into_owned() // an ASCII name under /dev/shm
     }
 
     #[getter]
