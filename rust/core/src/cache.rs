@@ -10,6 +10,10 @@ use crate::error::{Error, IoContext, Result};
 use crate::format::*;
 use crate::metadata::MetadataTable;
 
+/// No LZ4 block decodes to more than this many bytes per input byte (a match-length byte adds at
+/// most 255 bytes of output), so `raw_len` is bounded before anything is allocated for it.
+pub const LZ4_MAX_EXPANSION: u64 = 255;
+
 /// A published cache, opened and validated.
 pub struct Cache {
     pub dir: PathBuf,
@@ -342,6 +346,32 @@ impl Cache {
                 e.offset,
                 sample,
                 format!("unknown flags {:#x}", h.flags),
+            ));
+        }
+        // Before any byte is hashed or any buffer allocated: a raw payload is `raw_len` bytes
+        // as stored, and no LZ4 block decodes to more than 255 bytes per stored byte.
+        let lz4 = h.flags & FLAG_LZ4 != 0;
+        if !lz4 && h.raw_len != h.stored_len {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!(
+                    "payload stored raw, but stored_len {} and raw_len {} differ",
+                    h.stored_len, h.raw_len
+                ),
+            ));
+        }
+        if lz4 && u64::from(h.raw_len) > LZ4_MAX_EXPANSION * u64::from(h.stored_len) {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!(
+                    "LZ4 payload of {} bytes cannot decode to raw_len {} (at most \
+                     {LZ4_MAX_EXPANSION} bytes per stored byte)",
+                    h.stored_len, h.raw_len
+                ),
             ));
         }
         let payload_start = start as u64 + h.payload_offset();
