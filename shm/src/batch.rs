@@ -221,7 +221,9 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<Vec<(&str, MetaRef<'_>)>> {
         Ok(s)
     };
     let count = u32::from_le_bytes(take(4)?.try_into().unwrap());
-    let mut out = Vec::with_capacity(count as usize);
+    // The count is read from the slot: every field takes at least 4 more bytes, so no more can
+    // be there (a forged count must not reserve memory).
+    let mut out = Vec::with_capacity((count as usize).min(bytes.len() / 4));
     for _ in 0..count {
         let klen = u16::from_le_bytes(take(2)?.try_into().unwrap()) as usize;
         let key = std::str::from_utf8(take(klen)?).map_err(|_| bad())?;
