@@ -16,7 +16,7 @@ BUILD_EXTENSION := MATURIN_PEP517_ARGS="--profile $(CARGO_PROFILE)" \
 # Extra flags for `make release`, e.g. RELEASE_ARGS="--zig --target aarch64-unknown-linux-gnu".
 RELEASE_ARGS ?=
 
-.PHONY: install build release build-all lint test ci demo bench clean
+.PHONY: install build release build-all lint test ci demo bench clean fuzz fuzz-ci fuzz-install
 
 ## install: toolchain prerequisites, Python deps (runtime, test, dev; torch once), then the build
 install:
@@ -60,6 +60,19 @@ ci:
 	$(MAKE) install
 	$(MAKE) lint
 	$(MAKE) test
+
+## fuzz-install: cargo-fuzz (libFuzzer) from crates.io, when missing
+fuzz-install:
+	cargo fuzz --version >/dev/null 2>&1 || cargo install --locked cargo-fuzz
+
+## fuzz: every fuzz target for FUZZ_SECONDS each (default 600; docs/fuzzing.md)
+FUZZ_SECONDS ?= 600
+fuzz: fuzz-install
+	FUZZ_SECONDS=$(FUZZ_SECONDS) ./fuzz/run.sh
+
+## fuzz-ci: the bounded run: every fuzz target for 25 s, failing on any crash
+fuzz-ci: fuzz-install
+	FUZZ_SECONDS=25 ./fuzz/run.sh
 
 ## demo: write the embedded synthetic dataset to ./demo-cache, read it back shuffled, summarise
 demo:

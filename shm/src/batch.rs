@@ -3,7 +3,7 @@
 
 use std::borrow::Cow;
 
-use dataset_rt_core::cache::Cache;
+use dataset_rt_core::cache::{Cache, LZ4_MAX_RATIO};
 use dataset_rt_core::dataset::Dataset;
 use dataset_rt_core::format::FLAG_LZ4;
 use dataset_rt_core::metadata::{FieldType, MetaRef};
@@ -187,10 +187,6 @@ pub fn metadata_len<'a>(row: impl Iterator<Item = (&'a str, MetaRef<'a>)>) -> u6
         .sum::<u64>()
 }
 
-/// The most a record's LZ4 block can decode to: every stored byte yields at most 255 bytes
-/// (a match-length byte adds at most 255; literals decode one to one).
-const LZ4_MAX_RATIO: u64 = 255;
-
 /// The largest decompressed payload of `cache`, proved by reading it. Every index entry's
 /// `raw_len` is unverified until its record is read; the largest one decides the slot size, so
 /// that record is verified (checksum, header against the index) and decoded before anything is
@@ -287,7 +283,9 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<Vec<(&str, MetaRef<'_>)>> {
         Ok(s)
     };
     let count = u32::from_le_bytes(take(4)?.try_into().unwrap());
-    let mut out = Vec::with_capacity(count as usize);
+    // The count is read from the slot: every field takes at least 4 more bytes, so no more can
+    // be there (a forged count must not reserve memory).
+    let mut out = Vec::with_capacity((count as usize).min(bytes.len() / 4));
     for _ in 0..count {
         let klen = u32::from_le_bytes(take(4)?.try_into().unwrap()) as usize;
         let key = std::str::from_utf8(take(klen)?).map_err(|_| bad())?;

@@ -40,6 +40,51 @@ pub struct Pass {
     pub expected_attach: u32,
 }
 
+impl Pass {
+    /// Why this pass, read from a control segment, is not one an owner writes: the producer
+    /// indexes the epoch order and the rank's samples with these numbers.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if self.world_size == 0 || self.rank >= self.world_size {
+            return Err(format!(
+                "rank {} is not below world size {}",
+                self.rank, self.world_size
+            ));
+        }
+        if self.start > self.epoch_len {
+            return Err(format!(
+                "pass start {} is past the epoch length {}",
+                self.start, self.epoch_len
+            ));
+        }
+        let split = RankSplit {
+            rank: self.rank,
+            world_size: self.world_size,
+            policy: self.policy,
+        };
+        let rank_samples = split.rank_len(self.epoch_len, self.start);
+        if self.rank_samples != rank_samples {
+            return Err(format!(
+                "{} rank samples, the split gives {rank_samples}",
+                self.rank_samples
+            ));
+        }
+        if self.batch_size == 0 || self.rank_samples.checked_add(self.batch_size).is_none() {
+            return Err(format!("batch size {} is out of range", self.batch_size));
+        }
+        let (full, all) = (
+            self.rank_samples / self.batch_size,
+            self.rank_samples.div_ceil(self.batch_size),
+        );
+        if self.total_batches != full && self.total_batches != all {
+            return Err(format!(
+                "{} batches of {} for {} samples",
+                self.total_batches, self.batch_size, self.rank_samples
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Who is waiting: a child exits when its owner is gone; the owner checks its children itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -260,14 +305,21 @@ impl Ring {
             slot_size: probe.a64(C_SLOT_SIZE).load(Ordering::Relaxed),
             max_consumers: probe.a32(C_MAX_CONSUMERS).load(Ordering::Relaxed),
         };
-        if (probe.ctl.len() as u64) < ctl_len(geometry.num_slots, geometry.max_consumers)
-            || probe.ring.len() as u64 != geometry.slot_size * u64::from(geometry.num_slots)
+        let ring_bytes = geometry
+            .slot_size
+            .checked_mul(u64::from(geometry.num_slots));
+        if geometry.num_slots == 0
+            || geometry.slot_size == 0
+            || geometry.slot_size % PAGE != 0
+            || (probe.ctl.len() as u64) < ctl_len(geometry.num_slots, geometry.max_consumers)
+            || ring_bytes != Some(probe.ring.len() as u64)
             || probe.a64(C_OWNER_PID).load(Ordering::Relaxed) != owner_pid
         {
             return Err(bad(format!(
                 "geometry {geometry:?} does not match the segment sizes or name"
             )));
         }
+        probe.pass().check().map_err(bad)?;
         Ok(Ring { geometry, ..probe })
     }
 
@@ -930,6 +982,67 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(refused.contains("not a control segment name"), "{refused}");
+    }
+
+    /// Attach reads the geometry and the pass from a segment another process wrote: values no
+    /// owner writes are refused, before any access relies on them.
+    #[test]
+    fn attach_refuses_forged_geometry_and_passes() {
+        type Edit = fn(&Ring);
+        let cases: [(&str, Edit, &str); 7] = [
+            (
+                // 2 × (2^63 + 4096) wraps to 8192 bytes, the real ring's length.
+                "slot size overflows",
+                |r| {
+                    r.a64(C_SLOT_SIZE)
+                        .store((1 << 63) + PAGE, Ordering::Relaxed)
+                },
+                "geometry",
+            ),
+            (
+                "slot size not a page multiple",
+                |r| {
+                    // 4 × 2048 bytes: the ring's length, in slots no owner makes.
+                    r.a32(C_NUM_SLOTS).store(4, Ordering::Relaxed);
+                    r.a64(C_SLOT_SIZE).store(PAGE / 2, Ordering::Relaxed);
+                },
+                "geometry",
+            ),
+            (
+                "world size 0",
+                |r| r.a64(C_WORLD_SIZE).store(0, Ordering::Relaxed),
+                "world size 0",
+            ),
+            (
+                "rank past the world",
+                |r| r.a64(C_RANK).store(1, Ordering::Relaxed),
+                "rank 1 is not below world size 1",
+            ),
+            (
+                "more rank samples than the split gives",
+                |r| r.a64(C_RANK_SAMPLES).store(3, Ordering::Relaxed),
+                "3 rank samples, the split gives 2",
+            ),
+            (
+                "batch size 0",
+                |r| r.a64(C_BATCH_SIZE).store(0, Ordering::Relaxed),
+                "batch size 0",
+            ),
+            (
+                "more batches than samples",
+                |r| r.a64(C_TOTAL_BATCHES).store(5, Ordering::Relaxed),
+                "5 batches of 2 for 2 samples",
+            ),
+        ];
+        for (what, edit, expected) in cases {
+            let r = ring(2, 1, 1, true);
+            Ring::attach(r.ctl_name()).expect("the unedited segments attach");
+            edit(&r);
+            let refused = Ring::attach(r.ctl_name()).err().map(|e| e.to_string());
+            r.unlink();
+            let refused = refused.unwrap_or_else(|| panic!("{what}: attached"));
+            assert!(refused.contains(expected), "{what}: {refused}");
+        }
     }
 
     #[test]

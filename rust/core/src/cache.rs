@@ -470,8 +470,21 @@ impl Cache {
                 format!("unknown flags {:#x}", h.flags),
             ));
         }
-        if h.flags & FLAG_LZ4 != 0 && u64::from(h.raw_len) > LZ4_MAX_RATIO * u64::from(h.stored_len)
-        {
+        // Before any byte is hashed or any buffer allocated: a raw payload is `raw_len` bytes
+        // as stored, and an LZ4 one decodes to at most LZ4_MAX_RATIO bytes per stored byte.
+        let lz4 = h.flags & FLAG_LZ4 != 0;
+        if !lz4 && h.raw_len != h.stored_len {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!(
+                    "payload stored raw, but stored_len {} and raw_len {} differ",
+                    h.stored_len, h.raw_len
+                ),
+            ));
+        }
+        if lz4 && u64::from(h.raw_len) > LZ4_MAX_RATIO * u64::from(h.stored_len) {
             return Err(self.corrupt(
                 e.shard,
                 e.offset,

@@ -1,0 +1,698 @@
+//! Caches as bytes: small valid caches written by the real writer, damage described by the fuzz
+//! input, and re-signing (record checksums, file sizes and checksums, the fingerprint) so that
+//! the damage reaches the structural checks and parsers instead of stopping at a checksum.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use arbitrary::Arbitrary;
+use dataset_rt_core::format::{
+    align_up, checksum_hex, hash_bytes, shard_file_name, Compression, Manifest, INDEX_ENTRY_LEN,
+    INDEX_FILE, INDEX_HEADER_LEN, MANIFEST_FILE, METADATA_FILE, RECORD_HEADER_LEN, SHARDS_DIR,
+};
+use dataset_rt_core::metadata::MetaValue;
+use dataset_rt_core::pool::Pool;
+use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+use serde_json::Value;
+
+/// Every file of a cache directory, in memory.
+#[derive(Clone, Debug)]
+pub struct Files {
+    pub name: String,
+    pub manifest: Vec<u8>,
+    pub index: Vec<u8>,
+    pub metadata: Vec<u8>,
+    pub shards: Vec<Vec<u8>>,
+}
+
+impl Files {
+    /// Reads a cache directory.
+    pub fn read(dir: &Path) -> Files {
+        let read = |rel: &str| std::fs::read(dir.join(rel)).expect("a file of a valid cache");
+        let mut shards = Vec::new();
+        while dir.join(shard_file_name(shards.len() as u32)).exists() {
+            shards.push(read(&shard_file_name(shards.len() as u32)));
+        }
+        Files {
+            name: dir.file_name().unwrap().to_string_lossy().into_owned(),
+            manifest: read(MANIFEST_FILE),
+            index: read(INDEX_FILE),
+            metadata: read(METADATA_FILE),
+            shards,
+        }
+    }
+
+    /// Writes the cache into `parent/<name>` (replacing what was there) and returns that path.
+    pub fn write(&self, parent: &Path) -> std::path::PathBuf {
+        let dir = parent.join(&self.name);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join(SHARDS_DIR)).expect("create the cache directory");
+        let put = |rel: &str, bytes: &[u8]| std::fs::write(dir.join(rel), bytes).expect("write");
+        put(MANIFEST_FILE, &self.manifest);
+        put(INDEX_FILE, &self.index);
+        put(METADATA_FILE, &self.metadata);
+        for (i, s) in self.shards.iter().enumerate() {
+            put(&shard_file_name(i as u32), s);
+        }
+        dir
+    }
+
+    pub fn file_mut(&mut self, which: FileSel) -> &mut Vec<u8> {
+        match which {
+            FileSel::Manifest => &mut self.manifest,
+            FileSel::Index => &mut self.index,
+            FileSel::Metadata => &mut self.metadata,
+            FileSel::Shard(i) => {
+                if self.shards.is_empty() {
+                    &mut self.index
+                } else {
+                    let n = self.shards.len();
+                    &mut self.shards[i as usize % n]
+                }
+            }
+        }
+    }
+}
+
+/// The committed golden cache (`tests/data/golden_v1/golden`): every metadata type, NaN and
+/// infinities, unicode, one LZ4 record, two shards.
+pub fn golden() -> Files {
+    Files {
+        name: "golden".into(),
+        manifest: include_bytes!("../../tests/data/golden_v1/golden/manifest.json").to_vec(),
+        index: include_bytes!("../../tests/data/golden_v1/golden/index.bin").to_vec(),
+        metadata: include_bytes!("../../tests/data/golden_v1/golden/metadata.arrow").to_vec(),
+        shards: vec![
+            include_bytes!("../../tests/data/golden_v1/golden/shards/000000.bin").to_vec(),
+            include_bytes!("../../tests/data/golden_v1/golden/shards/000001.bin").to_vec(),
+        ],
+    }
+}
+
+/// Payload bytes that compress well (`compressible`) or not at all.
+fn payload(len: usize, seed: u64, compressible: bool) -> Vec<u8> {
+    if compressible {
+        return (0..len).map(|i| b"dataset-rt "[i % 11]).collect();
+    }
+    (0..len as u64)
+        .map(|i| hash_bytes(&[seed.to_le_bytes(), i.to_le_bytes()].concat()) as u8)
+        .collect()
+}
+
+fn samples(config: u8) -> Vec<SampleInput> {
+    let n = usize::from(config & 7);
+    let compressible = config & 0x80 == 0;
+    (0..n)
+        .map(|i| {
+            let len = (i * 37 + usize::from(config)) % 150;
+            let metadata = match (config >> 4) & 3 {
+                0 => vec![],
+                1 => vec![
+                    ("sample_id".into(), MetaValue::Int(1000 - i as i64)),
+                    ("flag".into(), MetaValue::Bool(i % 2 == 0)),
+                    ("w".into(), MetaValue::Float(i as f64 / 3.0)),
+                ],
+                2 => vec![
+                    ("sample_id".into(), MetaValue::Str(format!("s{i}é"))),
+                    ("text".into(), MetaValue::Str("x".repeat(i))),
+                    ("label".into(), MetaValue::Int(-(i as i64))),
+                ],
+                _ => vec![("label".into(), MetaValue::Int(i as i64 * 7))],
+            };
+            SampleInput {
+                data: payload(len, i as u64, compressible),
+                metadata,
+            }
+        })
+        .collect()
+}
+
+/// A small valid cache written by the real writer: `config` decides the number of samples
+/// (bits 0-2), LZ4 (bit 3), the metadata schema (bits 4-5), one record per shard (bit 6) and
+/// incompressible payloads (bit 7). Each is written once per process.
+pub fn base(config: u8) -> Files {
+    static BASES: OnceLock<Mutex<HashMap<u8, Files>>> = OnceLock::new();
+    static POOL: OnceLock<Arc<Pool>> = OnceLock::new();
+    let bases = BASES.get_or_init(Default::default);
+    if let Some(files) = bases.lock().unwrap().get(&config) {
+        return files.clone();
+    }
+    let pool = POOL.get_or_init(|| Pool::new(1).expect("a pool of one worker"));
+    let parent = crate::scratch().join(format!("base-{config}"));
+    let _ = std::fs::remove_dir_all(&parent);
+    let compression = if config & 8 != 0 {
+        Compression::new("lz4", 1.0).unwrap()
+    } else {
+        Compression::NONE
+    };
+    let opts = WriterOptions {
+        prefetch_size: 4,
+        compression,
+        validate: false,
+        shard_size: if config & 0x40 != 0 { 64 } else { 1 << 20 },
+    };
+    let lock = CacheLock::acquire(&parent, "c").expect("lock a scratch cache");
+    let mut writer = CacheWriter::create(pool.clone(), lock, opts).expect("start a scratch cache");
+    for s in samples(config) {
+        writer.push(s).expect("a valid sample");
+    }
+    writer.finish().expect("write a scratch cache");
+    let files = Files::read(&parent.join("c"));
+    let _ = std::fs::remove_dir_all(&parent);
+    bases.lock().unwrap().insert(config, files.clone());
+    files
+}
+
+/// The cache to start from: the golden cache, or a base cache.
+pub fn start(selector: u16) -> Files {
+    if selector % 257 == 256 {
+        golden()
+    } else {
+        base((selector % 257) as u8)
+    }
+}
+
+// ---- damage ----
+
+#[derive(Arbitrary, Clone, Copy, Debug)]
+pub enum FileSel {
+    Manifest,
+    Index,
+    Metadata,
+    Shard(u8),
+}
+
+#[derive(Arbitrary, Clone, Copy, Debug)]
+pub enum IndexField {
+    Offset,
+    Shard,
+    Flags,
+    StoredLen,
+    RawLen,
+}
+
+#[derive(Arbitrary, Clone, Copy, Debug)]
+pub enum RecordField {
+    Magic,
+    Flags,
+    MetaLen,
+    StoredLen,
+    RawLen,
+    Reserved,
+    Sample,
+}
+
+#[derive(Arbitrary, Clone, Copy, Debug)]
+pub enum ManifestField {
+    NumSamples,
+    IndexBytes,
+    MetadataBytes,
+    ShardBytes(u8),
+    ShardRecords(u8),
+    RawPayloadBytes,
+    StoredPayloadBytes,
+    Alignment,
+    FormatVersion,
+}
+
+/// Where a byte-level edit lands: from the start of the file or back from its end (the Arrow
+/// footer and the last record are at the end).
+#[derive(Arbitrary, Clone, Copy, Debug)]
+pub struct At {
+    pub offset: u16,
+    pub from_end: bool,
+}
+
+impl At {
+    fn resolve(self, len: usize) -> usize {
+        let o = usize::from(self.offset);
+        if self.from_end {
+            len.saturating_sub(o)
+        } else {
+            o.min(len)
+        }
+    }
+}
+
+#[derive(Arbitrary, Clone, Debug)]
+pub enum Damage {
+    Flip {
+        file: FileSel,
+        at: At,
+        mask: u8,
+    },
+    PutU32 {
+        file: FileSel,
+        at: At,
+        value: u32,
+    },
+    PutU64 {
+        file: FileSel,
+        at: At,
+        value: u64,
+    },
+    Truncate {
+        file: FileSel,
+        len: u16,
+    },
+    Insert {
+        file: FileSel,
+        at: At,
+        bytes: Vec<u8>,
+    },
+    Overwrite {
+        file: FileSel,
+        at: At,
+        bytes: Vec<u8>,
+    },
+    Replace {
+        file: FileSel,
+        bytes: Vec<u8>,
+    },
+    /// A field of index entry `entry`.
+    Index {
+        entry: u8,
+        field: IndexField,
+        value: u64,
+    },
+    /// A field of the record that index entry `sample` points at; `also_index` writes the same
+    /// value into the entry, so that the two still agree.
+    Record {
+        sample: u8,
+        field: RecordField,
+        value: u64,
+        also_index: bool,
+    },
+    /// Sets `num_samples`, resizes the index to match (copying entry 0 into new entries) and
+    /// moves the difference onto the last shard's `records`.
+    Samples {
+        n: u8,
+    },
+    RemoveShardFile(u8),
+    AddShardFile(Vec<u8>),
+    /// Manifest edits (JSON, before the fingerprint is recomputed).
+    Number {
+        field: ManifestField,
+        value: u64,
+    },
+    DropShardEntry(u8),
+    DuplicateShardEntry(u8),
+    SwapShardEntries(u8, u8),
+    SchemaType {
+        field: u8,
+        to: u8,
+    },
+    SchemaRename {
+        field: u8,
+        to: String,
+    },
+    SchemaDrop(u8),
+    IdSource(bool),
+    IdType(bool),
+    Compression {
+        lz4: bool,
+        ratio: f64,
+    },
+    Name(String),
+}
+
+/// Which re-signing steps to skip: a set bit keeps that checksum as the damage left it.
+#[derive(Arbitrary, Clone, Copy, Debug)]
+pub struct Keep(u8);
+
+impl Keep {
+    fn records(self) -> bool {
+        self.0 & 1 != 0
+    }
+    fn files(self) -> bool {
+        self.0 & 2 != 0
+    }
+    fn fingerprint(self) -> bool {
+        self.0 & 4 != 0
+    }
+}
+
+/// One fuzz case of the re-signing target.
+#[derive(Arbitrary, Debug)]
+pub struct Case {
+    pub start: u16,
+    pub keep: Keep,
+    pub damage: Vec<Damage>,
+    /// Byte edits of the manifest text, after it was re-signed.
+    pub text: Vec<Damage>,
+    pub full_validation: bool,
+}
+
+fn put(bytes: &mut [u8], at: usize, value: &[u8]) {
+    if let Some(dst) = bytes.get_mut(at..at + value.len()) {
+        dst.copy_from_slice(value);
+    }
+}
+
+fn get_u32(bytes: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn get_u64(bytes: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
+}
+
+fn entry_at(entry: usize) -> usize {
+    (INDEX_HEADER_LEN + INDEX_ENTRY_LEN * entry as u64) as usize
+}
+
+fn entries(index: &[u8]) -> usize {
+    (index.len().saturating_sub(INDEX_HEADER_LEN as usize)) / INDEX_ENTRY_LEN as usize
+}
+
+/// (shard, offset) of index entry `k`, when it names an existing shard.
+fn record_of(files: &Files, k: usize) -> Option<(usize, usize)> {
+    let e = entry_at(k);
+    let offset = usize::try_from(get_u64(&files.index, e)?).ok()?;
+    let shard = get_u32(&files.index, e + 8)? as usize;
+    (shard < files.shards.len()).then_some((shard, offset))
+}
+
+fn index_field(field: IndexField) -> (usize, usize) {
+    match field {
+        IndexField::Offset => (0, 8),
+        IndexField::Shard => (8, 4),
+        IndexField::Flags => (12, 4),
+        IndexField::StoredLen => (16, 4),
+        IndexField::RawLen => (20, 4),
+    }
+}
+
+fn le(value: u64, width: usize) -> Vec<u8> {
+    value.to_le_bytes()[..width].to_vec()
+}
+
+fn manifest_number(m: &mut Value, field: ManifestField, value: u64) {
+    let slot = match field {
+        ManifestField::NumSamples => m.get_mut("num_samples"),
+        ManifestField::IndexBytes => m.pointer_mut("/index/bytes"),
+        ManifestField::MetadataBytes => m.pointer_mut("/metadata/bytes"),
+        ManifestField::ShardBytes(i) => m.pointer_mut(&format!("/shards/{i}/bytes")),
+        ManifestField::ShardRecords(i) => m.pointer_mut(&format!("/shards/{i}/records")),
+        ManifestField::RawPayloadBytes => m.get_mut("raw_payload_bytes"),
+        ManifestField::StoredPayloadBytes => m.get_mut("stored_payload_bytes"),
+        ManifestField::Alignment => m.get_mut("alignment"),
+        ManifestField::FormatVersion => m.get_mut("format_version"),
+    };
+    if let Some(slot) = slot {
+        *slot = value.into();
+    }
+}
+
+fn shards_mut(m: &mut Value) -> Option<&mut Vec<Value>> {
+    m.get_mut("shards")?.as_array_mut()
+}
+
+fn schema_mut(m: &mut Value) -> Option<&mut Vec<Value>> {
+    m.get_mut("metadata_schema")?.as_array_mut()
+}
+
+/// Applies one damage to the binary files (`manifest` is the parsed manifest).
+fn damage_files(files: &mut Files, m: &mut Value, d: &Damage) {
+    match d {
+        Damage::Flip { file, at, mask } => {
+            let f = files.file_mut(*file);
+            let i = at.resolve(f.len());
+            if let Some(b) = f.get_mut(i) {
+                *b ^= *mask;
+            }
+        }
+        Damage::PutU32 { file, at, value } => {
+            let f = files.file_mut(*file);
+            let i = at.resolve(f.len());
+            put(f, i, &value.to_le_bytes());
+        }
+        Damage::PutU64 { file, at, value } => {
+            let f = files.file_mut(*file);
+            let i = at.resolve(f.len());
+            put(f, i, &value.to_le_bytes());
+        }
+        Damage::Truncate { file, len } => files.file_mut(*file).truncate(usize::from(*len)),
+        Damage::Insert { file, at, bytes } => {
+            let f = files.file_mut(*file);
+            let i = at.resolve(f.len());
+            f.splice(i..i, bytes.iter().copied().take(4096));
+        }
+        Damage::Overwrite { file, at, bytes } => {
+            let f = files.file_mut(*file);
+            let i = at.resolve(f.len());
+            let end = (i + bytes.len()).min(f.len());
+            f[i..end].copy_from_slice(&bytes[..end - i]);
+        }
+        Damage::Replace { file, bytes } => {
+            *files.file_mut(*file) = bytes.iter().copied().take(1 << 16).collect()
+        }
+        Damage::Index {
+            entry,
+            field,
+            value,
+        } => {
+            let n = entries(&files.index);
+            if n > 0 {
+                let (off, width) = index_field(*field);
+                let at = entry_at(usize::from(*entry) % n) + off;
+                put(&mut files.index, at, &le(*value, width));
+            }
+        }
+        Damage::Record {
+            sample,
+            field,
+            value,
+            also_index,
+        } => {
+            let n = entries(&files.index);
+            if n == 0 {
+                return;
+            }
+            let k = usize::from(*sample) % n;
+            let Some((shard, offset)) = record_of(files, k) else {
+                return;
+            };
+            let (off, width) = match field {
+                RecordField::Magic => (0, 4),
+                RecordField::Flags => (4, 4),
+                RecordField::MetaLen => (8, 4),
+                RecordField::StoredLen => (12, 4),
+                RecordField::RawLen => (16, 4),
+                RecordField::Reserved => (20, 4),
+                RecordField::Sample => (24, 8),
+            };
+            if let Some(at) = offset.checked_add(off) {
+                put(&mut files.shards[shard], at, &le(*value, width));
+            }
+            let in_index = match field {
+                RecordField::Flags => Some(IndexField::Flags),
+                RecordField::StoredLen => Some(IndexField::StoredLen),
+                RecordField::RawLen => Some(IndexField::RawLen),
+                _ => None,
+            };
+            if let (true, Some(f)) = (*also_index, in_index) {
+                let (off, width) = index_field(f);
+                put(&mut files.index, entry_at(k) + off, &le(*value, width));
+            }
+        }
+        Damage::Samples { n } => {
+            let n = usize::from(*n) % 16;
+            let old = entries(&files.index);
+            let entry0 = files
+                .index
+                .get(entry_at(0)..entry_at(1))
+                .map(<[u8]>::to_vec)
+                .unwrap_or_else(|| vec![0; INDEX_ENTRY_LEN as usize]);
+            files.index.resize(entry_at(old.min(n)), 0);
+            for _ in old..n {
+                files.index.extend_from_slice(&entry0);
+            }
+            m["num_samples"] = (n as u64).into();
+            if let Some(last) = shards_mut(m).and_then(|s| s.last_mut()) {
+                let records = last["records"].as_u64().unwrap_or(0);
+                last["records"] = (records + n as u64).saturating_sub(old as u64).into();
+            }
+        }
+        Damage::RemoveShardFile(i) => {
+            if !files.shards.is_empty() {
+                let n = files.shards.len();
+                files.shards.remove(usize::from(*i) % n);
+            }
+        }
+        Damage::AddShardFile(bytes) => files
+            .shards
+            .push(bytes.iter().copied().take(1 << 16).collect()),
+        _ => {}
+    }
+}
+
+/// Applies one manifest edit.
+fn damage_manifest(m: &mut Value, d: &Damage) {
+    match d {
+        Damage::Number { field, value } => manifest_number(m, *field, *value),
+        Damage::DropShardEntry(i) => {
+            if let Some(s) = shards_mut(m).filter(|s| !s.is_empty()) {
+                let n = s.len();
+                s.remove(usize::from(*i) % n);
+            }
+        }
+        Damage::DuplicateShardEntry(i) => {
+            if let Some(s) = shards_mut(m).filter(|s| !s.is_empty()) {
+                let n = s.len();
+                let copy = s[usize::from(*i) % n].clone();
+                s.push(copy);
+            }
+        }
+        Damage::SwapShardEntries(a, b) => {
+            if let Some(s) = shards_mut(m).filter(|s| !s.is_empty()) {
+                let n = s.len();
+                s.swap(usize::from(*a) % n, usize::from(*b) % n);
+            }
+        }
+        Damage::SchemaType { field, to } => {
+            if let Some(s) = schema_mut(m).filter(|s| !s.is_empty()) {
+                let n = s.len();
+                s[usize::from(*field) % n]["type"] =
+                    ["bool", "int", "float", "str"][usize::from(*to) % 4].into();
+            }
+        }
+        Damage::SchemaRename { field, to } => {
+            if let Some(s) = schema_mut(m).filter(|s| !s.is_empty()) {
+                let n = s.len();
+                s[usize::from(*field) % n]["name"] = to.as_str().into();
+            }
+        }
+        Damage::SchemaDrop(i) => {
+            if let Some(s) = schema_mut(m).filter(|s| !s.is_empty()) {
+                let n = s.len();
+                s.remove(usize::from(*i) % n);
+            }
+        }
+        Damage::IdSource(metadata) => {
+            m["sample_id"] = if *metadata { "metadata" } else { "position" }.into()
+        }
+        Damage::IdType(int) => m["sample_id_type"] = if *int { "int" } else { "str" }.into(),
+        Damage::Compression { lz4, ratio } => {
+            m["compression"] =
+                serde_json::json!({"algo": if *lz4 { "lz4" } else { "none" }, "ratio": ratio})
+        }
+        Damage::Name(name) => m["name"] = name.as_str().into(),
+        _ => {}
+    }
+}
+
+/// Gives every record that lies inside its shard the checksum of its bytes, in its header and
+/// in its index entry.
+pub fn resign_records(files: &mut Files) {
+    for k in 0..entries(&files.index) {
+        let Some((shard, start)) = record_of(files, k) else {
+            continue;
+        };
+        let bytes = &files.shards[shard];
+        let Some(header) = start
+            .checked_add(RECORD_HEADER_LEN as usize)
+            .and_then(|end| bytes.get(start..end))
+        else {
+            continue;
+        };
+        let meta_len = u64::from(get_u32(header, 8).unwrap());
+        let stored_len = u64::from(get_u32(header, 12).unwrap());
+        let meta_start = start as u64 + RECORD_HEADER_LEN;
+        let payload_start = start as u64 + align_up(RECORD_HEADER_LEN + meta_len);
+        let payload_end = payload_start + stored_len;
+        if payload_end > bytes.len() as u64 {
+            continue;
+        }
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(&header[..32]);
+        h.update(&bytes[meta_start as usize..(meta_start + meta_len) as usize]);
+        h.update(&bytes[payload_start as usize..payload_end as usize]);
+        let sum = h.digest().to_le_bytes();
+        put(&mut files.shards[shard], start + 32, &sum);
+        put(&mut files.index, entry_at(k) + 24, &sum);
+    }
+}
+
+/// Sets the sizes and checksums the manifest gives for every file that exists.
+pub fn resign_files(files: &Files, m: &mut Value) {
+    let sign = |entry: Option<&mut Value>, bytes: &[u8]| {
+        if let Some(e) = entry.filter(|e| e.is_object()) {
+            e["bytes"] = (bytes.len() as u64).into();
+            e["checksum"] = checksum_hex(hash_bytes(bytes)).into();
+        }
+    };
+    sign(m.get_mut("index"), &files.index);
+    sign(m.get_mut("metadata"), &files.metadata);
+    if let Some(shards) = shards_mut(m) {
+        for (entry, bytes) in shards.iter_mut().zip(&files.shards) {
+            sign(Some(entry), bytes);
+        }
+    }
+}
+
+/// Recomputes the fingerprint when the manifest still parses.
+pub fn resign_fingerprint(m: &mut Value) {
+    if let Ok(manifest) = serde_json::from_value::<Manifest>(m.clone()) {
+        m["fingerprint"] = manifest.compute_fingerprint().into();
+    }
+}
+
+/// Builds the damaged, re-signed cache that `case` describes.
+pub fn forge(case: &Case) -> Files {
+    let mut files = start(case.start);
+    let Ok(mut m) = serde_json::from_slice::<Value>(&files.manifest) else {
+        unreachable!("the starting caches have valid manifests");
+    };
+    for d in case.damage.iter().take(16) {
+        damage_files(&mut files, &mut m, d);
+    }
+    if !case.keep.records() {
+        resign_records(&mut files);
+    }
+    if !case.keep.files() {
+        resign_files(&files, &mut m);
+    }
+    for d in case.damage.iter().take(16) {
+        damage_manifest(&mut m, d);
+    }
+    if !case.keep.fingerprint() {
+        resign_fingerprint(&mut m);
+    }
+    // The directory must carry the name the manifest gives, when it is a usable one.
+    if let Some(name) = m["name"].as_str() {
+        if dataset_rt_core::writer::validate_name(name).is_ok() && name.len() < 100 {
+            files.name = name.to_owned();
+        }
+    }
+    let mut text = serde_json::to_vec_pretty(&m).expect("JSON values serialise");
+    text.push(b'\n');
+    files.manifest = text;
+    for d in case.text.iter().take(8) {
+        let d = match d.clone() {
+            Damage::Flip { at, mask, .. } => Damage::Flip {
+                file: FileSel::Manifest,
+                at,
+                mask,
+            },
+            Damage::Insert { at, bytes, .. } => Damage::Insert {
+                file: FileSel::Manifest,
+                at,
+                bytes,
+            },
+            Damage::Overwrite { at, bytes, .. } => Damage::Overwrite {
+                file: FileSel::Manifest,
+                at,
+                bytes,
+            },
+            Damage::Truncate { len, .. } => Damage::Truncate {
+                file: FileSel::Manifest,
+                len,
+            },
+            _ => continue,
+        };
+        damage_files(&mut files, &mut m, &d);
+    }
+    files
+}
