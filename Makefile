@@ -16,7 +16,7 @@ BUILD_EXTENSION := MATURIN_PEP517_ARGS="--profile $(CARGO_PROFILE)" \
 # Extra flags for `make release`, e.g. RELEASE_ARGS="--zig --target aarch64-unknown-linux-gnu".
 RELEASE_ARGS ?=
 
-.PHONY: install build release build-all lint test ci demo bench clean fuzz fuzz-ci fuzz-install
+.PHONY: install build release build-all lint test ci demo bench clean fuzz fuzz-ci fuzz-install soak
 
 ## install: toolchain prerequisites, Python deps (runtime, test, dev; torch once), then the build
 install:
@@ -60,6 +60,7 @@ ci:
 	$(MAKE) install
 	$(MAKE) lint
 	$(MAKE) test
+	$(MAKE) fuzz-ci
 
 ## fuzz-install: cargo-fuzz (libFuzzer) from crates.io, when missing
 fuzz-install:
@@ -73,6 +74,11 @@ fuzz: fuzz-install
 ## fuzz-ci: the bounded run: every fuzz target for 25 s, failing on any crash
 fuzz-ci: fuzz-install
 	FUZZ_SECONDS=25 ./fuzz/run.sh
+
+## soak: the full kill-and-resume soaks (pytest runs bounded versions of both; docs/development.md)
+soak:
+	$(PYTHON) soak/writer_kill.py --cycles 50
+	$(PYTHON) soak/loader_kill.py --cycles 100
 
 ## demo: write the embedded synthetic dataset to ./demo-cache, read it back shuffled, summarise
 demo:

@@ -19,6 +19,9 @@ FLAGS=${FUZZ_FLAGS:-"-rss_limit_mb=2048 -malloc_limit_mb=512 -timeout=10"}
 
 # cargo-fuzz passes nightly -Z flags; the stable toolchain accepts them with RUSTC_BOOTSTRAP.
 export RUSTC_BOOTSTRAP=1
+# CI keeps the instrumented build in one place across runs (FUZZ_TARGET_DIR); by default it is
+# fuzz/target. It is never the main build's directory: the sanitizer flags would rebuild it.
+export CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$PWD/target}"
 cargo fuzz build --codegen-units 16
 
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/drt-fuzz.XXXXXX")

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from loader_helpers import SEED, load, no_leaks, own_segments, payload  # noqa: F401
 
+import dataset_rt
 from dataset_rt import ConfigError, StateError
 from dataset_rt._loader import DataLoader
 from dataset_rt._native import LoaderError, WorkerError
