@@ -3,9 +3,8 @@
 
 use std::borrow::Cow;
 
-use dataset_rt_core::cache::{Cache, LZ4_MAX_RATIO};
+use dataset_rt_core::cache::Cache;
 use dataset_rt_core::dataset::Dataset;
-use dataset_rt_core::format::FLAG_LZ4;
 use dataset_rt_core::metadata::{FieldType, MetaRef};
 
 use crate::layout::*;
@@ -193,15 +192,15 @@ pub fn metadata_len<'a>(row: impl Iterator<Item = (&'a str, MetaRef<'a>)>) -> u6
 /// allocated from it, and its decoded length must be its `raw_len`. Every other sample's
 /// `raw_len` is no larger, so slots sized from this one hold any batch of verified samples,
 /// and a sample whose forged `raw_len` claims less than it holds is caught when the producer
-/// reads it. Decoding is bounded by LZ4's ratio over the record's real stored bytes (within
-/// its shard): a forged size cannot make this allocate more than those bytes can decode to.
+/// reads it. `verify_record` refuses a raw record whose `raw_len` is not its stored length and
+/// an LZ4 one that claims more than its stored bytes can decode to, so a forged size cannot
+/// make this allocate more than the record's real bytes decode to.
 fn verified_max_payload(cache: &Cache) -> Result<u64> {
     let Some(row) = (0..cache.len()).max_by_key(|&row| cache.entry(row).raw_len) else {
         return Ok(0);
     };
     let (e, header, start) = cache.verify_record(row)?;
     let raw_len = u64::from(e.raw_len);
-    let stored_len = u64::from(header.stored_len);
     let corrupt = |reason: String| -> ShmError {
         dataset_rt_core::Error::CorruptRecord {
             cache: cache.name().to_owned(),
@@ -212,17 +211,6 @@ fn verified_max_payload(cache: &Cache) -> Result<u64> {
         }
         .into()
     };
-    let plausible = if header.flags & FLAG_LZ4 == 0 {
-        raw_len == stored_len
-    } else {
-        raw_len <= stored_len.saturating_mul(LZ4_MAX_RATIO)
-    };
-    if !plausible {
-        return Err(corrupt(format!(
-            "the index claims {raw_len} decompressed bytes, which {stored_len} stored bytes \
-             cannot hold"
-        )));
-    }
     let payload = cache.decode_payload(row, &e, &header, start)?;
     if payload.len() as u64 != raw_len {
         return Err(corrupt(format!(
