@@ -6,21 +6,8 @@ use std::path::{Path, PathBuf};
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::Error;
 
-fn golden_copy(tmp: &Path) -> PathBuf {
-    let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/golden_v1/golden");
-    let dest = tmp.join("golden");
-    std::fs::create_dir_all(dest.join("shards")).unwrap();
-    for rel in [
-        "manifest.json",
-        "index.bin",
-        "metadata.arrow",
-        "shards/000000.bin",
-        "shards/000001.bin",
-    ] {
-        std::fs::copy(from.join(rel), dest.join(rel)).unwrap();
-    }
-    dest
-}
+mod common;
+use common::golden_copy;
 
 fn flip_byte(path: &Path, offset: usize) {
     let mut bytes = std::fs::read(path).unwrap();

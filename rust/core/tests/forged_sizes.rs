@@ -3,7 +3,7 @@
 //! cases the fuzz target `cache_resigned` looks for (docs/fuzzing.md).
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use dataset_rt_core::cache::{Cache, Validation};
@@ -12,6 +12,9 @@ use dataset_rt_core::format::{
     RECORD_HEADER_LEN,
 };
 use dataset_rt_core::Error;
+
+mod common;
+use common::golden_copy;
 
 /// The largest single allocation this test binary has asked for.
 struct Largest;
@@ -39,22 +42,6 @@ unsafe impl GlobalAlloc for Largest {
 
 #[global_allocator]
 static ALLOCATOR: Largest = Largest;
-
-fn golden_copy(tmp: &Path) -> PathBuf {
-    let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/golden_v1/golden");
-    let dest = tmp.join("golden");
-    std::fs::create_dir_all(dest.join("shards")).unwrap();
-    for rel in [
-        "manifest.json",
-        "index.bin",
-        "metadata.arrow",
-        "shards/000000.bin",
-        "shards/000001.bin",
-    ] {
-        std::fs::copy(from.join(rel), dest.join(rel)).unwrap();
-    }
-    dest
-}
 
 /// Sets `raw_len` of `sample`'s record header and index entry, then re-signs everything.
 fn forge_raw_len(dir: &Path, sample: u64, raw_len: u32) {
