@@ -131,7 +131,7 @@ def run_demo(out: Path, *, num_samples: int = 2000, num_workers: int = 4) -> int
             orders.append(order)
             head = ", ".join(order[:4])
             print(
-                f"epoch {epoch}: {len(order)} samples, {total_bytes / 2**20:.1f} MiB; "
+                f"epoch {epoch}: {len(order)} samples, {total_bytes / 1e6:.2f} MB; "
                 f"first: {head}, ..."
             )
 

@@ -560,6 +560,21 @@ def test_pack_help_describes_links(capsys: pytest.CaptureFixture[str]) -> None:
 # --- demo ------------------------------------------------------------------------------------
 
 
+def test_demo_speaks_decimal_units(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The progress line and the summary both count in decimal units (kB, MB), and agree."""
+    argv = ["demo", "--out", str(tmp_path / "demo"), "--samples", "150", "--workers", "2"]
+    assert main(argv) == EXIT_OK
+    captured = capsys.readouterr()
+    assert "iB" not in captured.out + captured.err  # no KiB/MiB beside kB/MB
+    finished = [line for line in captured.err.splitlines() if "written in" in line]
+    assert len(finished) == 1, captured.err
+    number, unit = finished[0].split(" samples, ")[1].split(" | ")[0].split()
+    written = float(number) * {"B": 1, "kB": 1e3, "MB": 1e6}[unit]
+    read = float(summary(captured.out)["epoch 0"].split(", ")[1].split(" MB;")[0]) * 1e6
+    # One epoch reads every payload once: the bytes the progress line reported as written.
+    assert read == pytest.approx(written, rel=0.02)
+
+
 def test_demo_writes_then_reuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["demo", "--out", str(tmp_path / "demo"), "--samples", "150", "--workers", "2"]
     assert main(argv) == EXIT_OK

@@ -1,7 +1,13 @@
 //! Write progress: committed samples/s and MB/s of the active source, and for several sources
-//! which one of how many and the ETA over the remaining sources. Drawn by indicatif onto any
-//! terminal-like sink (the bindings pass Python's `sys.stderr`), never from a thread of its own.
+//! which one of how many and the ETA over the remaining sources. Drawn by indicatif onto a
+//! [`ProgressSink`] (the bindings pass Python's `sys.stderr`), never from a thread of its own.
+//!
+//! On a terminal a source's line is redrawn in place, fits the terminal's width and ends with a
+//! newline once the source is finished. Anywhere else (a log file, a pipe, a test's capture)
+//! each redraw is one plain line, at most one per second, and the finished line is the last.
 
+use std::io;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use indicatif::TermLike;
@@ -9,9 +15,55 @@ use indicatif::{
     DecimalBytes, HumanCount, HumanDuration, ProgressBar, ProgressDrawTarget, ProgressStyle,
 };
 
-/// Redraws per second; a log file (not a terminal) gets one line per redraw.
+/// Redraws per second on a terminal.
 const REFRESH_HZ: u8 = 2;
+/// How often a terminal's line takes new figures (indicatif then rate-limits the redraws).
 const UPDATE_EVERY: Duration = Duration::from_millis(100);
+/// How often a log gets a line: indicatif's rate limiter allows bursts, so logs are paced here.
+const LOG_EVERY: Duration = Duration::from_secs(1);
+
+/// Where progress lines go: indicatif's [`TermLike`] plus whether it is a terminal.
+pub trait ProgressSink: TermLike {
+    /// A terminal redraws the line in place; anything else gets plain lines.
+    fn is_terminal(&self) -> bool;
+}
+
+/// The draw target indicatif owns: the same sink that [`SourceProgress`] keeps for its newline.
+#[derive(Debug)]
+struct SharedSink(Arc<dyn ProgressSink>);
+
+impl TermLike for SharedSink {
+    fn width(&self) -> u16 {
+        self.0.width()
+    }
+    fn height(&self) -> u16 {
+        self.0.height()
+    }
+    fn move_cursor_up(&self, n: usize) -> io::Result<()> {
+        self.0.move_cursor_up(n)
+    }
+    fn move_cursor_down(&self, n: usize) -> io::Result<()> {
+        self.0.move_cursor_down(n)
+    }
+    fn move_cursor_right(&self, n: usize) -> io::Result<()> {
+        self.0.move_cursor_right(n)
+    }
+    fn move_cursor_left(&self, n: usize) -> io::Result<()> {
+        self.0.move_cursor_left(n)
+    }
+    fn write_line(&self, s: &str) -> io::Result<()> {
+        self.0.write_line(s)
+    }
+    fn write_str(&self, s: &str) -> io::Result<()> {
+        self.0.write_str(s)
+    }
+    fn clear_line(&self) -> io::Result<()> {
+        self.0.clear_line()
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.0.flush()
+    }
+}
 
 /// Progress over all the sources of one `from_cache_sources` call.
 pub struct WriteProgress {
@@ -32,10 +84,22 @@ impl WriteProgress {
     }
 
     /// Starts the line of source `index` (0-based).
-    pub fn source(&mut self, term: Box<dyn TermLike>, index: usize, name: &str) -> SourceProgress {
-        // Styled while hidden, so the first line drawn is already complete.
+    pub fn source(
+        &mut self,
+        sink: Arc<dyn ProgressSink>,
+        index: usize,
+        name: &str,
+    ) -> SourceProgress {
+        // Styled while hidden, so the first line drawn is already complete. On a terminal,
+        // `wide_msg` cuts the running figures to its width, so the line never wraps and is
+        // redrawn in place.
+        let terminal = sink.is_terminal();
         let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
-        bar.set_style(ProgressStyle::with_template("{prefix}{msg}").expect("static template"));
+        bar.set_style(if terminal {
+            running_style()
+        } else {
+            whole_style()
+        });
         let prefix = if self.source_count > 1 {
             format!("[{}/{}] {name}: ", index + 1, self.source_count)
         } else {
@@ -49,15 +113,24 @@ impl WriteProgress {
             (true, 0) => Eta::Unknown,
             (true, done) => Eta::Known(self.write_time / done * remaining),
         };
-        let mut line = SourceProgress {
+        let line = SourceProgress {
             bar,
             started: Instant::now(),
             last_update: None,
+            every: if terminal { UPDATE_EVERY } else { LOG_EVERY },
             eta,
+            sink: Arc::clone(&sink),
         };
-        line.update(0, 0);
+        if terminal {
+            // A terminal shows the line at once; a log gets its first line after a second, or
+            // only the finished one.
+            line.bar.set_message(line.message(0, 0));
+        }
         line.bar
-            .set_draw_target(ProgressDrawTarget::term_like_with_hz(term, REFRESH_HZ));
+            .set_draw_target(ProgressDrawTarget::term_like_with_hz(
+                Box::new(SharedSink(sink)),
+                REFRESH_HZ,
+            ));
         line
     }
 
@@ -72,11 +145,21 @@ impl WriteProgress {
     }
 }
 
+fn running_style() -> ProgressStyle {
+    ProgressStyle::with_template("{prefix}{wide_msg}").expect("static template")
+}
+
+fn whole_style() -> ProgressStyle {
+    ProgressStyle::with_template("{prefix}{msg}").expect("static template")
+}
+
 pub struct SourceProgress {
     bar: ProgressBar,
     started: Instant,
     last_update: Option<Instant>,
+    every: Duration,
     eta: Eta,
+    sink: Arc<dyn ProgressSink>,
 }
 
 /// The ETA over the remaining sources of a multi-source write: unknown until one was written.
@@ -88,15 +171,19 @@ enum Eta {
 }
 
 impl SourceProgress {
-    fn message(&self, samples: u64, bytes: u64) -> String {
+    fn figures(&self, samples: u64, bytes: u64) -> String {
         let secs = self.started.elapsed().as_secs_f64().max(1e-9);
-        let mut msg = format!(
+        format!(
             "{} samples, {} | {:.0} samples/s, {:.1} MB/s",
             HumanCount(samples),
             DecimalBytes(bytes),
             samples as f64 / secs,
             bytes as f64 / secs / 1e6,
-        );
+        )
+    }
+
+    fn message(&self, samples: u64, bytes: u64) -> String {
+        let mut msg = self.figures(samples, bytes);
         match self.eta {
             Eta::SingleSource => {}
             Eta::Unknown => msg.push_str(" | ETA -"),
@@ -108,24 +195,36 @@ impl SourceProgress {
         msg
     }
 
-    /// Called often; redraws at most every 100 ms (and the draw target rate-limits further).
+    /// Called often; takes new figures at most every 100 ms on a terminal (the draw target
+    /// rate-limits further) and every second in a log.
     pub fn update(&mut self, samples: u64, bytes: u64) {
         let now = Instant::now();
-        if self.last_update.is_some_and(|t| now - t < UPDATE_EVERY) {
-            return;
+        match self.last_update {
+            Some(t) if now - t < self.every => return,
+            // A log's first line waits a whole second: a quick source shows only its last line.
+            None if !self.sink.is_terminal() && now - self.started < self.every => return,
+            _ => {}
         }
         self.last_update = Some(now);
         self.bar.set_message(self.message(samples, bytes));
     }
 
-    /// Draws the final line of this source.
+    /// Draws the final line of this source, without an ETA (the source is done), and on a
+    /// terminal ends it with a newline, so what is printed next starts on a row of its own.
     pub fn finish(self, samples: u64, bytes: u64, outcome: &str) {
         let msg = format!(
             "{} | {outcome} in {:.2?}",
-            self.message(samples, bytes),
+            self.figures(samples, bytes),
             self.started.elapsed()
         );
+        // The finished line is drawn whole: nothing redraws it, so it may wrap.
+        self.bar.set_style(whole_style());
         self.bar.finish_with_message(msg);
+        if self.sink.is_terminal() {
+            // Progress is best effort: a failed write must not fail the cache write.
+            let _ = self.sink.write_str("\n");
+            let _ = self.sink.flush();
+        }
     }
 
     pub fn elapsed(&self) -> Duration {

@@ -1,15 +1,19 @@
-//! A terminal-like sink over Python's `sys.stderr`, so progress lands wherever Python's stderr
-//! goes (a terminal, a log, pytest's capture). Off a terminal, cursor moves are dropped and every
+//! A progress sink over Python's `sys.stderr`, so progress lands wherever Python's stderr goes
+//! (a terminal, a log, pytest's capture). Off a terminal, cursor moves are dropped and every
 //! redraw becomes one plain line.
 
 use std::io;
 
-use dataset_rt_core::progress::TermLike;
+use dataset_rt_core::progress::{ProgressSink, TermLike};
 use pyo3::prelude::*;
+
+/// Columns assumed when a terminal does not report its size.
+const FALLBACK_COLUMNS: u16 = 80;
 
 #[derive(Debug)]
 pub struct PyStderr {
     tty: bool,
+    columns: u16,
 }
 
 impl PyStderr {
@@ -18,7 +22,11 @@ impl PyStderr {
             .and_then(|s| s.call_method0("isatty"))
             .and_then(|v| v.extract::<bool>())
             .unwrap_or(false);
-        PyStderr { tty }
+        let columns = if tty { terminal_columns(py) } else { None };
+        PyStderr {
+            tty,
+            columns: columns.unwrap_or(FALLBACK_COLUMNS),
+        }
     }
 
     fn write(&self, s: &str) -> io::Result<()> {
@@ -34,9 +42,37 @@ fn stderr(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     py.import("sys")?.getattr("stderr")
 }
 
+/// The width of the terminal behind stderr; `COLUMNS` wins, as in `shutil.get_terminal_size`
+/// (which asks stdout's terminal, not stderr's).
+fn terminal_columns(py: Python<'_>) -> Option<u16> {
+    let from_env = std::env::var("COLUMNS")
+        .ok()
+        .and_then(|c| c.trim().parse::<u16>().ok())
+        .filter(|&c| c > 0);
+    if from_env.is_some() {
+        return from_env;
+    }
+    let fd = stderr(py).ok()?.call_method0("fileno").ok()?;
+    let size = py
+        .import("os")
+        .ok()?
+        .call_method1("get_terminal_size", (fd,))
+        .ok()?;
+    let columns: i64 = size.getattr("columns").ok()?.extract().ok()?;
+    u16::try_from(columns).ok().filter(|&c| c > 0)
+}
+
+impl ProgressSink for PyStderr {
+    fn is_terminal(&self) -> bool {
+        self.tty
+    }
+}
+
 impl TermLike for PyStderr {
     fn width(&self) -> u16 {
-        120
+        // One column short of the edge: indicatif pads the line to this width, and a line that
+        // filled the last column would leave the cursor waiting to wrap.
+        self.columns.saturating_sub(1).max(1)
     }
     fn move_cursor_up(&self, n: usize) -> io::Result<()> {
         if self.tty && n > 0 {

@@ -306,7 +306,7 @@ impl Runtime {
         let mut progress = progress;
         let mut line = progress
             .as_mut()
-            .map(|p| p.source(Box::new(PyStderr::new(py)), index, name));
+            .map(|p| p.source(Arc::new(PyStderr::new(py)), index, name));
         let result = self.write_source(py, source, name, lock, write, line.as_mut());
         if let Some(l) = line {
             let (samples, bytes) = result.as_ref().map(|r| (r.1, r.2)).unwrap_or((0, 0));

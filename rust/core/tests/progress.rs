@@ -1,0 +1,150 @@
+//! How a write's progress line behaves on a terminal and in a log, through a recording sink.
+
+use std::io;
+use std::sync::{Arc, Mutex};
+use std::thread::sleep;
+use std::time::Duration;
+
+use dataset_rt_core::progress::{ProgressSink, TermLike, WriteProgress};
+
+#[derive(Debug, Default)]
+struct Recorder {
+    terminal: bool,
+    columns: u16,
+    out: Mutex<String>,
+}
+
+impl Recorder {
+    fn new(terminal: bool, columns: u16) -> Arc<Self> {
+        Arc::new(Recorder {
+            terminal,
+            columns,
+            out: Mutex::new(String::new()),
+        })
+    }
+
+    fn text(&self) -> String {
+        self.out.lock().unwrap().clone()
+    }
+
+    fn push(&self, s: &str) {
+        self.out.lock().unwrap().push_str(s);
+    }
+}
+
+impl ProgressSink for Recorder {
+    fn is_terminal(&self) -> bool {
+        self.terminal
+    }
+}
+
+// Like the Python stderr sink: a terminal gets escapes, a log gets one trimmed line per draw.
+impl TermLike for Recorder {
+    fn width(&self) -> u16 {
+        self.columns - 1
+    }
+    fn move_cursor_up(&self, _: usize) -> io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_down(&self, _: usize) -> io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_right(&self, _: usize) -> io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_left(&self, _: usize) -> io::Result<()> {
+        Ok(())
+    }
+    fn write_line(&self, s: &str) -> io::Result<()> {
+        self.write_str(s)?;
+        if self.terminal {
+            self.push("\n");
+        }
+        Ok(())
+    }
+    fn write_str(&self, s: &str) -> io::Result<()> {
+        if self.terminal {
+            self.push(s);
+        } else if !s.trim_end().is_empty() {
+            self.push(&format!("{}\n", s.trim_end()));
+        }
+        Ok(())
+    }
+    fn clear_line(&self) -> io::Result<()> {
+        if self.terminal {
+            self.push("\r\x1b[2K");
+        }
+        Ok(())
+    }
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Feeds a source's line for `duration`, every 10 ms, then finishes it.
+fn write_source(progress: &mut WriteProgress, sink: Arc<Recorder>, index: usize, ms: u64) {
+    let mut line = progress.source(sink, index, "images");
+    for step in 0..ms / 10 {
+        line.update(step * 1000, step * 4_096_000);
+        sleep(Duration::from_millis(10));
+    }
+    let took = line.elapsed();
+    line.finish(ms / 10 * 1000, ms / 10 * 4_096_000, "written");
+    progress.source_written(took);
+}
+
+#[test]
+fn a_terminal_line_fits_the_width_and_ends_with_a_newline() {
+    let sink = Recorder::new(true, 40);
+    let mut progress = WriteProgress::new(1);
+    write_source(&mut progress, Arc::clone(&sink), 0, 700);
+    let text = sink.text();
+    assert!(text.ends_with('\n'), "{text:?}");
+    // Every redraw while running starts after a clear and fits in 39 columns: no wrap, no scroll.
+    let draws: Vec<&str> = text.split("\r\x1b[2K").collect();
+    assert!(draws.len() >= 3, "expected several redraws: {text:?}");
+    for draw in &draws[..draws.len() - 1] {
+        assert!(
+            draw.chars().count() <= 39,
+            "{draw:?} is wider than the terminal"
+        );
+        assert!(!draw.contains('\n'), "{draw:?} scrolls");
+    }
+    // The finished line is whole (nothing redraws it) and followed by one newline.
+    let last = draws.last().unwrap();
+    assert!(last.trim_end().contains("written in"), "{last:?}");
+    assert_eq!(last.matches('\n').count(), 1, "{last:?}");
+}
+
+#[test]
+fn a_log_gets_at_most_one_line_a_second_and_no_stale_eta() {
+    let sink = Recorder::new(false, 120);
+    let mut progress = WriteProgress::new(2);
+    write_source(&mut progress, Arc::clone(&sink), 0, 300);
+    write_source(&mut progress, Arc::clone(&sink), 1, 2_300);
+    let text = sink.text();
+    let lines: Vec<&str> = text.lines().collect();
+    // First source: 0.3 s, so its finished line only. Second: lines at ~1 s and ~2 s, then its
+    // finished line; never two equal lines in a row, and no line is a terminal's escape.
+    assert!(lines[0].starts_with("[1/2] images: ") && lines[0].contains("written in"));
+    let second: Vec<&str> = lines[1..].to_vec();
+    assert!(
+        (2..=4).contains(&second.len()),
+        "{} lines for a 2.3 s source: {second:?}",
+        second.len()
+    );
+    for pair in lines.windows(2) {
+        assert_ne!(pair[0], pair[1], "duplicated line");
+    }
+    assert!(second[..second.len() - 1]
+        .iter()
+        .all(|l| l.contains("ETA") && !l.contains("written")));
+    for finished in [lines[0], *second.last().unwrap()] {
+        assert!(finished.contains("written in"), "{finished}");
+        assert!(
+            !finished.contains("ETA"),
+            "a finished source shows no ETA: {finished}"
+        );
+    }
+    assert!(!text.contains('\x1b') && !text.contains('\r'));
+}
