@@ -13,7 +13,7 @@ from dataset_rt._native import CachedSample
 if TYPE_CHECKING:
     import polars as pl
 
-    from dataset_rt._torch import TorchIterableDataset
+    from dataset_rt.torch import TorchIterableDataset
 
 __all__ = ["CachedSample", "Dataset"]
 
@@ -117,6 +117,6 @@ class Dataset:
 
     def to_torch_iterable_dataset(self) -> TorchIterableDataset:
         """A sized ``torch.utils.data.IterableDataset`` yielding :class:`CachedSample`."""
-        from dataset_rt._torch import TorchIterableDataset
+        from dataset_rt.torch import TorchIterableDataset
 
         return TorchIterableDataset(self)

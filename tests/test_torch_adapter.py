@@ -184,3 +184,11 @@ def test_adapter_is_not_picklable(dataset: Dataset) -> None:
     pytest.importorskip("torch")
     with pytest.raises(dataset_rt.DatasetRTError, match=r"DatasetRuntime\(num_workers=N\)"):
         pickle.dumps(dataset.to_torch_iterable_dataset())
+
+
+def test_torch_iterable_dataset_importable_from_dataset_rt_torch() -> None:
+    pytest.importorskip("torch")
+    import dataset_rt.torch
+
+    assert "TorchIterableDataset" in dataset_rt.torch.__all__
+    assert not (REPO_ROOT / "dataset_rt" / "_torch.py").exists()
