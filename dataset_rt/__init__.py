@@ -3,20 +3,7 @@
 from dataset_rt._config import ReaderConfig, ShardCompression, WriterConfig
 from dataset_rt._dataset import CachedSample, Dataset
 from dataset_rt._loader import DataLoader
-from dataset_rt._native import (
-    CacheMalformedError,
-    ConfigError,
-    CorruptRecordError,
-    DatasetRTError,
-    InvalidSampleError,
-    LoaderError,
-    RingClosed,
-    RuntimeStateError,
-    SamplesMetadataError,
-    StateError,
-    WorkerError,
-    __version__,
-)
+from dataset_rt._native import __version__
 from dataset_rt._results import (
     CacheInput,
     CacheLoaded,
@@ -29,6 +16,18 @@ from dataset_rt._results import (
     CacheWritten,
 )
 from dataset_rt._runtime import DatasetRuntime
+from dataset_rt.exceptions import (
+    CacheMalformedError,
+    ConfigError,
+    CorruptRecordError,
+    DatasetRTError,
+    InvalidSampleError,
+    LoaderError,
+    RuntimeStateError,
+    SamplesMetadataError,
+    StateError,
+    WorkerError,
+)
 
 __all__ = [
     "CacheInput",
@@ -51,7 +50,6 @@ __all__ = [
     "InvalidSampleError",
     "LoaderError",
     "ReaderConfig",
-    "RingClosed",
     "RuntimeStateError",
     "SamplesMetadataError",
     "ShardCompression",

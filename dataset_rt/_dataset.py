@@ -13,7 +13,7 @@ from dataset_rt._native import CachedSample
 if TYPE_CHECKING:
     import polars as pl
 
-    from dataset_rt._torch import TorchIterableDataset
+    from dataset_rt.torch import TorchIterableDataset
 
 __all__ = ["CachedSample", "Dataset"]
 
@@ -116,7 +116,10 @@ class Dataset:
         self._native.set_samples_metadata_ipc(buffer.getvalue())
 
     def to_torch_iterable_dataset(self) -> TorchIterableDataset:
-        """A sized ``torch.utils.data.IterableDataset`` yielding :class:`CachedSample`."""
-        from dataset_rt._torch import TorchIterableDataset
+        """A sized ``torch.utils.data.IterableDataset`` yielding :class:`CachedSample`, for
+        torch's ``DataLoader`` with ``num_workers=0``. Imports ``dataset_rt.torch`` (and torch),
+        which registers ``CachedSample`` in torch's ``default_collate``: with a ``batch_size``, a
+        batch is ``{"data": [payload views], "metadata": {field: tensor or list}}``."""
+        from dataset_rt.torch import TorchIterableDataset
 
         return TorchIterableDataset(self)

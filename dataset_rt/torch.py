@@ -1,7 +1,13 @@
-"""``dataset_rt.torch.DataLoader``: the shared-memory loader as a real
-``torch.utils.data.DataLoader`` (``isinstance`` checks pass, ``len()`` is batches per epoch).
+"""DatasetRT's PyTorch integration: importing this module imports torch; ``dataset_rt`` itself
+never does.
 
-Importing this module imports torch; ``dataset_rt`` itself never does.
+- :class:`TorchIterableDataset` (``Dataset.to_torch_iterable_dataset()``): the in-process reader
+  as a sized ``IterableDataset`` for torch's own ``DataLoader`` (``num_workers=0``).
+- :class:`DataLoader`: the shared-memory loader as a real ``torch.utils.data.DataLoader``
+  (``isinstance`` checks pass, ``len()`` is batches per epoch).
+- Batches of :class:`~dataset_rt.CachedSample` collate under torch's own ``default_collate``
+  (registered in torch's collate map on import) and under :func:`default_collate`, to the same
+  structure: ``{"data": [payload, ...], "metadata": {field: tensor or list of str}}``.
 """
 
 from __future__ import annotations
@@ -20,18 +26,94 @@ from dataset_rt._native import CachedSample, ConfigError
 if TYPE_CHECKING:
     from dataset_rt._dataset import Dataset
 
-__all__ = ["DataLoader", "default_collate"]
+__all__ = ["DataLoader", "TorchIterableDataset", "default_collate"]
+
+_WORKERS_REFUSED = (
+    "DatasetRT's torch IterableDataset runs in the training process only: use "
+    "torch.utils.data.DataLoader(..., num_workers=0) and parallelise reads with "
+    "DatasetRuntime(num_workers=N). Torch worker processes would each replay the whole epoch; "
+    "for transforms in parallel worker processes use dataset_rt.torch.DataLoader (the "
+    "shared-memory loader, also dataset_rt.DataLoader), which takes the same batch_size, "
+    "num_workers and collate_fn."
+)
+
+
+class TorchIterableDataset(torch.utils.data.IterableDataset[CachedSample]):
+    """A sized ``IterableDataset`` over a DatasetRT dataset, yielding :class:`CachedSample`.
+
+    It neither decodes payloads nor changes the order: one pass is one epoch of the dataset.
+    Torch worker processes are refused: with the ``spawn`` or ``forkserver`` start method
+    ``iter(loader)`` raises in the training process (torch pickles the dataset for its workers,
+    which this class refuses); with ``fork`` nothing of the dataset runs in the training process
+    before the workers do, so the first batch raises the workers' refusal, re-raised by torch.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        super().__init__()
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[CachedSample]:
+        if torch.utils.data.get_worker_info() is not None:
+            raise ConfigError(_WORKERS_REFUSED)
+        return iter(self.dataset)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getstate__(self) -> Any:
+        raise ConfigError(_WORKERS_REFUSED)
+
+
+class _Payloads(list[Any]):
+    """A batch's payloads. They are bytes, not tensors: torch's ``pin_memory`` leaves them as
+    they are instead of rebuilding each ``memoryview`` (a ``Sequence``) item by item."""
+
+    __slots__ = ()
+
+    def pin_memory(self, device: Any = None) -> _Payloads:
+        return self
+
+
+def _collate_metadata(
+    batch: list[CachedSample], collate_fn_map: dict[Any, Callable[..., Any]] | None
+) -> Any:
+    metadata = [s.metadata for s in batch]
+    fields = metadata[0].keys()
+    for position, m in enumerate(metadata):
+        if m.keys() != fields:
+            raise ValueError(
+                f"cannot collate the metadata of a batch of CachedSample: sample {position} of "
+                f"the batch has the fields {sorted(m)}, sample 0 has {sorted(fields)} (samples of "
+                "caches with other metadata schemas need a collate_fn of their own)"
+            )
+    return collate(metadata, collate_fn_map=collate_fn_map)
+
+
+def _collate_cached_sample_views(
+    batch: list[CachedSample], *, collate_fn_map: dict[Any, Callable[..., Any]] | None = None
+) -> dict[str, Any]:
+    # Registered in torch's map: the payloads stay the samples' own objects (zero-copy views of
+    # the in-process reader, valid for as long as they are held).
+    return {
+        "data": _Payloads(s.data for s in batch),
+        "metadata": _collate_metadata(batch, collate_fn_map),
+    }
 
 
 def _collate_cached_samples(
     batch: list[CachedSample], *, collate_fn_map: dict[Any, Callable[..., Any]] | None = None
 ) -> dict[str, Any]:
-    # Payloads vary in length, so they cannot be stacked; as bytes they outlive the slot.
+    # The shared-memory loader's default: its views die with their ring slot (num_workers=0),
+    # so the payloads are copied into bytes, which outlive it.
     return {
         "data": [bytes(s.data) for s in batch],
-        "metadata": collate([s.metadata for s in batch], collate_fn_map=collate_fn_map),
+        "metadata": _collate_metadata(batch, collate_fn_map),
     }
 
+
+# torch's own default_collate (and so torch's DataLoader with a batch_size) collates batches of
+# CachedSample from here on; a function the user registered first is kept.
+default_collate_fn_map.setdefault(CachedSample, _collate_cached_sample_views)
 
 _COLLATE_FN_MAP: dict[Any, Callable[..., Any]] = {
     **default_collate_fn_map,
@@ -42,7 +124,9 @@ _COLLATE_FN_MAP: dict[Any, Callable[..., Any]] = {
 def default_collate(batch: list[Any]) -> Any:
     """``torch.utils.data.default_collate`` that also takes ``CachedSample`` (anywhere in a
     batch's structure): a batch of them becomes ``{"data": [bytes, ...], "metadata":
-    default_collate(the metadata dicts)}``. torch's global collate map is left alone."""
+    default_collate(the metadata dicts)}``. The payloads are copies, so they outlive the
+    loader's ring slots; torch's own ``default_collate`` gives the same structure with the
+    samples' views instead."""
     return collate(batch, collate_fn_map=_COLLATE_FN_MAP)
 
 

@@ -3,9 +3,11 @@
 use dataset_rt_core::Error;
 use pyo3::create_exception;
 use pyo3::exceptions::{
-    PyException, PyFileNotFoundError, PyMemoryError, PyOSError, PyPermissionError,
+    PyException, PyFileNotFoundError, PyMemoryError, PyOSError, PyPermissionError, PyValueError,
 };
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
 create_exception!(
     dataset_rt._native,
@@ -13,12 +15,47 @@ create_exception!(
     PyException,
     "Root of every DatasetRT error."
 );
-create_exception!(
-    dataset_rt._native,
+/// A configuration value is invalid: a `DatasetRTError` and also a `ValueError`, so code that
+/// validates arguments the usual Python way catches it. `create_exception!` takes one base, so
+/// the type is made like it but with both bases.
+#[repr(transparent)]
+pub struct ConfigError(PyAny);
+
+pyo3::impl_exception_boilerplate!(ConfigError);
+pyo3::pyobject_native_type_core!(
     ConfigError,
-    DatasetRTError,
-    "A configuration value is invalid."
+    ConfigError::type_object_raw,
+    #module = Some("dataset_rt._native")
 );
+
+impl ConfigError {
+    fn type_object_raw(py: Python<'_>) -> *mut pyo3::ffi::PyTypeObject {
+        static TYPE_OBJECT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+        TYPE_OBJECT
+            .get_or_init(py, || {
+                let bases = PyTuple::new(
+                    py,
+                    [
+                        py.get_type::<DatasetRTError>(),
+                        py.get_type::<PyValueError>(),
+                    ],
+                )
+                .expect("a tuple of two types");
+                let namespace = PyDict::new(py);
+                namespace
+                    .set_item("__module__", "dataset_rt._native")
+                    .and_then(|()| {
+                        namespace.set_item("__doc__", "A configuration value is invalid.")
+                    })
+                    .expect("str keys and values");
+                py.get_type::<PyType>()
+                    .call1(("ConfigError", bases, namespace))
+                    .and_then(|t| Ok(t.cast_into::<PyType>()?.unbind()))
+                    .expect("Failed to initialize the ConfigError type.")
+            })
+            .as_ptr() as *mut pyo3::ffi::PyTypeObject
+    }
+}
 create_exception!(
     dataset_rt._native,
     CacheMalformedError,
