@@ -16,6 +16,12 @@ Contenders (a contender's key names its ``num_workers``):
   copy); with workers, results are pickled back (raw bytes: one ``bytes`` copy per payload);
 - ``drt_w2_len``: 2 workers whose transform returns ``len()`` xor the first byte (an int), so
   the bytes stay in the workers: the ring's rate into worker processes;
+- ``drt_lz4_w0`` / ``drt_lz4_w2`` (raw-bytes workloads): the same loader over a copy of the
+  cache written with ``ShardCompression(algo="lz4", ratio=0.9)`` (the payloads compress to
+  55-60%), so the producer verifies and decompresses every record on its ``producer_threads``
+  threads (``--producer-threads``; default ``min(4, cores)``); ``drt_lz4_w0_t1``: one thread;
+- ``torch_lz4_w2``: torch's 2-worker DataLoader over that LZ4 cache, each worker decompressing
+  with the ``lz4`` package (``lz4.block.decompress``; no checksum check);
 - ``torch_cache_wN``: ``torch.utils.data.DataLoader(num_workers=N, shuffle=True)`` over a
   map-style dataset that reads the very same DatasetRT cache: ``index.bin`` parsed with numpy,
   the shards memory-mapped once per worker, one ``bytes`` slice per sample (no checksum check,
@@ -99,6 +105,10 @@ CONTENDERS = {
         "torch_files_w2",
         "streaming_w2",
         "litdata_w2",
+        "drt_lz4_w0",
+        "torch_lz4_w2",
+        "drt_lz4_w0_t1",
+        "drt_lz4_w2",
     ],
 }
 LABELS = {
@@ -108,6 +118,10 @@ LABELS = {
     "drt_w1": "DatasetRT loader, 1 worker",
     "drt_w2": "DatasetRT loader, 2 workers",
     "drt_w2_len": "DatasetRT loader, 2 workers, ints back (bytes stay in workers)",
+    "drt_lz4_w0": "DatasetRT loader, LZ4 cache, 0 workers",
+    "drt_lz4_w0_t1": "DatasetRT loader, LZ4 cache, 0 workers, 1 producer thread",
+    "drt_lz4_w2": "DatasetRT loader, LZ4 cache, 2 workers",
+    "torch_lz4_w2": "torch DataLoader, 2 workers, LZ4 cache (lz4 package)",
     "torch_cache_w0": "torch DataLoader, 0 workers, DatasetRT cache (map-style)",
     "torch_cache_w1": "torch DataLoader, 1 worker, DatasetRT cache (map-style)",
     "torch_cache_w2": "torch DataLoader, 2 workers, DatasetRT cache (map-style)",
@@ -129,6 +143,10 @@ COPIES_RAW = {
         "trainer: pipe read, BytesIO assembly, unpickle"
     ),
     "drt_w2_len": "1 into the ring (the workers read views; ints cross the pipe)",
+    "drt_lz4_w0": "1 (Rust producer: LZ4 decode -> buffer -> ring slot); 0 in Python",
+    "drt_lz4_w0_t1": "1 (as drt_lz4_w0)",
+    "drt_lz4_w2": "~7: as drt_w2, after the producer's LZ4 decode",
+    "torch_lz4_w2": "~6: as torch_cache_w2, the LZ4 decode instead of the mmap slice copy",
     "torch_cache_w0": "1 (mmap slice -> bytes, in the training process)",
     "torch_cache_w2": (
         "~6: worker: mmap slice -> bytes, pickle stream, pipe write; "
@@ -140,6 +158,10 @@ COPIES_RAW = {
 }
 COPIES_NUM = {
     "drt_w0": 1,
+    "drt_lz4_w0": 1,
+    "drt_lz4_w0_t1": 1,
+    "drt_lz4_w2": 7,
+    "torch_lz4_w2": 6,
     "drt_w2": 7,
     "drt_w2_len": 1,
     "torch_cache_w0": 1,
@@ -151,6 +173,7 @@ COPIES_NUM = {
 SAMPLE_PERIOD_S = 0.05
 CHILD_TIMEOUT_S = 300
 PAGE = os.sysconf("SC_PAGE_SIZE")
+FLAG_LZ4 = 1  # index.bin entry flag: the record's payload is an LZ4 block (storage-format.md)
 CHART = common.REPO_ROOT / "docs" / "benchmarks-loader.png"
 STAMP_VERSION = 1
 
@@ -247,9 +270,14 @@ def prepare(lay: Layout, kind: str) -> None:
             for x in items:
                 f.write(x)
         np.save(lay.offsets, offs)
-    elif kind == "drt":
+    elif kind in ("drt", "drt_lz4"):
         drt = common.import_dataset_rt()
-        base = common.reset_dir(lay.store("drt"))
+        base = common.reset_dir(lay.store(kind))
+        algo = "lz4" if kind == "drt_lz4" else "none"
+        writer = drt.WriterConfig(
+            show_progress=False,
+            shard_compression=drt.ShardCompression(algo=algo, ratio=0.9 if algo == "lz4" else 1),
+        )
 
         class Source:
             name = "bench"
@@ -259,9 +287,7 @@ def prepare(lay: Layout, kind: str) -> None:
                     yield drt.CacheInput(data=p, metadata={"sample_id": i})
 
         with drt.DatasetRuntime(num_workers=2) as rt:
-            result = rt.from_cache_sources(
-                Source(), base, writer_config=drt.WriterConfig(show_progress=False)
-            )
+            result = rt.from_cache_sources(Source(), base, writer_config=writer)
             if not isinstance(result, drt.CacheSourcesDatasetSuccess):
                 raise RuntimeError(result.message)
     elif kind == "files":
@@ -300,7 +326,9 @@ def prepare(lay: Layout, kind: str) -> None:
 
 STORES = {
     "drt": "drt",
+    "drt_lz4": "drt_lz4",
     "torch_cache": "drt",
+    "torch_lz4": "drt_lz4",
     "torch_files": "files",
     "streaming": "mds",
     "litdata": "litdata",
@@ -309,6 +337,12 @@ STORES = {
 
 def store_of(contender: str) -> str | None:
     return STORES.get(contender.rsplit("_w", 1)[0])
+
+
+def producer_threads_of(contender: str, default: int | None) -> int | None:
+    """``_tN`` at the end of a DatasetRT contender's key: N producer threads."""
+    head, _, threads = contender.rpartition("_t")
+    return int(threads) if head.endswith(tuple(f"_w{n}" for n in range(10))) else default
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,8 +398,11 @@ class CacheMapDataset:
                 ]
             )
         )
-        if (entries["flags"] != 0).any():
-            raise ValueError("the cache is compressed; this reader handles plain payloads only")
+        if ((entries["flags"] | FLAG_LZ4) != FLAG_LZ4).any():
+            raise ValueError("unknown record flags: this reader handles raw and LZ4 payloads")
+        # Decoded length of each LZ4 record, -1 for a raw one.
+        raw = entries["raw"].astype(np.int64)
+        self.raw = np.where(entries["flags"] & FLAG_LZ4 != 0, raw, -1).tolist()
         shard_ids = entries["shard"].astype(np.int64)
         starts = np.empty(len(entries), dtype=np.int64)
         for shard in np.unique(shard_ids):
@@ -401,6 +438,10 @@ class CacheMapDataset:
 
     def __getitem__(self, i: int) -> Any:
         data = self._map(self.shards[i])[self.starts[i] : self.ends[i]]
+        if self.raw[i] >= 0:
+            import lz4.block
+
+            data = lz4.block.decompress(data, uncompressed_size=self.raw[i])
         return data if self.transform is None else self.transform(data)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -447,8 +488,11 @@ def litdata_class(transform: Callable[[bytes], Any] | None) -> Any:
 # One contender, in a fresh interpreter
 
 
-def open_loader(name: str, lay: Layout) -> tuple[Any, Callable[[Any], Any]]:
-    """Returns (loader, payload of one batch item). ``iter(loader)`` is one epoch."""
+def open_loader(
+    name: str, lay: Layout, producer_threads: int | None = None
+) -> tuple[Any, Callable[[Any], Any]]:
+    """Returns (loader, payload of one batch item). ``iter(loader)`` is one epoch;
+    ``producer_threads`` applies to DatasetRT contenders without a ``_tN`` suffix."""
     decoding = lay.workload == "decode"
     workers = workers_of(name)
     if name in ("floor", "floor_x2"):
@@ -479,7 +523,7 @@ def open_loader(name: str, lay: Layout) -> tuple[Any, Callable[[Any], Any]]:
         with drt.DatasetRuntime(num_workers=1) as rt:
             result = rt.from_cache_sources(
                 NameOnly(),
-                lay.store("drt"),
+                lay.store(store_of(name) or "drt"),
                 reader_config=drt.ReaderConfig(seed=0, shuffle=True),
                 writer_config=drt.WriterConfig(show_progress=False),
             )
@@ -487,17 +531,21 @@ def open_loader(name: str, lay: Layout) -> tuple[Any, Callable[[Any], Any]]:
             raise RuntimeError(result.message)
         transform = decode_sample if decoding else len_sample if name == "drt_w2_len" else None
         loader = drt.DataLoader(
-            result.dataset, batch_size=BATCH, num_workers=workers, transform=transform
+            result.dataset,
+            batch_size=BATCH,
+            num_workers=workers,
+            transform=transform,
+            producer_threads=producer_threads_of(name, producer_threads),
         )
         return loader, (lambda x: x) if transform else (lambda x: x.data)
     import torch.utils.data as tud
 
     fn = decode if decoding else None
-    if name.startswith(("torch_cache", "torch_files")):
+    if name.startswith(("torch_cache", "torch_lz4", "torch_files")):
         ds = (
-            CacheMapDataset(lay.store("drt") / "bench", fn)
-            if name.startswith("torch_cache")
-            else FilesDataset(lay, fn)
+            FilesDataset(lay, fn)
+            if name.startswith("torch_files")
+            else CacheMapDataset(lay.store(store_of(name) or "drt") / "bench", fn)
         )
         loader = tud.DataLoader(
             ds,  # type: ignore[arg-type]
@@ -554,7 +602,9 @@ def steady_rate(stamps: list[float], sizes: list[int]) -> float:
     return sum(sizes[k + 1 : m + 1]) / max(stamps[m] - stamps[k], 1e-9)
 
 
-def child(name: str, lay: Layout, min_seconds: float, max_epochs: int) -> dict[str, Any]:
+def child(
+    name: str, lay: Layout, min_seconds: float, max_epochs: int, producer_threads: int | None
+) -> dict[str, Any]:
     # A training process has torch loaded: so does every contender's (same imports, same
     # inherited pages in forked workers).
     import torch  # noqa: F401
@@ -563,7 +613,7 @@ def child(name: str, lay: Layout, min_seconds: float, max_epochs: int) -> dict[s
     if decoding:
         from PIL import PngImagePlugin  # noqa: F401
 
-    loader, payload = open_loader(name, lay)
+    loader, payload = open_loader(name, lay, producer_threads)
     epochs = []
     measured = 0.0
     io0 = io_counters()
@@ -736,7 +786,12 @@ def prepare_all(args: argparse.Namespace) -> dict[str, str]:
     errors: dict[str, str] = {}
     for wl in args.workloads:
         lay = Layout(args.data_dir, wl)
-        kinds = ["flat", "drt", "files", "mds", "litdata"]
+        contenders = [
+            c for c in CONTENDERS[kind_of(wl)] if args.contenders is None or c in args.contenders
+        ]
+        # The stores of the contenders that run (all of them by default), in a fixed order.
+        needed = {store_of(c) for c in contenders}
+        kinds = ["flat"] + [k for k in ("drt", "drt_lz4", "files", "mds", "litdata") if k in needed]
         for kind in kinds:
             if lay.ready(kind):
                 continue
@@ -992,6 +1047,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--data-dir", type=Path, default=common.DATA_DIR)
     parser.add_argument("--min-seconds", type=float, default=1.0)
     parser.add_argument("--max-epochs", type=int, default=8)
+    parser.add_argument(
+        "--producer-threads",
+        type=int,
+        default=None,
+        help="DataLoader(producer_threads=) of the DatasetRT contenders (default: the loader's)",
+    )
     parser.add_argument("--chart", type=Path, default=CHART)
     parser.add_argument("--prepare-only", action="store_true", help="write the data and stop")
     parser.add_argument(
@@ -1008,7 +1069,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.child:
         lay = Layout(args.data_dir, args.workloads[0])
         try:
-            res = child(args.child, lay, args.min_seconds, args.max_epochs)
+            res = child(args.child, lay, args.min_seconds, args.max_epochs, args.producer_threads)
         except BaseException:
             traceback.print_exc()
             sys.exit(1)
@@ -1065,6 +1126,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                         str(args.min_seconds),
                         "--max-epochs",
                         str(args.max_epochs),
+                        *(
+                            []
+                            if args.producer_threads is None
+                            else ["--producer-threads", str(args.producer_threads)]
+                        ),
                     ],
                     CHILD_TIMEOUT_S,
                 )
@@ -1088,6 +1154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "batch_size": BATCH,
         "repeats": args.repeats,
         "min_seconds": args.min_seconds,
+        "producer_threads": args.producer_threads,
         "prepare_s": t_prep,
         "load_avg_before": load_before,
         "total_s": time.perf_counter() - t_start,

@@ -545,6 +545,10 @@ class DataLoader:
     - ``heartbeat_timeout``: seconds the producer or a worker may show no sign of life (stopped,
       hung) before ``LoaderError``; a slow ``transform`` is no such sign (see ``timeout``).
     - ``worker_init_fn``: called with the worker index at the start of each worker.
+    - ``producer_threads``: threads of the producer process that read, verify and decompress
+      samples ahead of the batch being written (up to ``ReaderConfig.prefetch_size`` samples and
+      64 MiB of decompressed LZ4 payloads); ``None`` = ``min(4, available cores)``. Batches keep
+      the global order whatever the count.
 
     Each ``iter(loader)`` is one epoch (the next one, or the one a loaded state resumes).
     :meth:`state_dict` reflects the batches the training loop has received.
@@ -565,6 +569,7 @@ class DataLoader:
         timeout: float = 0.0,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         worker_init_fn: Callable[[int], None] | None = None,
+        producer_threads: int | None = None,
     ) -> None:
         # /dev/shm, futexes and prctl: checked first, before anything else could fail oddly.
         if not sys.platform.startswith("linux"):
@@ -601,7 +606,8 @@ class DataLoader:
         self.heartbeat_timeout = heartbeat_timeout
         self.worker_init_fn = worker_init_fn
         self._context = _context(multiprocessing_context)
-        self._plan = _native.LoaderPlan(dataset._native, batch_size, drop_last)
+        self._plan = _native.LoaderPlan(dataset._native, batch_size, drop_last, producer_threads)
+        self.producer_threads = self._plan.producer_threads
         self._iterator: _LoaderIterator | None = None
 
     def __iter__(self) -> _LoaderIterator:

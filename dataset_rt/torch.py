@@ -134,11 +134,11 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     """A drop-in ``torch.utils.data.DataLoader`` over a DatasetRT dataset.
 
     Takes torch's arguments plus ``transform`` (per sample, in the workers),
-    ``slot_size_bytes`` and ``heartbeat_timeout``; collates with :func:`default_collate`
-    (torch's, plus ``CachedSample``) unless given ``collate_fn``. The order is the dataset's
-    (``ReaderConfig(seed=, shuffle=)``), so ``shuffle``, ``sampler`` and ``batch_sampler`` are
-    refused. ``persistent_workers`` is
-    accepted; workers are started for each epoch. ``generator`` is not used.
+    ``slot_size_bytes``, ``heartbeat_timeout`` and ``producer_threads``; collates with
+    :func:`default_collate` (torch's, plus ``CachedSample``) unless given ``collate_fn``. The
+    order is the dataset's (``ReaderConfig(seed=, shuffle=)``), so ``shuffle``, ``sampler`` and
+    ``batch_sampler`` are refused. ``persistent_workers`` is accepted; workers are started for
+    each epoch. ``generator`` is not used.
     """
 
     def __init__(
@@ -163,6 +163,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         transform: Callable[[CachedSample], Any] | None = None,
         slot_size_bytes: int | None = None,
         heartbeat_timeout: float = _loader.DEFAULT_HEARTBEAT_TIMEOUT,
+        producer_threads: int | None = None,
     ) -> None:
         if shuffle or sampler is not None or batch_sampler is not None:
             raise ConfigError(
@@ -183,6 +184,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             timeout=timeout,
             heartbeat_timeout=heartbeat_timeout,
             worker_init_fn=worker_init_fn,
+            producer_threads=producer_threads,
         )
         # torch's own constructor validates its arguments and sets the attributes frameworks
         # read (batch_size, num_workers, pin_memory, ...); its sampler is never iterated.

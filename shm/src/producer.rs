@@ -1,12 +1,16 @@
 //! The producer: reads this rank's epoch order (the read path's sampling and per-record
-//! checksums), decompresses, and fills slots in global batch order, never more than the ring's
-//! slot count ahead of what the training loop received. Runs in its own process, without a GIL.
+//! checksums) ahead on a pool of `threads` workers, and fills slots in global batch order,
+//! never more than the ring's slot count ahead of what the training loop received. The
+//! read-ahead is the in-process reader's ([`EpochReader`]): at most `prefetch_size` samples and
+//! 64 MiB of decompressed LZ4 payloads ahead of the slot being filled. Runs in its own process,
+//! without a GIL.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use dataset_rt_core::cache::{Cache, Validation};
-use dataset_rt_core::dataset::{Dataset, ReadOptions, WeightTable};
+use dataset_rt_core::dataset::{Dataset, EpochReader, ReadOptions, WeightTable};
+use dataset_rt_core::pool::Pool;
 use dataset_rt_core::Error as CoreError;
 use serde::{Deserialize, Serialize};
 
@@ -31,6 +35,16 @@ pub struct ProducerSpec {
     pub seed: u64,
     pub shuffle: bool,
     pub epoch_len: Option<u64>,
+    /// Samples read ahead of the slot being filled (`ReaderConfig.prefetch_size`).
+    pub prefetch_size: usize,
+    /// Threads that read, verify and decompress (`DataLoader(producer_threads=)`).
+    pub threads: usize,
+}
+
+/// Samples per pool job: about two jobs per thread within the read-ahead window, so that every
+/// thread has work while the fill loop takes samples in order.
+fn chunk_samples(prefetch_size: usize, threads: usize) -> u64 {
+    (prefetch_size / (2 * threads.max(1))).clamp(1, 256) as u64
 }
 
 pub fn write_weights(path: &Path, weights: &[f64]) -> Result<()> {
@@ -140,25 +154,44 @@ fn parent_pid() -> u64 {
 
 fn fill(ring: &Arc<Ring>, spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
     let (ds, opts, order) = prepare(ring, spec, weights)?;
+    let ds = Arc::new(ds);
     let pass = ring.pass();
-    let split = opts.split();
     let slot_size = ring.geometry().slot_size;
+    let beat = ring.clone();
+    let mut reader = EpochReader::new(
+        Pool::new(spec.threads)?,
+        ds.clone(),
+        Arc::new(order),
+        &opts,
+        pass.epoch,
+        pass.start,
+    )
+    .with_chunk(chunk_samples(spec.prefetch_size, spec.threads))
+    // A long read (large samples, slow storage) still shows progress; a hung one does not.
+    .on_fetched(Arc::new(move || beat.heartbeat(Party::Producer)));
+    if reader.len() != pass.rank_samples {
+        return Err(ShmError::Protocol(format!(
+            "the reader has {} samples for this rank, the pass {}",
+            reader.len(),
+            pass.rank_samples
+        )));
+    }
     for b in 0..pass.total_batches {
         let k0 = b * pass.batch_size;
         let k1 = (k0 + pass.batch_size).min(pass.rank_samples);
         let samples = (k0..k1)
             .map(|k| {
-                // A long batch build (large samples, slow storage) still shows progress.
                 ring.heartbeat(Party::Producer);
-                let global = order[split.global_position(pass.epoch_len, pass.start, k) as usize];
-                let (c, row) = ds.locate(global);
-                let cache = &ds.caches[c];
+                let fetched = reader.next_sample().ok_or_else(|| {
+                    ShmError::Protocol(format!("the reader ended before sample {k} of the pass"))
+                })??;
+                let (c, row) = (fetched.cache as usize, fetched.row);
                 Ok(SampleOut {
-                    global,
-                    cache: c as u32,
+                    global: ds.cache_start(c) + row,
+                    cache: fetched.cache,
                     row,
-                    meta: encode_metadata(cache.metadata.row(row))?,
-                    data: cache.payload(row)?,
+                    meta: encode_metadata(ds.caches[c].metadata.row(row))?,
+                    data: ds.fetched_data(fetched),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -225,13 +258,19 @@ fn prepare(
     let opts = ReadOptions {
         seed: spec.seed,
         shuffle: spec.shuffle,
-        prefetch_size: 1,
+        prefetch_size: spec.prefetch_size,
         epoch_len: spec.epoch_len,
         rank: pass.rank,
         world_size: pass.world_size,
         policy: pass.policy,
     };
     opts.validate()?;
+    if spec.threads == 0 {
+        return Err(ShmError::Protocol(
+            "the producer spec asks for 0 threads; DataLoader.producer_threads is at least 1"
+                .into(),
+        ));
+    }
     if ds.epoch_len(&opts) != pass.epoch_len {
         return Err(ShmError::Protocol(format!(
             "epoch length {} is not the pass's {}",

@@ -15,6 +15,7 @@ use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
 use dataset_rt_shm::batch::{encode_metadata, max_sample_bytes, read_batch, slot_size_for};
+use dataset_rt_shm::layout::B_USED;
 use dataset_rt_shm::producer::{self, ProducerSpec};
 use dataset_rt_shm::ring::{Geometry, Pass, Ring, Role, POLL};
 use dataset_rt_shm::{segment, ShmError};
@@ -62,19 +63,24 @@ struct Setup {
 }
 
 fn setup() -> Setup {
+    setup_sized(10, 7)
+}
+
+/// A raw cache of `raw` samples and an LZ4 cache of `lz4`, read by one thread, one sample ahead.
+fn setup_sized(raw: u64, lz4: u64) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     write_cache(
         dir.path(),
         "raw",
         0,
-        10,
+        raw,
         Compression::new("none", 1.0).unwrap(),
     );
     write_cache(
         dir.path(),
         "lz4",
         1,
-        7,
+        lz4,
         Compression::new("lz4", 1.0).unwrap(),
     );
     let dirs = vec![dir.path().join("raw"), dir.path().join("lz4")];
@@ -101,6 +107,8 @@ fn setup() -> Setup {
         seed: SEED,
         shuffle: true,
         epoch_len: None,
+        prefetch_size: 1,
+        threads: 1,
     };
     Setup {
         _dir: dir,
@@ -138,24 +146,29 @@ fn create_ring(s: &Setup, slot_size: u64) -> Ring {
 }
 
 /// (global index, cache, row, metadata bytes, payload) of every sample the consumer received,
-/// in order, or the error that ended the pass.
+/// in order.
 type Received = Vec<(u64, u32, u64, Vec<u8>, Vec<u8>)>;
 
-fn consume(ctl_name: &str) -> (Received, Option<ShmError>) {
+/// What the consumer received, the bytes each batch used in its slot (in batch order), and the
+/// error that ended the pass.
+fn consume(ctl_name: &str) -> (Received, Vec<Vec<u8>>, Option<ShmError>) {
     let ring = Ring::attach(ctl_name).unwrap();
     ring.register_consumer(0, u64::from(std::process::id()))
         .unwrap();
     ring.mark_attached();
     let mut got = Vec::new();
+    let mut slots = Vec::new();
     while let Some(t) = ring.take_ticket() {
         loop {
             match ring.wait_ready(t, POLL, Role::Child, Some(0)) {
                 Ok(true) => break,
                 Ok(false) => continue,
-                Err(e) => return (got, Some(e)),
+                Err(e) => return (got, slots, Some(e)),
             }
         }
         let slot = ring.slot(t);
+        let used = u64::from_le_bytes(slot[B_USED..B_USED + 8].try_into().unwrap());
+        slots.push(slot[..used as usize].to_vec());
         for e in read_batch(slot, t).unwrap() {
             let meta = slot[e.meta_off as usize..][..e.meta_len as usize].to_vec();
             let data = slot[e.data_off as usize..][..e.data_len as usize].to_vec();
@@ -165,19 +178,33 @@ fn consume(ctl_name: &str) -> (Received, Option<ShmError>) {
         // The single consumer plays the training loop too: batches arrive in order.
         ring.mark_delivered(t).unwrap();
     }
-    (got, None)
+    (got, slots, None)
 }
 
 /// Runs the producer and the consumer threads to the end: (the producer's result, what the
 /// consumer received, the error that ended its loop).
 fn run_pass(s: &Setup, ring: &Ring) -> (dataset_rt_shm::Result<()>, Received, Option<ShmError>) {
-    let mut spec = s.spec.clone();
+    let (produced, got, _, error) = run_pass_with(&s.spec, ring);
+    (produced, got, error)
+}
+
+/// As `run_pass` with the producer spec `spec`, also returning the bytes of every slot.
+fn run_pass_with(
+    spec: &ProducerSpec,
+    ring: &Ring,
+) -> (
+    dataset_rt_shm::Result<()>,
+    Received,
+    Vec<Vec<u8>>,
+    Option<ShmError>,
+) {
+    let mut spec = spec.clone();
     spec.ctl_name = ring.ctl_name().to_owned();
     std::thread::scope(|scope| {
         let producer = scope.spawn(|| producer::run(&spec, None));
         let consumer = scope.spawn(|| consume(ring.ctl_name()));
-        let (got, error) = consumer.join().unwrap();
-        (producer.join().unwrap(), got, error)
+        let (got, slots, error) = consumer.join().unwrap();
+        (producer.join().unwrap(), got, slots, error)
     })
 }
 
@@ -212,7 +239,20 @@ fn a_pass_delivers_the_epoch_order_with_every_byte() {
 
 #[test]
 fn a_corrupt_record_stops_the_pass_at_its_batch() {
-    let s = setup();
+    corrupt_record_stops_the_pass_at_its_batch(1, 1);
+}
+
+#[test]
+fn a_corrupt_record_read_ahead_by_several_threads_stops_the_pass_at_its_batch() {
+    // The damaged sample is read long before its batch is filled; its error still waits for
+    // its turn, after every good sample before it was delivered.
+    corrupt_record_stops_the_pass_at_its_batch(4, 16);
+}
+
+fn corrupt_record_stops_the_pass_at_its_batch(threads: usize, prefetch_size: usize) {
+    let mut s = setup();
+    s.spec.threads = threads;
+    s.spec.prefetch_size = prefetch_size;
     let order =
         s.ds.try_order(&s.opts, &WeightTable::uniform(), EPOCH)
             .unwrap();
@@ -242,6 +282,59 @@ fn a_corrupt_record_stops_the_pass_at_its_batch() {
                 text.contains("checksum") || text.contains("corrupt"),
                 "{text}"
             );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn several_threads_fill_the_same_slots_as_one_thread() {
+    // Enough samples for many pool jobs ahead of the fill, raw and LZ4 mixed by the shuffle.
+    let mut s = setup_sized(150, 130);
+    let slot_size = slot_size_for(max_sample_bytes(&s.ds).unwrap(), BATCH);
+    let ring = create_ring(&s, slot_size);
+    let (produced, one_thread, one_thread_slots, error) = run_pass_with(&s.spec, &ring);
+    produced.unwrap();
+    assert!(error.is_none(), "{error:?}");
+    let order =
+        s.ds.try_order(&s.opts, &WeightTable::uniform(), EPOCH)
+            .unwrap();
+    assert_eq!(one_thread.iter().map(|g| g.0).collect::<Vec<_>>(), order);
+    assert_eq!(one_thread_slots.len() as u64, 280u64.div_ceil(BATCH));
+
+    // (threads, prefetch_size): one sample per job, a few per job, the chunk limit of 256, and
+    // a window smaller than the thread count.
+    for (threads, prefetch_size) in [(4, 8), (3, 64), (2, 1024), (8, 2)] {
+        s.spec.threads = threads;
+        s.spec.prefetch_size = prefetch_size;
+        let ring = create_ring(&s, slot_size);
+        let (produced, got, slots, error) = run_pass_with(&s.spec, &ring);
+        produced.unwrap();
+        assert!(error.is_none(), "{threads} threads: {error:?}");
+        assert_eq!(
+            got, one_thread,
+            "{threads} threads, prefetch {prefetch_size}"
+        );
+        assert_eq!(
+            slots, one_thread_slots,
+            "{threads} threads, prefetch {prefetch_size}: the slots differ"
+        );
+        assert_eq!(ring.progress(), (EPOCH, 280, true));
+    }
+}
+
+#[test]
+fn a_spec_without_threads_is_refused() {
+    let mut s = setup();
+    s.spec.threads = 0;
+    let ring = create_ring(&s, 64 * 1024);
+    let (produced, got, error) = run_pass(&s, &ring);
+    assert!(got.is_empty());
+    let text = produced.unwrap_err().to_string();
+    assert!(text.contains("0 threads"), "{text}");
+    match error {
+        Some(ShmError::ProducerFailed { text, .. }) => {
+            assert!(text.contains("0 threads"), "{text}")
         }
         other => panic!("{other:?}"),
     }

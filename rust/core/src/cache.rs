@@ -529,6 +529,12 @@ impl Cache {
         self.decode_payload(sample, &e, &h, start)
     }
 
+    /// The stored bytes `offset..offset + len` of shard `shard`: a payload that `verify_record`
+    /// checked (a [`crate::dataset::Payload::Mapped`]), served from the map without a copy.
+    pub(crate) fn mapped(&self, shard: u32, offset: u64, len: u64) -> &[u8] {
+        &self.shards[shard as usize][offset as usize..(offset + len) as usize]
+    }
+
     /// The payload of a record already verified by `verify_record`.
     pub fn decode_payload(
         &self,

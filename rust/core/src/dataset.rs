@@ -1,5 +1,6 @@
 //! A dataset: the loaded caches in source order, their weights, epoch orders and iterator state.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, OnceLock};
 
@@ -423,6 +424,17 @@ impl Dataset {
         }
     }
 
+    /// The bytes of a fetched sample: borrowed from its shard's map when it is stored raw,
+    /// the decompressed bytes otherwise.
+    pub fn fetched_data(&self, fetched: Fetched) -> Cow<'_, [u8]> {
+        match fetched.payload {
+            Payload::Mapped { shard, offset, len } => {
+                Cow::Borrowed(self.caches[fetched.cache as usize].mapped(shard, offset, len))
+            }
+            Payload::Owned(bytes) => Cow::Owned(bytes),
+        }
+    }
+
     /// Verifies and, when compressed, decompresses one sample.
     pub fn fetch(&self, global: u64) -> Result<Fetched> {
         let (c, row) = self.locate(global);
@@ -472,8 +484,13 @@ pub struct EpochReader {
     bytes_in_flight: u64,
     /// The decompressed bytes of each sample submitted and not yet yielded, in order.
     costs: VecDeque<u64>,
+    /// Called on a pool thread after each sample is read (see [`EpochReader::on_fetched`]).
+    on_fetched: Option<FetchHook>,
     failed: bool,
 }
+
+/// What a reader calls on a pool thread after reading each sample.
+pub type FetchHook = Arc<dyn Fn() + Send + Sync>;
 
 impl EpochReader {
     pub fn new(
@@ -508,6 +525,7 @@ impl EpochReader {
             prefetch_bytes: DEFAULT_PREFETCH_BYTES,
             bytes_in_flight: 0,
             costs: VecDeque::new(),
+            on_fetched: None,
             failed: false,
         }
     }
@@ -517,6 +535,22 @@ impl EpochReader {
     /// read even when it alone is larger, so a huge record still makes progress.
     pub fn with_prefetch_bytes(mut self, bytes: u64) -> Self {
         self.prefetch_bytes = bytes;
+        self
+    }
+
+    /// Sets the samples of one pool job (default `clamp(prefetch_size / 2, 1, 256)`: two jobs
+    /// per window). Smaller chunks keep more workers busy within the same window: a window of
+    /// `P` samples over `T` workers wants chunks of about `P / (2 T)`.
+    pub fn with_chunk(mut self, samples: u64) -> Self {
+        self.chunk = samples.max(1);
+        self
+    }
+
+    /// Calls `hook` on the pool thread after each sample is read, successfully or not: a sign
+    /// of progress while the consumer waits on a chunk (the shared-memory producer's
+    /// heartbeat), which stops when a read hangs.
+    pub fn on_fetched(mut self, hook: FetchHook) -> Self {
+        self.on_fetched = Some(hook);
         self
     }
 
@@ -579,11 +613,21 @@ impl EpochReader {
             }
             let k1 = k0 + globals.len() as u64;
             let dataset = self.dataset.clone();
+            let hook = self.on_fetched.clone();
             // One result per sample: a corrupt record fails only when its turn comes, after
             // every good sample before it was delivered.
-            let slot = self
-                .pool
-                .submit(move || Ok(globals.into_iter().map(|g| dataset.fetch(g)).collect()))?;
+            let slot = self.pool.submit(move || {
+                Ok(globals
+                    .into_iter()
+                    .map(|g| {
+                        let fetched = dataset.fetch(g);
+                        if let Some(hook) = &hook {
+                            hook();
+                        }
+                        fetched
+                    })
+                    .collect())
+            })?;
             self.in_flight.push_back(slot);
             self.submitted = k1;
         }

@@ -24,7 +24,11 @@ fn unsigned(field: &str, value: &Bound<'_, PyAny>, min: u64) -> PyResult<u64> {
     }
 }
 
-fn optional(field: &str, value: Option<&Bound<'_, PyAny>>, min: u64) -> PyResult<Option<u64>> {
+pub(crate) fn optional(
+    field: &str,
+    value: Option<&Bound<'_, PyAny>>,
+    min: u64,
+) -> PyResult<Option<u64>> {
     value
         .filter(|v| !v.is_none())
         .map(|v| unsigned(field, v, min))

@@ -180,6 +180,8 @@ pub struct LoaderPlan {
     dataset: Py<Dataset>,
     batch_size: u64,
     drop_last: bool,
+    /// Threads of the producer's read-ahead pool.
+    producer_threads: usize,
     control: Mutex<PlanControl>,
     /// The most bytes one sample takes in a slot (the largest record of each cache, verified),
     /// computed on the first pass that sizes its slots from the data.
@@ -196,19 +198,45 @@ impl LoaderPlan {
     }
 }
 
+/// The most producer threads a loader takes: beyond it threads only contend for the disk.
+const MAX_PRODUCER_THREADS: u64 = 256;
+
+/// The producer threads of a loader that names none: `min(4, available cores)`.
+fn default_producer_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+}
+
 #[pymethods]
 impl LoaderPlan {
     #[new]
-    fn new(dataset: Py<Dataset>, batch_size: u64, drop_last: bool) -> PyResult<Self> {
+    #[pyo3(signature = (dataset, batch_size, drop_last, producer_threads=None))]
+    fn new(
+        dataset: Py<Dataset>,
+        batch_size: u64,
+        drop_last: bool,
+        producer_threads: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
         if batch_size == 0 {
             return Err(ConfigError::new_err(
                 "invalid DataLoader.batch_size: must be at least 1",
             ));
         }
+        let field = "DataLoader.producer_threads";
+        let producer_threads = match crate::config::optional(field, producer_threads, 1)? {
+            None => default_producer_threads(),
+            Some(n @ 1..=MAX_PRODUCER_THREADS) => n as usize,
+            Some(n) => {
+                return Err(ConfigError::new_err(format!(
+                    "invalid {field}: {n} threads is above the limit of {MAX_PRODUCER_THREADS}; \
+                     None uses min(4, available cores)"
+                )))
+            }
+        };
         Ok(LoaderPlan {
             dataset,
             batch_size,
             drop_last,
+            producer_threads,
             control: Mutex::new(PlanControl {
                 next_epoch: 0,
                 resume: None,
@@ -218,6 +246,12 @@ impl LoaderPlan {
             }),
             max_sample_bytes: OnceLock::new(),
         })
+    }
+
+    /// Threads of the producer's read-ahead pool.
+    #[getter]
+    fn producer_threads(&self) -> usize {
+        self.producer_threads
     }
 
     /// Batches in a full epoch of this rank.
@@ -344,6 +378,8 @@ impl LoaderPlan {
                 seed: opts.seed,
                 shuffle: opts.shuffle,
                 epoch_len: opts.epoch_len,
+                prefetch_size: opts.prefetch_size,
+                threads: self.producer_threads,
             };
             let path = private_dir.join("spec.json");
             std::fs::write(&path, serde_json::to_vec(&spec).expect("plain data")).map_err(
