@@ -62,8 +62,11 @@ class ReaderConfig:
         _native.check_reader_config(
             seed=self.seed,
             prefetch_size=self.prefetch_size,
+            shuffle=self.shuffle,
+            validate_cache=self.validate_cache,
             rank=self.rank,
             world_size=self.world_size,
+            drop_last=self.drop_last,
             samples_per_epoch=self.samples_per_epoch,
         )
 
@@ -93,5 +96,8 @@ class WriterConfig:
                 f"{type(self.shard_compression).__name__}"
             )
         _native.check_writer_config(
-            prefetch_size=self.prefetch_size, shard_size_bytes=self.shard_size_bytes
+            prefetch_size=self.prefetch_size,
+            show_progress=self.show_progress,
+            validate_cache=self.validate_cache,
+            shard_size_bytes=self.shard_size_bytes,
         )

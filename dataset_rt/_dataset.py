@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from dataset_rt.torch import TorchIterableDataset
 
-__all__ = ["CachedSample", "Dataset"]
+__all__ = ["CachedSample", "Dataset", "require_dataset"]
 
 
 class _ArrowStream:
@@ -123,3 +123,19 @@ class Dataset:
         from dataset_rt.torch import TorchIterableDataset
 
         return TorchIterableDataset(self)
+
+
+def require_dataset(value: object, caller: str) -> Dataset:
+    """``value`` when it is a :class:`Dataset`; otherwise a ``TypeError`` that says what was
+    passed and what to pass instead."""
+    if isinstance(value, Dataset):
+        return value
+    kind = type(value)
+    got = f"{kind.__module__}.{kind.__qualname__}"
+    if kind.__module__ == "dataset_rt._torch":
+        hint = "pass the Dataset itself, not its to_torch_iterable_dataset()"
+    elif hasattr(value, "dataset") and hasattr(value, "results"):
+        hint = "pass its .dataset"
+    else:
+        hint = "pass result.dataset, from DatasetRuntime.from_cache_sources or open_caches"
+    raise TypeError(f"{caller} takes a dataset_rt Dataset, got {got}: {hint}")

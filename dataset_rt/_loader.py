@@ -574,6 +574,9 @@ class DataLoader:
         # /dev/shm, futexes and prctl: checked first, before anything else could fail oddly.
         if not sys.platform.startswith("linux"):
             raise ConfigError("the shared-memory loader needs Linux")
+        from dataset_rt._dataset import require_dataset
+
+        require_dataset(dataset, "dataset_rt.DataLoader")
         checks = [
             ("batch_size", batch_size, 1),
             ("num_workers", num_workers, 0),

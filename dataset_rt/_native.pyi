@@ -112,6 +112,20 @@ class Runtime:
         write_validate: bool,
         shard_size: int,
     ) -> tuple[Dataset | None, list[tuple[str, str, str, str | None, int | None]]]: ...
+    def open_caches(
+        self,
+        names: Any,
+        base_cache_dir: str | PathLike[str],
+        *,
+        seed: int,
+        shuffle: bool,
+        read_prefetch: int,
+        read_validate: bool,
+        rank: int,
+        world_size: int,
+        drop_last: bool,
+        samples_per_epoch: int | None,
+    ) -> tuple[Dataset | None, list[tuple[str, str, str, str | None, int | None]]]: ...
 
 def epoch_order(
     seed: int,
@@ -123,9 +137,19 @@ def epoch_order(
 ) -> list[int]: ...
 def check_compression(algo: Any, ratio: Any) -> None: ...
 def check_reader_config(
-    *, seed: Any, prefetch_size: Any, rank: Any, world_size: Any, samples_per_epoch: Any
+    *,
+    seed: Any,
+    prefetch_size: Any,
+    shuffle: Any,
+    validate_cache: Any,
+    rank: Any,
+    world_size: Any,
+    drop_last: Any,
+    samples_per_epoch: Any,
 ) -> None: ...
-def check_writer_config(*, prefetch_size: Any, shard_size_bytes: Any) -> None: ...
+def check_writer_config(
+    *, prefetch_size: Any, show_progress: Any, validate_cache: Any, shard_size_bytes: Any
+) -> None: ...
 def inspect_cache(path: str | PathLike[str]) -> str: ...
 def verify_cache(path: str | PathLike[str]) -> tuple[int, int]: ...
 def head_records(

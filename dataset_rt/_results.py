@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
@@ -26,10 +27,11 @@ MetadataValue: TypeAlias = bool | int | float | str
 
 @dataclass(frozen=True, slots=True)
 class CacheInput:
-    """One sample from a source: bytes-like ``data`` and primitive ``metadata``."""
+    """One sample from a source: bytes-like ``data`` and primitive ``metadata`` (a ``dict`` or
+    any other ``Mapping`` of ``str`` keys)."""
 
     data: bytes | bytearray | memoryview
-    metadata: dict[str, MetadataValue] = field(default_factory=dict)
+    metadata: Mapping[str, MetadataValue] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""The runtime: one pool of Rust worker threads, and the entry point that loads or writes caches."""
+"""The runtime: one pool of Rust worker threads, and the entry points that load (and write)
+caches."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from dataset_rt import _native
 from dataset_rt._config import ReaderConfig, WriterConfig
@@ -133,28 +135,65 @@ class DatasetRuntime:
         """
         reader = reader_config if reader_config is not None else ReaderConfig()
         writer = writer_config if writer_config is not None else WriterConfig()
-        rank, world_size = _resolve_rank(reader)
         if not isinstance(sources, (list, tuple)):
             sources = [sources]
-        native_dataset, outcomes = self._native.from_cache_sources(
-            list(sources),
-            os.fspath(base_cache_dir),
-            seed=reader.seed,
-            shuffle=reader.shuffle,
-            read_prefetch=reader.prefetch_size,
-            read_validate=reader.validate_cache,
-            rank=rank,
-            world_size=world_size,
-            drop_last=reader.drop_last,
-            samples_per_epoch=reader.samples_per_epoch,
-            write_prefetch=writer.prefetch_size,
-            algo=writer.shard_compression.algo,
-            ratio=writer.shard_compression.ratio,
-            show_progress=writer.show_progress,
-            write_validate=writer.validate_cache,
-            shard_size=writer.shard_size_bytes,
+        return _outcome(
+            *self._native.from_cache_sources(
+                list(sources),
+                os.fspath(base_cache_dir),
+                **_read_options(reader),
+                write_prefetch=writer.prefetch_size,
+                algo=writer.shard_compression.algo,
+                ratio=writer.shard_compression.ratio,
+                show_progress=writer.show_progress,
+                write_validate=writer.validate_cache,
+                shard_size=writer.shard_size_bytes,
+            )
         )
-        results: list[CacheSourceResult] = [_result(*o) for o in outcomes]
-        if native_dataset is None:
-            return CacheSourcesDatasetError(results, _summary(results))
-        return CacheSourcesDatasetSuccess(Dataset(native_dataset), results)
+
+    def open_caches(
+        self,
+        names: str | Sequence[str],
+        base_cache_dir: str | os.PathLike[str],
+        *,
+        reader_config: ReaderConfig | None = None,
+    ) -> CacheSourcesDatasetSuccess | CacheSourcesDatasetError:
+        """Loads the existing caches ``base_cache_dir / name`` for each of ``names`` (one
+        ``str`` or a list or tuple of them) and returns the dataset over those that loaded, with
+        the same results as :meth:`from_cache_sources`: ``CacheLoaded``, ``CacheMissing`` (no
+        cache of that name) or ``CacheMalformed``.
+
+        It only reads: nothing is iterated or written, no lock file or directory is created and
+        no leftover of a dead writer is removed, so it works on read-only storage. Errors are
+        those of :meth:`from_cache_sources` (``ConfigError`` for a bad or repeated name or a
+        base that is not a directory, ``OSError`` for an unreadable cache).
+        """
+        reader = reader_config if reader_config is not None else ReaderConfig()
+        return _outcome(
+            *self._native.open_caches(names, os.fspath(base_cache_dir), **_read_options(reader))
+        )
+
+
+def _read_options(reader: ReaderConfig) -> dict[str, Any]:
+    """The native keyword arguments of a reader config, rank and world size resolved."""
+    rank, world_size = _resolve_rank(reader)
+    return {
+        "seed": reader.seed,
+        "shuffle": reader.shuffle,
+        "read_prefetch": reader.prefetch_size,
+        "read_validate": reader.validate_cache,
+        "rank": rank,
+        "world_size": world_size,
+        "drop_last": reader.drop_last,
+        "samples_per_epoch": reader.samples_per_epoch,
+    }
+
+
+def _outcome(
+    native_dataset: _native.Dataset | None,
+    outcomes: list[tuple[str, str, str, str | None, int | None]],
+) -> CacheSourcesDatasetSuccess | CacheSourcesDatasetError:
+    results: list[CacheSourceResult] = [_result(*o) for o in outcomes]
+    if native_dataset is None:
+        return CacheSourcesDatasetError(results, _summary(results))
+    return CacheSourcesDatasetSuccess(Dataset(native_dataset), results)

@@ -165,6 +165,9 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         heartbeat_timeout: float = _loader.DEFAULT_HEARTBEAT_TIMEOUT,
         producer_threads: int | None = None,
     ) -> None:
+        from dataset_rt._dataset import require_dataset
+
+        require_dataset(dataset, "dataset_rt.torch.DataLoader")
         if shuffle or sampler is not None or batch_sampler is not None:
             raise ConfigError(
                 "dataset_rt.torch.DataLoader reads the dataset's own order: set seed/shuffle in "

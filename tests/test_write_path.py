@@ -312,7 +312,11 @@ BAD_SAMPLES = {
     "data_int": ([ok(0), CacheInput(5, {"a": 1})], 1, ["data must be bytes", "got int"]),
     "data_list": ([CacheInput([1, 2], {})], 0, ["data must be bytes", "got list"]),
     "data_numpy": ([CacheInput(np.zeros(3), {})], 0, ["got ndarray", ".tobytes()"]),
-    "metadata_not_dict": ([CacheInput(b"x", [("a", 1)])], 0, ["metadata must be a dict, got list"]),
+    "metadata_not_mapping": (
+        [CacheInput(b"x", [("a", 1)])],
+        0,
+        ["metadata must be a mapping", "got list"],
+    ),
     "key_not_str": ([CacheInput(b"x", {1: "a"})], 0, ["metadata keys must be str, got int"]),
     "value_none": (
         [CacheInput(b"x", {"a": None})],

@@ -127,14 +127,14 @@ pub fn check_base_dir(base: &Path) -> Result<()> {
             format!("{} is not a directory", base.display())
         } else {
             format!(
-                "{} cannot be created: {} is not a directory",
+                "{} lies below {}, which is not a directory",
                 base.display(),
                 existing.display()
             )
         };
         return Err(Error::config(
             "base_cache_dir",
-            format!("{what}; pass a directory (missing ones are created)"),
+            format!("{what}; pass a directory (a missing one is created when a cache is written)"),
         ));
     }
     Ok(())

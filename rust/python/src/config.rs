@@ -24,6 +24,17 @@ fn unsigned(field: &str, value: &Bound<'_, PyAny>, min: u64) -> PyResult<u64> {
     }
 }
 
+/// A `bool` field: `True` or `False` (a `numpy.bool_` too, which every native call reads as a
+/// bool); an int such as `1`, `None` or a string is refused rather than read as truthy.
+fn boolean(field: &str, value: &Bound<'_, PyAny>) -> PyResult<bool> {
+    value.extract::<bool>().map_err(|_| {
+        ConfigError::new_err(format!(
+            "invalid {field}: expected a bool, got {}",
+            value.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))
+    })
+}
+
 pub(crate) fn optional(
     field: &str,
     value: Option<&Bound<'_, PyAny>>,
@@ -51,16 +62,24 @@ pub fn check_compression(algo: &Bound<'_, PyAny>, ratio: &Bound<'_, PyAny>) -> P
 }
 
 #[pyfunction]
-#[pyo3(signature = (*, seed, prefetch_size, rank, world_size, samples_per_epoch))]
+#[pyo3(signature = (*, seed, prefetch_size, shuffle, validate_cache, rank, world_size, drop_last,
+    samples_per_epoch))]
+#[allow(clippy::too_many_arguments)]
 pub fn check_reader_config(
     seed: &Bound<'_, PyAny>,
     prefetch_size: &Bound<'_, PyAny>,
+    shuffle: &Bound<'_, PyAny>,
+    validate_cache: &Bound<'_, PyAny>,
     rank: Option<&Bound<'_, PyAny>>,
     world_size: Option<&Bound<'_, PyAny>>,
+    drop_last: &Bound<'_, PyAny>,
     samples_per_epoch: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let seed = unsigned("ReaderConfig.seed", seed, 0)?;
     let prefetch = unsigned("ReaderConfig.prefetch_size", prefetch_size, 1)?;
+    let shuffle = boolean("ReaderConfig.shuffle", shuffle)?;
+    boolean("ReaderConfig.validate_cache", validate_cache)?;
+    let drop_last = boolean("ReaderConfig.drop_last", drop_last)?;
     let world_size = optional("ReaderConfig.world_size", world_size, 1)?;
     let rank = optional("ReaderConfig.rank", rank, 0)?;
     let epoch_len = optional("ReaderConfig.samples_per_epoch", samples_per_epoch, 0)?;
@@ -71,27 +90,35 @@ pub fn check_reader_config(
     }
     ReadOptions {
         seed,
-        shuffle: true,
+        shuffle,
         prefetch_size: prefetch as usize,
         epoch_len,
         rank: rank.unwrap_or(0),
         world_size: world_size.unwrap_or(1),
-        policy: RankPolicy::Pad,
+        policy: if drop_last {
+            RankPolicy::Drop
+        } else {
+            RankPolicy::Pad
+        },
     }
     .validate()
     .py_err()
 }
 
 #[pyfunction]
-#[pyo3(signature = (*, prefetch_size, shard_size_bytes))]
+#[pyo3(signature = (*, prefetch_size, show_progress, validate_cache, shard_size_bytes))]
 pub fn check_writer_config(
     prefetch_size: &Bound<'_, PyAny>,
+    show_progress: &Bound<'_, PyAny>,
+    validate_cache: &Bound<'_, PyAny>,
     shard_size_bytes: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
+    let prefetch_size = unsigned("WriterConfig.prefetch_size", prefetch_size, 1)? as usize;
+    boolean("WriterConfig.show_progress", show_progress)?;
     WriterOptions {
-        prefetch_size: unsigned("WriterConfig.prefetch_size", prefetch_size, 1)? as usize,
+        prefetch_size,
         compression: Compression::NONE,
-        validate: false,
+        validate: boolean("WriterConfig.validate_cache", validate_cache)?,
         shard_size: unsigned("WriterConfig.shard_size_bytes", shard_size_bytes, 1)?,
     }
     .validate()

@@ -1,5 +1,6 @@
-//! `Runtime`: the worker pool, and `from_cache_sources`, which decides per source whether to
-//! load, write, report missing or malformed, and builds the dataset.
+//! `Runtime`: the worker pool; `from_cache_sources`, which decides per source whether to load,
+//! write, report missing or malformed, and builds the dataset; and `open_caches`, which only
+//! loads, sharing that load and that dataset.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -20,7 +21,8 @@ use dataset_rt_core::writer::{
 use dataset_rt_core::Error;
 use pyo3::prelude::*;
 use pyo3::types::{
-    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple,
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyMemoryView,
+    PyString, PyTuple,
 };
 
 use crate::dataset::Dataset;
@@ -92,20 +94,16 @@ impl Runtime {
         // A closed runtime, or one inherited by a forked child, can do nothing: say so before
         // anything is created or any source is judged.
         self.pool.check_usable().py_err()?;
-        let read = ReadOptions {
+        let reading = Reading::new(
             seed,
             shuffle,
-            prefetch_size: read_prefetch,
-            epoch_len: samples_per_epoch,
+            read_prefetch,
+            read_validate,
             rank,
             world_size,
-            policy: if drop_last {
-                RankPolicy::Drop
-            } else {
-                RankPolicy::Pad
-            },
-        };
-        read.validate().py_err()?;
+            drop_last,
+            samples_per_epoch,
+        )?;
         let write = WriterOptions {
             prefetch_size: write_prefetch,
             compression: Compression::new(algo, ratio).py_err()?,
@@ -126,27 +124,19 @@ impl Runtime {
             ));
         }
         // Every name is checked before anything is written.
-        let mut names = Vec::with_capacity(sources.len());
-        let mut seen = HashSet::new();
-        for (i, s) in sources.iter().enumerate() {
-            let name = source_name(i, s)?;
-            validate_name(&name).py_err()?;
-            if !seen.insert(name.clone()) {
-                return Err(ConfigError::new_err(format!(
-                    "two sources are named {name:?}: each source writes base_cache_dir/name, so \
-                     names must be unique; nothing was written"
-                )));
-            }
-            names.push(name);
-        }
+        let names = sources
+            .iter()
+            .enumerate()
+            .map(|(i, s)| source_name(i, s))
+            .collect::<PyResult<Vec<_>>>()?;
+        check_names(
+            &names,
+            "source",
+            "each source writes base_cache_dir/name, so names must be unique; nothing was written",
+        )?;
 
         check_base_dir(&base_cache_dir).py_err()?;
 
-        let validation = if read_validate {
-            Validation::Full
-        } else {
-            Validation::Structure
-        };
         let mut progress = show_progress.then(|| WriteProgress::new(sources.len()));
         let mut outcomes = Vec::with_capacity(sources.len());
         let mut caches = Vec::new();
@@ -159,7 +149,7 @@ impl Runtime {
                 name,
                 &base_cache_dir,
                 &write,
-                validation,
+                reading.validation,
                 progress.as_mut(),
             )?;
             outcomes.push((outcome.0, name.clone(), path, outcome.1, outcome.2));
@@ -167,20 +157,184 @@ impl Runtime {
                 caches.push(Arc::new(c));
             }
         }
-        if caches.is_empty() {
-            return Ok((None, outcomes));
+        self.dataset(py, caches, outcomes, reading.read)
+    }
+
+    /// Loads existing caches by name, as `from_cache_sources` loads them, and nothing else:
+    /// no source is iterated, and nothing under `base_cache_dir` is created, locked or removed
+    /// (no lock file, no reaping of dead writers' leftovers), so it works on read-only storage
+    /// and beside running writers.
+    #[pyo3(signature = (names, base_cache_dir, *, seed, shuffle, read_prefetch, read_validate,
+        rank, world_size, drop_last, samples_per_epoch))]
+    #[allow(clippy::too_many_arguments)]
+    fn open_caches(
+        &self,
+        py: Python<'_>,
+        names: &Bound<'_, PyAny>,
+        base_cache_dir: PathBuf,
+        seed: u64,
+        shuffle: bool,
+        read_prefetch: usize,
+        read_validate: bool,
+        rank: u64,
+        world_size: u64,
+        drop_last: bool,
+        samples_per_epoch: Option<u64>,
+    ) -> PyResult<(Option<Dataset>, Vec<Outcome>)> {
+        self.pool.check_usable().py_err()?;
+        let reading = Reading::new(
+            seed,
+            shuffle,
+            read_prefetch,
+            read_validate,
+            rank,
+            world_size,
+            drop_last,
+            samples_per_epoch,
+        )?;
+        let names = cache_names(names)?;
+        check_names(
+            &names,
+            "cache",
+            "a dataset holds each cache once; nothing was opened",
+        )?;
+        check_base_dir(&base_cache_dir).py_err()?;
+
+        let mut outcomes = Vec::with_capacity(names.len());
+        let mut caches = Vec::new();
+        for name in &names {
+            let path = base_cache_dir.join(name);
+            let (outcome, cache) = match std::fs::metadata(&path) {
+                Ok(_) => self.load_existing(py, &path, reading.validation, Leftovers::Keep)?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => (
+                    (
+                        "missing",
+                        Some(format!(
+                            "no cache at {}; open_caches only loads existing caches \
+                             (from_cache_sources writes missing ones from their sources)",
+                            path.display()
+                        )),
+                        None,
+                    ),
+                    None,
+                ),
+                Err(e) => return Err(to_py(Error::io("open", &path, e))),
+            };
+            outcomes.push((outcome.0, name.clone(), path, outcome.1, outcome.2));
+            if let Some(c) = cache {
+                caches.push(Arc::new(c));
+            }
         }
-        let total: u64 = caches.iter().map(|c| c.len()).sum();
-        if total == 0 && read.epoch_len.is_some_and(|l| l > 0) {
+        self.dataset(py, caches, outcomes, reading.read)
+    }
+}
+
+/// The reader settings of a call, checked.
+struct Reading {
+    read: ReadOptions,
+    validation: Validation,
+}
+
+impl Reading {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        seed: u64,
+        shuffle: bool,
+        prefetch_size: usize,
+        validate: bool,
+        rank: u64,
+        world_size: u64,
+        drop_last: bool,
+        epoch_len: Option<u64>,
+    ) -> PyResult<Self> {
+        let read = ReadOptions {
+            seed,
+            shuffle,
+            prefetch_size,
+            epoch_len,
+            rank,
+            world_size,
+            policy: if drop_last {
+                RankPolicy::Drop
+            } else {
+                RankPolicy::Pad
+            },
+        };
+        read.validate().py_err()?;
+        let validation = if validate {
+            Validation::Full
+        } else {
+            Validation::Structure
+        };
+        Ok(Reading { read, validation })
+    }
+}
+
+/// Every name is a valid directory name, and no name comes twice (`what` names the items,
+/// `why` says why names must be unique and what was not done).
+fn check_names(names: &[String], what: &str, why: &str) -> PyResult<()> {
+    let mut seen = HashSet::new();
+    for name in names {
+        validate_name(name).map_err(|e| match e {
+            Error::InvalidConfig { reason, .. } => {
+                ConfigError::new_err(format!("invalid {what} name: {reason}"))
+            }
+            other => to_py(other),
+        })?;
+        if !seen.insert(name) {
             return Err(ConfigError::new_err(format!(
-                "invalid ReaderConfig.samples_per_epoch: {} samples per epoch, but the loaded \
-                 caches hold no samples",
-                read.epoch_len.unwrap_or(0)
+                "two {what}s are named {name:?}: {why}"
             )));
         }
-        let dataset = Dataset::new(py, self.pool.clone(), caches, read)?;
-        Ok((Some(dataset), outcomes))
     }
+    Ok(())
+}
+
+/// `open_caches`' names: one `str`, or a non-empty list or tuple of them.
+fn cache_names(names: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+    let utf8 = |i: usize, name: &Bound<'_, PyString>| {
+        name.to_str().map(str::to_owned).map_err(|_| {
+            ConfigError::new_err(format!(
+                "open_caches: name {i} ({}) is not valid UTF-8; a cache name is a directory \
+                 name",
+                name.repr().map(|r| r.to_string()).unwrap_or_default()
+            ))
+        })
+    };
+    if let Ok(name) = names.cast::<PyString>() {
+        return Ok(vec![utf8(0, name)?]);
+    }
+    if !(names.is_instance_of::<PyList>() || names.is_instance_of::<PyTuple>()) {
+        return Err(ConfigError::new_err(format!(
+            "open_caches: names must be a str or a list or tuple of str, got {}",
+            type_name(names)
+        )));
+    }
+    let names: Vec<Bound<'_, PyAny>> = names.try_iter()?.collect::<PyResult<_>>()?;
+    if names.is_empty() {
+        return Err(ConfigError::new_err("open_caches needs at least one name"));
+    }
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let name = name.cast::<PyString>().map_err(|_| {
+                ConfigError::new_err(format!(
+                    "open_caches: name {i} must be a str, got {} {}",
+                    type_name(name),
+                    name.repr().map(|r| r.to_string()).unwrap_or_default()
+                ))
+            })?;
+            utf8(i, name)
+        })
+        .collect()
+}
+
+/// Whether loading a cache first removes the temporary directories its dead writers left.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Leftovers {
+    Reap,
+    Keep,
 }
 
 type SourceResult = ((&'static str, Option<String>, Option<u64>), Option<Cache>);
@@ -270,7 +424,7 @@ impl Runtime {
         // the lock: that works on read-only storage too.
         let published = base.join(name);
         if published.exists() {
-            return self.load_existing(py, &published, validation);
+            return self.load_existing(py, &published, validation, Leftovers::Reap);
         }
         let signals = Signals::default();
         let lock =
@@ -285,7 +439,7 @@ impl Runtime {
         if dir.exists() {
             // Another writer published it while this one waited for the lock.
             drop(lock);
-            return self.load_existing(py, &dir, validation);
+            return self.load_existing(py, &dir, validation, Leftovers::Reap);
         }
         let iterable = source.get_type().hasattr("__iter__").unwrap_or(false);
         if !iterable {
@@ -337,7 +491,8 @@ impl Runtime {
         })
     }
 
-    /// Loads a published cache, first removing the temporary directories its dead writers left.
+    /// Loads a published cache, first removing the temporary directories its dead writers left
+    /// when `leftovers` says so.
     ///
     /// Only a cache that fails validation is "malformed". Anything else is not a property of
     /// the cache and raises: a runtime error (`RuntimeStateError`), and an I/O error with its
@@ -348,11 +503,14 @@ impl Runtime {
         py: Python<'_>,
         dir: &Path,
         validation: Validation,
+        leftovers: Leftovers,
     ) -> PyResult<SourceResult> {
         let owned = dir.to_owned();
         let opened = py.detach(|| {
             self.pool.run(move || {
-                if let (Some(base), Some(name)) = (owned.parent(), owned.file_name()) {
+                if let (Leftovers::Reap, Some(base), Some(name)) =
+                    (leftovers, owned.parent(), owned.file_name())
+                {
                     reap_dead_leftovers(base, &name.to_string_lossy());
                 }
                 Cache::open(&owned, validation)
@@ -366,6 +524,29 @@ impl Runtime {
             Err(e) if is_malformed(&e) => Ok((("malformed", Some(e.to_string()), None), None)),
             Err(e) => Err(to_py(e)),
         }
+    }
+
+    /// The dataset over the caches that loaded, in order; `None` when none did.
+    fn dataset(
+        &self,
+        py: Python<'_>,
+        caches: Vec<Arc<Cache>>,
+        outcomes: Vec<Outcome>,
+        read: ReadOptions,
+    ) -> PyResult<(Option<Dataset>, Vec<Outcome>)> {
+        if caches.is_empty() {
+            return Ok((None, outcomes));
+        }
+        let total: u64 = caches.iter().map(|c| c.len()).sum();
+        if total == 0 && read.epoch_len.is_some_and(|l| l > 0) {
+            return Err(ConfigError::new_err(format!(
+                "invalid ReaderConfig.samples_per_epoch: {} samples per epoch, but the loaded \
+                 caches hold no samples",
+                read.epoch_len.unwrap_or(0)
+            )));
+        }
+        let dataset = Dataset::new(py, self.pool.clone(), caches, read)?;
+        Ok((Some(dataset), outcomes))
     }
 
     /// Opens and validates a cache on the pool.
@@ -510,7 +691,34 @@ fn numpy_item<'py>(v: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
     v.call_method0("item").ok()
 }
 
-/// Converts one `CacheInput`: bytes-like data and a dict of primitive metadata.
+/// One metadata entry as Python gave it: (key, value).
+type PyPair<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>);
+
+/// The (key, value) pairs of a metadata mapping, in its order: a `dict` directly, any other
+/// `collections.abc.Mapping` (a `MappingProxyType`, a custom mapping) through `items()`.
+fn metadata_items<'py>(metadata: &Bound<'py, PyAny>) -> Result<Vec<PyPair<'py>>, String> {
+    if let Ok(dict) = metadata.cast::<PyDict>() {
+        return Ok(dict.iter().collect());
+    }
+    let mapping = metadata.cast::<PyMapping>().map_err(|_| {
+        format!(
+            "metadata must be a mapping (a dict, or any collections.abc.Mapping), got {}",
+            type_name(metadata)
+        )
+    })?;
+    let failed = |e: PyErr| format!("metadata ({}).items() failed: {e}", type_name(metadata));
+    mapping
+        .items()
+        .map_err(failed)?
+        .iter()
+        .map(|pair| {
+            pair.extract::<(Bound<'py, PyAny>, Bound<'py, PyAny>)>()
+                .map_err(failed)
+        })
+        .collect()
+}
+
+/// Converts one `CacheInput`: bytes-like data and a mapping of primitive metadata.
 fn to_sample(item: &Bound<'_, PyAny>) -> Result<SampleInput, String> {
     let (data, metadata) = match (item.getattr("data"), item.getattr("metadata")) {
         (Ok(d), Ok(m)) => (d, m),
@@ -536,11 +744,9 @@ fn to_sample(item: &Bound<'_, PyAny>) -> Result<SampleInput, String> {
             type_name(&data)
         ));
     };
-    let dict = metadata
-        .cast::<PyDict>()
-        .map_err(|_| format!("metadata must be a dict, got {}", type_name(&metadata)))?;
-    let mut meta = Vec::with_capacity(dict.len());
-    for (k, v) in dict.iter() {
+    let items = metadata_items(&metadata)?;
+    let mut meta = Vec::with_capacity(items.len());
+    for (k, v) in items {
         let key: String = k
             .cast::<PyString>()
             .map_err(|_| format!("metadata keys must be str, got {} key {k}", type_name(&k)))?
