@@ -148,3 +148,50 @@ fn a_log_gets_at_most_one_line_a_second_and_no_stale_eta() {
     }
     assert!(!text.contains('\x1b') && !text.contains('\r'));
 }
+
+#[test]
+fn the_eta_covers_the_remaining_sources_once_one_was_written() {
+    let sink = Recorder::new(true, 200);
+    let mut progress = WriteProgress::new(3);
+    for index in 0..3 {
+        write_source(&mut progress, Arc::clone(&sink), index, 300);
+    }
+    let text = sink.text();
+    let draws: Vec<&str> = text
+        .split(['\r', '\n'])
+        .map(|d| d.trim_start_matches("\x1b[2K").trim_end())
+        .collect();
+    let running = |prefix: &str| -> Vec<&str> {
+        draws
+            .iter()
+            .copied()
+            .filter(|d| d.starts_with(prefix) && !d.contains("written in"))
+            .collect()
+    };
+    // Nothing to estimate from before the first source is written; then the mean source time.
+    let first = running("[1/3] images: ");
+    assert!(
+        !first.is_empty() && first.iter().all(|d| d.ends_with("| ETA -")),
+        "{first:?}"
+    );
+    for prefix in ["[2/3] images: ", "[3/3] images: "] {
+        let later = running(prefix);
+        assert!(!later.is_empty(), "{text:?}");
+        for draw in later {
+            let eta = draw.rsplit_once("| ETA ").map(|(_, eta)| eta).unwrap_or("");
+            assert!(
+                eta.split(' ')
+                    .next()
+                    .is_some_and(|n| n.parse::<u64>().is_ok()),
+                "{draw:?} has no ETA in time units"
+            );
+        }
+    }
+    let finished: Vec<&str> = draws
+        .iter()
+        .copied()
+        .filter(|d| d.contains("written in"))
+        .collect();
+    assert_eq!(finished.len(), 3, "{finished:?}");
+    assert!(finished.iter().all(|d| !d.contains("ETA")), "{finished:?}");
+}
