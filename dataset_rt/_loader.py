@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import io
 import json
 import mmap
@@ -418,7 +419,8 @@ class _LoaderIterator(Iterator[Any]):
         ticket = ring.take_ticket()
         if ticket != seq:
             raise LoaderError(f"took ticket {ticket} for batch {seq}")
-        taken = None
+        # A batch already written needs no check of the other parties: only waiting does.
+        taken = ring.take_batch(seq, 0.0, fd)
         while taken is None:
             self._check(seq, started)
             taken = ring.take_batch(seq, _POLL_S, fd)
@@ -449,6 +451,10 @@ class _LoaderIterator(Iterator[Any]):
                 ring.release(held.seq)
             else:
                 self._kept = held
+                # release_kept reads the map's address through numpy: have it imported now,
+                # before memory may run short, rather than by the first copy.
+                if "numpy" not in sys.modules:
+                    importlib.import_module("numpy")
 
     def _receive(self, i: int) -> None:
         """Reads everything worker ``i`` has sent: results go to the reorder buffer, a fatal

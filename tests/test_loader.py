@@ -14,7 +14,15 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from loader_helpers import SEED, load, no_leaks, own_segments, payload  # noqa: F401
+from loader_helpers import (  # noqa: F401
+    SEED,
+    gone,
+    load,
+    no_leaks,
+    own_segments,
+    payload,
+    wait_until,
+)
 
 import dataset_rt
 from dataset_rt import ConfigError, StateError, _loader
@@ -575,6 +583,53 @@ def test_state_dict_from_another_thread_while_passes_start(base):
         pytest.fail("iter() and state_dict() in two threads deadlocked")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+KEEPER = textwrap.dedent(
+    """
+    import os, resource, sys
+    from pathlib import Path
+    sys.path.insert(0, {tests!r})
+    from loader_helpers import load, payload
+    from dataset_rt._loader import DataLoader
+    dataset = load(Path({base!r}), 64, size={size})
+    it = iter(DataLoader(dataset, batch_size=1))
+    print(os.getpid(), it.pids["producer"], flush=True)
+    kept = [next(it), next(it)]
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    limit = resource.getrlimit(resource.RLIMIT_AS)
+    # Room for a few more batches: keeping every one must end in MemoryError, not a hang.
+    resource.setrlimit(resource.RLIMIT_AS, (vm + 12 * {size}, limit[1]))
+    try:
+        for batch in it:
+            kept.append(batch)
+        print("no error", flush=True)
+    except MemoryError as e:
+        resource.setrlimit(resource.RLIMIT_AS, limit)
+        assert 2 < len(kept) < 64, len(kept)
+        for (sample,) in kept:
+            assert bytes(sample.data) == payload(sample.metadata["i"], {size})
+        print(e, flush=True)
+    """
+)
+
+
+def test_keeping_batches_past_the_memory_limit_raises_memory_error(tmp_path):
+    """Kept batches cost memory: where the process can get no more, `next()` raises
+    MemoryError naming the batch; nothing hangs or leaks, and the batches kept stay valid."""
+    size = 256 * 1024
+    load(tmp_path, 64, size=size)
+    script = KEEPER.format(tests=os.path.dirname(__file__), base=str(tmp_path), size=size)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    pids, message = done.stdout.strip().split("\n")
+    owner, producer = map(int, pids.split())
+    assert "batch" in message and "keep fewer batches" in message, message
+    assert wait_until(lambda: gone(producer), 5)
+    assert own_segments(owner) == []
 
 
 def test_slots_are_sized_from_the_data(dataset, tmp_path):

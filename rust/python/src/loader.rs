@@ -639,10 +639,11 @@ impl RingHandle {
             Ok(map) => map,
             Err(e) if is_enomem(py, &e) => {
                 return Err(PyMemoryError::new_err(format!(
-                    "mapping the ring slot of batch {ticket} failed: {e}. Each batch the \
-                     training loop keeps is one mapping, and Linux allows a process \
-                     vm.max_map_count of them (65,530 by default): keep fewer batches, or \
-                     copy what must be kept (bytes(sample.data))"
+                    "mapping the ring slot of batch {ticket} failed: {e}. The process is out \
+                     of memory or of mappings: each batch the training loop keeps holds its \
+                     bytes and is one mapping, and Linux allows a process vm.max_map_count of \
+                     them (65,530 by default): keep fewer batches, or copy what must be kept \
+                     (bytes(sample.data))"
                 )))
             }
             Err(e) => return Err(e),
