@@ -6,11 +6,12 @@ starts and watches processes and moves results.
 
 Lifetimes of the zero-copy views (``CachedSample.data``, a ``memoryview`` into a slot):
 
-- ``num_workers=0``: valid until the next batch is requested (or the pass ends: the loader is
-  closed, or the loader and its iterator are both gone); after that they are released and any
-  use raises ``ValueError``. Copy (``bytes(view)``) what must live longer. A view still
-  exported then (``numpy.frombuffer`` of it alive) raises ``LoaderError`` instead of letting the
-  slot be reused under it.
+- ``num_workers=0``: valid for as long as anything references them, as with torch, also after
+  the loader is closed. Each batch is one ``mmap`` of its slot, and its slot goes back to the
+  producer only once the training process no longer references that map (no copy), or, for a
+  batch the loop keeps past the next one, after the map's pages became a private copy in place
+  (same address and bytes: one copy of each kept batch, so memory grows with what is kept, as
+  with torch). A slot is never reused while anything can read it. See _release_held.
 - ``num_workers>0``: valid inside ``transform`` / ``collate_fn``; the result is pickled (views
   become ``bytes``: one copy) before the slot is released.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import io
 import json
 import mmap
@@ -86,6 +88,26 @@ class _BatchViews:
             "sample.data is alive) when its ring slot must be reused: copy the bytes "
             "(bytes(sample.data), numpy.array(...)) if they must outlive the batch"
         )
+
+
+class _SlotMap:
+    """The training process's map of one delivered batch's slot (``num_workers=0``): the batch's
+    ``sample.data`` views are slices of it, and it is Python's, so they keep it alive."""
+
+    __slots__ = ("map", "seq")
+
+    def __init__(self, seq: int, slot_map: mmap.mmap) -> None:
+        self.seq = seq
+        self.map = slot_map
+
+    def release(self) -> bool:
+        """Unmaps the slot unless something still references the map (a view, a buffer made
+        from one such as ``numpy.frombuffer``); says whether it did."""
+        try:
+            self.map.close()
+        except BufferError:
+            return False
+        return True
 
 
 class _BatchPickler(pickle.Pickler):
@@ -228,7 +250,10 @@ class _LoaderIterator(Iterator[Any]):
         self._exited: set[int] = set()
         self._buffer: dict[int, tuple[str, Any]] = {}
         self._fd: int | None = None
-        self._held: _BatchViews | None = None
+        # num_workers=0: the batch delivered last, and the one before it if it was still
+        # referenced when the next was asked for (see _release_held).
+        self._held: _SlotMap | None = None
+        self._kept: _SlotMap | None = None
         self._unlinked = False
         self._total = 0
         self._slot_size = 0
@@ -241,7 +266,9 @@ class _LoaderIterator(Iterator[Any]):
 
     def _start(self) -> None:
         workers = self._num_workers
-        num_slots = max(2, max(1, workers) * self._prefetch_factor)
+        # num_workers=0: one more slot for the batch still bound to the loop's variable while
+        # the loop asks for the next one (see _release_held).
+        num_slots = max(2, max(1, workers) * self._prefetch_factor) + (workers == 0)
         # The segments and the producer's private directory, all locked by this process.
         self._ring = ring = self._plan.start_pass(num_slots, self._slot_size_bytes, workers)
         self._total = ring.total_batches
@@ -392,23 +419,42 @@ class _LoaderIterator(Iterator[Any]):
         ticket = ring.take_ticket()
         if ticket != seq:
             raise LoaderError(f"took ticket {ticket} for batch {seq}")
-        entries = None
-        while entries is None:
+        # A batch already written needs no check of the other parties: only waiting does.
+        taken = ring.take_batch(seq, 0.0, fd)
+        while taken is None:
             self._check(seq, started)
-            entries = ring.wait_batch(seq, _POLL_S)
-        slot_offset, used, items = entries
-        self._held = views = _BatchViews(fd, seq, slot_offset, used, items)
-        samples = [
-            CachedSample(v, meta) for v, (_, _, meta) in zip(views.views, items, strict=True)
-        ]
+            taken = ring.take_batch(seq, _POLL_S, fd)
+        slot_map, samples = taken
+        self._held = _SlotMap(seq, slot_map)
         return _apply(samples, self._transform, self._collate_fn)
 
     def _release_held(self) -> None:
-        if self._held is not None:
-            held, self._held = self._held, None
-            held.release()
-            assert self._ring is not None
-            self._ring.release(held.seq)
+        """Hands back the slots of the batches the loop has moved past (``num_workers=0``).
+
+        A batch's slot goes back with no copy once nothing references its map. The batch
+        delivered last is usually still bound to the loop's variable when the next is asked
+        for, so if it is referenced it waits one more call; a batch still referenced then is
+        kept by the user: its map becomes a private copy in place (same address, same bytes)
+        before its slot goes back, so no kept view ever shows the slot's next batch."""
+        ring = self._ring
+        if ring is None:
+            return
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            if kept.release():
+                ring.release(kept.seq)
+            else:
+                ring.release_kept(kept.seq, kept.map)
+        held, self._held = self._held, None
+        if held is not None:
+            if held.release():
+                ring.release(held.seq)
+            else:
+                self._kept = held
+                # release_kept reads the map's address through numpy: have it imported now,
+                # before memory may run short, rather than by the first copy.
+                if "numpy" not in sys.modules:
+                    importlib.import_module("numpy")
 
     def _receive(self, i: int) -> None:
         """Reads everything worker ``i`` has sent: results go to the reorder buffer, a fatal
@@ -535,8 +581,10 @@ class DataLoader:
     - ``num_workers``: processes running ``transform`` (per sample) and ``collate_fn`` (per
       batch); ``0`` runs them in the training process on zero-copy views.
     - ``collate_fn``: ``None`` yields each batch as a list.
-    - ``prefetch_factor``: ring slots per worker (at least 2 slots in all): how far the
-      producer may run ahead of the training loop.
+    - ``prefetch_factor``: ring slots per worker (at least 2 slots in all, plus one with
+      ``num_workers=0``): how far the producer may run ahead of the training loop.
+    - With ``num_workers=0``, ``sample.data`` views stay valid as long as they are referenced
+      (a batch kept past the next one is copied once when its slot is reused).
     - ``slot_size_bytes``: bytes of one slot; ``None`` sizes slots from the data, so that a
       batch of the dataset's largest samples fits. A batch that does not fit an explicit size
       raises ``LoaderError`` naming both sizes (it is never truncated).

@@ -14,10 +14,18 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from loader_helpers import SEED, load, no_leaks, own_segments, payload  # noqa: F401
+from loader_helpers import (  # noqa: F401
+    SEED,
+    gone,
+    load,
+    no_leaks,
+    own_segments,
+    payload,
+    wait_until,
+)
 
 import dataset_rt
-from dataset_rt import ConfigError, StateError
+from dataset_rt import ConfigError, StateError, _loader
 from dataset_rt._loader import DataLoader
 from dataset_rt._native import LoaderError, WorkerError
 
@@ -117,12 +125,10 @@ def test_zero_copy_views_in_the_training_process(tmp_path):
             tracemalloc.stop()
         assert all(len(s.data) >= size for s in batch)
         assert grown < 4096 + 1024 * len(batch) < size
-        # The first batch's views were released when the second was requested.
-        with pytest.raises(ValueError):
-            bytes(view)
-        with pytest.raises(ValueError):
-            view[0]
+        # A view the loop keeps stays valid, whatever happens to its slot.
+        assert bytes(view) == payload(first[0].metadata["i"], size)
         list(it)
+        assert view[:] == payload(first[0].metadata["i"], size)
 
 
 def where_is(sample):
@@ -137,13 +143,100 @@ def test_worker_transforms_get_views_over_the_ring(dataset):
     assert seen == {("memoryview", "mmap")}
 
 
-def test_a_view_still_exported_blocks_reuse(dataset):
+def mapping_of(address: int) -> str:
+    """The line of /proc/self/maps whose range holds `address`."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            low, high = (int(x, 16) for x in line.split()[0].split("-"))
+            if low <= address < high:
+                return line
+    raise AssertionError(f"{address:#x} is not mapped")
+
+
+def test_a_kept_batch_is_read_in_place_until_its_slot_is_reused_then_privately(tmp_path):
+    size = 64 * 1024
+    dataset = load(tmp_path, 24, size=size)
     with DataLoader(dataset, batch_size=4, num_workers=0) as loader:
         it = iter(loader)
-        kept = np.frombuffer(next(it)[0].data, dtype=np.uint8)  # exports the slot's view
-        with pytest.raises(LoaderError, match="still exported"):
-            next(it)
-        del kept
+        first = next(it)
+        expected = [payload(s.metadata["i"], size) for s in first]
+        kept = np.frombuffer(first[1].data, dtype=np.uint8)  # exports the slot's view
+        address = kept.ctypes.data
+        # Zero copy: the view reads the ring segment itself.
+        assert "dataset-rt-" in mapping_of(address)
+        second = next(it)
+        assert "dataset-rt-" in mapping_of(address)
+        rest = list(it)  # every slot is reused meanwhile
+        assert len(rest) == 4
+        # Its slot was reused: the same address now holds private, anonymous pages.
+        line = mapping_of(address)
+        assert "dataset-rt-" not in line
+        assert line.split()[4] == "0"  # no inode: anonymous
+        assert kept.ctypes.data == address
+        assert kept.tobytes() == expected[1]
+        assert [bytes(s.data) for s in first] == expected
+        assert [bytes(s.data) for s in second] == [payload(s.metadata["i"], size) for s in second]
+    assert kept.tobytes() == expected[1]  # and after the loader closed
+
+
+def test_batches_the_loop_drops_are_handed_back_without_a_copy(dataset, monkeypatch):
+    unmapped: dict[int, list[bool]] = {}
+    release = _loader._SlotMap.release
+
+    def recording(self):
+        done = release(self)
+        unmapped.setdefault(self.seq, []).append(done)
+        return done
+
+    monkeypatch.setattr(_loader._SlotMap, "release", recording)
+    with DataLoader(dataset, batch_size=4, num_workers=0) as loader:
+        for batch in loader:
+            assert len(bytes(batch[0].data)) > 0
+    # Each batch was still bound to `batch` when the next one was asked for, and unmapped the
+    # time after: none was copied out of its slot. The last one is still bound to `batch`
+    # after the pass: it stays in place (the pass is over, its slot is never reused).
+    assert sorted(unmapped) == list(range(15))
+    assert all(unmapped[seq] == [False, True] for seq in range(14)), unmapped
+    assert unmapped[14] == [False]
+    assert bytes(batch[0].data) == payload(batch[0].metadata["i"])
+
+
+@pytest.fixture(scope="module")
+def base_1000(tmp_path_factory):
+    path = tmp_path_factory.mktemp("loader-cache-1000")
+    load(path, 1000)
+    return path
+
+
+def test_list_of_a_loader_holds_valid_batches(base_1000):
+    dataset = load(base_1000, 1000)
+    expected = epoch_ids(dataset, 0)
+    with DataLoader(dataset, batch_size=3, num_workers=0) as loader:
+        batches = list(loader)
+    assert len(batches) == 334
+    assert ids(batches) == expected
+    for b in batches:
+        for s in b:
+            assert bytes(s.data) == payload(s.metadata["i"])
+            assert s.metadata["tag"] == f"s{s.metadata['i']}"
+
+
+def test_every_batch_of_an_epoch_kept_then_checked(base_1000):
+    dataset = load(base_1000, 1000)
+    expected = epoch_ids(dataset, 0)
+    kept, arrays = [], []
+    with DataLoader(dataset, batch_size=1, num_workers=0) as loader:
+        for batch in loader:
+            kept.append(batch)
+            arrays.append(np.frombuffer(batch[0].data, dtype=np.uint8))
+        assert len(kept) == 1000
+        assert ids(kept) == expected
+    # Every view and every array made from one still holds its own sample after the loader
+    # closed (each slot was reused hundreds of times meanwhile).
+    for (sample,), array in zip(kept, arrays, strict=True):
+        i = sample.metadata["i"]
+        assert bytes(sample.data) == payload(i)
+        assert array.tobytes() == payload(i)
 
 
 @pytest.mark.parametrize(
@@ -490,6 +583,53 @@ def test_state_dict_from_another_thread_while_passes_start(base):
         pytest.fail("iter() and state_dict() in two threads deadlocked")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+KEEPER = textwrap.dedent(
+    """
+    import os, resource, sys
+    from pathlib import Path
+    sys.path.insert(0, {tests!r})
+    from loader_helpers import load, payload
+    from dataset_rt._loader import DataLoader
+    dataset = load(Path({base!r}), 64, size={size})
+    it = iter(DataLoader(dataset, batch_size=1))
+    print(os.getpid(), it.pids["producer"], flush=True)
+    kept = [next(it), next(it)]
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    limit = resource.getrlimit(resource.RLIMIT_AS)
+    # Room for a few more batches: keeping every one must end in MemoryError, not a hang.
+    resource.setrlimit(resource.RLIMIT_AS, (vm + 12 * {size}, limit[1]))
+    try:
+        for batch in it:
+            kept.append(batch)
+        print("no error", flush=True)
+    except MemoryError as e:
+        resource.setrlimit(resource.RLIMIT_AS, limit)
+        assert 2 < len(kept) < 64, len(kept)
+        for (sample,) in kept:
+            assert bytes(sample.data) == payload(sample.metadata["i"], {size})
+        print(e, flush=True)
+    """
+)
+
+
+def test_keeping_batches_past_the_memory_limit_raises_memory_error(tmp_path):
+    """Kept batches cost memory: where the process can get no more, `next()` raises
+    MemoryError naming the batch; nothing hangs or leaks, and the batches kept stay valid."""
+    size = 256 * 1024
+    load(tmp_path, 64, size=size)
+    script = KEEPER.format(tests=os.path.dirname(__file__), base=str(tmp_path), size=size)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    pids, message = done.stdout.strip().split("\n")
+    owner, producer = map(int, pids.split())
+    assert "batch" in message and "keep fewer batches" in message, message
+    assert wait_until(lambda: gone(producer), 5)
+    assert own_segments(owner) == []
 
 
 def test_slots_are_sized_from_the_data(dataset, tmp_path):

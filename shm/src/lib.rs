@@ -5,6 +5,7 @@
 pub mod batch;
 mod futex;
 pub mod layout;
+pub mod private_copy;
 pub mod producer;
 pub mod ring;
 pub mod segment;
@@ -50,6 +51,16 @@ pub enum ShmError {
         samples: u64,
         needed: u64,
         slot_size: u64,
+    },
+
+    /// Memory for a private copy of a mapping could not be had (`ENOMEM`), or the kernel refused
+    /// to move it into place.
+    #[error("{op} of {len} bytes for a private copy of a ring slot: {source}")]
+    Memory {
+        op: &'static str,
+        len: usize,
+        #[source]
+        source: std::io::Error,
     },
 
     #[error(transparent)]

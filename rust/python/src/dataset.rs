@@ -486,6 +486,36 @@ struct Origin {
     row: u64,
 }
 
+/// Makes the samples of the shared-memory loader's slots in the training process: a slot entry
+/// names its sample's cache and row, so its metadata dict is built from this dataset's own row
+/// on first access (the producer encoded that same row; the caches' fingerprints were compared).
+#[derive(Clone)]
+pub(crate) struct SampleMaker {
+    dataset: Arc<core::Dataset>,
+    py_side: Arc<PySide>,
+}
+
+impl SampleMaker {
+    /// The sample at (`cache`, `row`) with payload `data`, or `None` when the dataset has no such
+    /// sample.
+    pub(crate) fn sample(&self, data: Py<PyAny>, cache: u32, row: u64) -> Option<CachedSample> {
+        let c = cache as usize;
+        if self.dataset.caches.get(c)?.len() <= row {
+            return None;
+        }
+        Some(CachedSample {
+            data,
+            metadata: OnceLock::new(),
+            origin: Some(Origin {
+                dataset: self.dataset.clone(),
+                py_side: self.py_side.clone(),
+                cache: c,
+                row,
+            }),
+        })
+    }
+}
+
 /// One sample: its payload bytes (a memoryview, or bytes when it was decompressed) and metadata.
 #[pyclass(module = "dataset_rt._native", frozen)]
 pub struct CachedSample {
@@ -612,6 +642,13 @@ pub fn epoch_order(
 }
 
 impl Dataset {
+    pub(crate) fn sample_maker(&self) -> SampleMaker {
+        SampleMaker {
+            dataset: self.inner.clone(),
+            py_side: self.py_side.clone(),
+        }
+    }
+
     /// The core dataset, reading options and weights in force: the shared-memory loader
     /// (`loader.rs`) reads the same order in its producer process.
     pub(crate) fn reading(&self) -> (Arc<core::Dataset>, ReadOptions, WeightTable) {

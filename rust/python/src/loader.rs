@@ -10,15 +10,16 @@ use dataset_rt_core::dataset::{next_epoch, resume_point, State};
 use dataset_rt_core::metadata::MetaRef;
 use dataset_rt_shm::batch::{decode_metadata, max_sample_bytes, read_batch, slot_size_for};
 use dataset_rt_shm::layout::*;
+use dataset_rt_shm::private_copy::replace_with_private_copy;
 use dataset_rt_shm::producer::{self, ProducerSpec};
 use dataset_rt_shm::ring::{Geometry, Heartbeat, Party, Pass, Ring, Role};
 use dataset_rt_shm::{segment, ShmError};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError};
+use pyo3::exceptions::{PyFileNotFoundError, PyMemoryError, PyOSError, PyPermissionError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList, PySlice};
 
-use crate::dataset::Dataset;
+use crate::dataset::{Dataset, SampleMaker};
 use crate::errors::{
     self, CacheMalformedError, ConfigError, CorruptRecordError, DatasetRTError, IntoPyResult,
     StateError,
@@ -81,6 +82,10 @@ fn shm_err(err: ShmError) -> PyErr {
         ShmError::Core(e) => errors::to_py(e),
         ShmError::Stopped | ShmError::OwnerGone(_) => RingClosed::new_err(msg),
         ShmError::ProducerFailed { kind, batch, text } => producer_error(kind, batch, &text),
+        ShmError::Memory { source, .. } => match source.raw_os_error() {
+            Some(errno) => PyOSError::new_err((errno, msg)),
+            None => PyOSError::new_err(msg),
+        },
         _ => LoaderError::new_err(msg),
     }
 }
@@ -403,6 +408,7 @@ impl LoaderPlan {
                 generation,
                 epoch,
                 weights_fingerprint: weights.fingerprint,
+                samples: self.dataset.get().sample_maker(),
             }),
         })
     }
@@ -454,6 +460,8 @@ struct OwnerPass {
     generation: u64,
     epoch: u64,
     weights_fingerprint: String,
+    /// Makes the samples of the batches the training process takes itself (`num_workers=0`).
+    samples: SampleMaker,
 }
 
 /// One party's view of a pass's segments.
@@ -632,8 +640,131 @@ impl RingHandle {
         Ok(Some((base, used, out)))
     }
 
+    /// The training process's own take of batch `ticket` (`num_workers=0`, owner only): waits up
+    /// to `timeout` seconds for it and takes it, maps its slot (`mmap.mmap` of the used bytes of
+    /// the ring file `fd`, `ACCESS_READ`) and returns `(map, samples)`: one `CachedSample` per
+    /// sample, its `data` a slice of `memoryview(map)` (no copy), its metadata built on first
+    /// access. `None` when the batch is not ready yet; raises as `wait_batch` does.
+    #[allow(clippy::type_complexity)]
+    fn take_batch<'py>(
+        &self,
+        py: Python<'py>,
+        ticket: u64,
+        timeout: f64,
+        fd: i32,
+    ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyList>)>> {
+        let Some(owner) = &self.owner else {
+            return Err(LoaderError::new_err("take_batch needs the owner's handle"));
+        };
+        let timeout = Duration::from_secs_f64(timeout.max(0.0));
+        let ring = &self.ring;
+        if !py
+            .detach(|| ring.wait_ready(ticket, timeout, self.role, self.consumer))
+            .py_shm()?
+        {
+            return Ok(None);
+        }
+        let slot = ring.slot(ticket);
+        let entries = read_batch(slot, ticket).py_shm()?;
+        let used = u64::from_le_bytes(slot[B_USED..B_USED + 8].try_into().expect("8 bytes"));
+        let mmap = py.import("mmap")?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("offset", ring.slot_offset(ticket))?;
+        kwargs.set_item("access", mmap.getattr("ACCESS_READ")?)?;
+        let map = match mmap.getattr("mmap")?.call((fd, used), Some(&kwargs)) {
+            Ok(map) => map,
+            Err(e) if is_enomem(py, &e) => {
+                return Err(PyMemoryError::new_err(format!(
+                    "mapping the ring slot of batch {ticket} failed: {e}. The process is out \
+                     of memory or of mappings: each batch the training loop keeps holds its \
+                     bytes and is one mapping, and Linux allows a process vm.max_map_count of \
+                     them (65,530 by default): keep fewer batches, or copy what must be kept \
+                     (bytes(sample.data))"
+                )))
+            }
+            Err(e) => return Err(e),
+        };
+        let whole = py
+            .import("builtins")?
+            .getattr("memoryview")?
+            .call1((&map,))?;
+        let samples = PyList::empty(py);
+        for (i, e) in entries.iter().enumerate() {
+            // read_batch checked that every payload lies within the used bytes.
+            let slice = PySlice::new(
+                py,
+                e.data_off as isize,
+                (e.data_off + e.data_len) as isize,
+                1,
+            );
+            let data = whole.get_item(slice)?.unbind();
+            let sample = owner.samples.sample(data, e.cache, e.row).ok_or_else(|| {
+                shm_err(ShmError::Protocol(format!(
+                    "slot of batch {ticket}: sample {i} names row {} of cache {}, which this \
+                     dataset does not have",
+                    e.row, e.cache
+                )))
+            })?;
+            samples.append(sample)?;
+        }
+        Ok(Some((map, samples)))
+    }
+
     /// Gives batch `ticket`'s slot back to the producer (after every view of it was released).
     fn release(&self, ticket: u64) -> PyResult<()> {
+        self.ring.release(ticket, self.consumer).py_shm()
+    }
+
+    /// Gives batch `ticket`'s slot back although the training process still references `map`,
+    /// the `mmap` of it that `take_batch` returned: first replaces the map's pages by a private
+    /// copy in place (same address, same bytes; see `replace_with_private_copy`), so the views
+    /// stay valid and never show the slot's next batch. Raises `MemoryError` when the copy
+    /// cannot be allocated; the slot is then not given back.
+    fn release_kept(&self, py: Python<'_>, ticket: u64, map: &Bound<'_, PyAny>) -> PyResult<()> {
+        if !map.is_instance(&py.import("mmap")?.getattr("mmap")?)? {
+            return Err(LoaderError::new_err(
+                "release_kept needs the slot's mmap.mmap",
+            ));
+        }
+        // A numpy view is the limited API's way to the map's address; while it lives the map
+        // cannot be closed (it is exported), so the address stays valid during the copy.
+        let array = py
+            .import("numpy")?
+            .call_method1("frombuffer", (map, py.import("numpy")?.getattr("uint8")?))?;
+        let (address, readonly): (usize, bool) = array
+            .getattr("__array_interface__")?
+            .get_item("data")?
+            .extract()?;
+        let len = array.len()?;
+        let slot_size = self.ring.geometry().slot_size as usize;
+        if len > slot_size {
+            return Err(LoaderError::new_err(format!(
+                "release_kept: a map of {len} bytes is not one of this ring's {slot_size}-byte slots"
+            )));
+        }
+        let prot = if readonly {
+            libc::PROT_READ
+        } else {
+            libc::PROT_READ | libc::PROT_WRITE
+        };
+        // SAFETY: `address .. address + len` is the buffer of `map`, one whole mapping (Python
+        // maps it at a page-aligned offset, so its buffer starts the mapping) that stays mapped
+        // while `array` exports it, and read-only for this process. The producer does not write
+        // a slot that is taken, and Python's mmap ends it with munmap.
+        let copied =
+            py.detach(|| unsafe { replace_with_private_copy(address as *mut u8, len, prot) });
+        drop(array);
+        copied.map_err(|e| match e {
+            ShmError::Memory { ref source, .. } if source.raw_os_error() == Some(libc::ENOMEM) => {
+                PyMemoryError::new_err(format!(
+                    "the training loop still references batch {ticket} when its ring slot must \
+                     be reused, and the private copy of its {len} bytes that would keep it valid \
+                     could not be made ({e}): each batch kept costs one copy of it (as with \
+                     torch); keep fewer batches"
+                ))
+            }
+            other => shm_err(other),
+        })?;
         self.ring.release(ticket, self.consumer).py_shm()
     }
 
@@ -656,6 +787,15 @@ impl RingHandle {
             .error()
             .map(|(_, batch, text)| format!("batch {batch}: {text}"))
     }
+}
+
+fn is_enomem(py: Python<'_>, err: &PyErr) -> bool {
+    err.is_instance_of::<PyOSError>(py)
+        && err
+            .value(py)
+            .getattr("errno")
+            .and_then(|n| n.extract::<i32>())
+            .is_ok_and(|n| n == libc::ENOMEM)
 }
 
 /// The producer process's body: runs the Rust loop of the pass in `spec_path`, without the GIL.
