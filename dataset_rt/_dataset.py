@@ -132,7 +132,7 @@ def require_dataset(value: object, caller: str) -> Dataset:
         return value
     kind = type(value)
     got = f"{kind.__module__}.{kind.__qualname__}"
-    if kind.__module__ == "dataset_rt._torch":
+    if kind.__module__ == "dataset_rt.torch" and kind.__qualname__ == "TorchIterableDataset":
         hint = "pass the Dataset itself, not its to_torch_iterable_dataset()"
     elif hasattr(value, "dataset") and hasattr(value, "results"):
         hint = "pass its .dataset"
