@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
-from dataset_rt import _native, _producer
+from dataset_rt import _native, _producer, _signals
 from dataset_rt._native import CachedSample, ConfigError, LoaderError, RingClosed, WorkerError
 
 if TYPE_CHECKING:
@@ -129,6 +129,8 @@ def _consumer_main(
     owner. Anything else that ends it early (a parent that is not the owner, ``worker_init_fn``
     raised, a protocol error) is sent to the training loop as ``("fatal", index, (stage,
     traceback))`` before it exits with code 1."""
+    # The training script's handlers (a SIGTERM handler that ignores the signal) are not ours.
+    _signals.reset_inherited()
     try:
         _native.set_parent_death_signal(owner_pid)
     except RingClosed:
