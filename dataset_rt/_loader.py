@@ -14,10 +14,17 @@ Lifetimes of the zero-copy views (``CachedSample.data``, a ``memoryview`` into a
   with torch). A slot is never reused while anything can read it. See _release_held.
 - ``num_workers>0``: valid inside ``transform`` / ``collate_fn``; the result is pickled (views
   become ``bytes``: one copy) before the slot is released.
+
+Stopping: a pass still open when the interpreter exits is closed by an ``atexit`` hook that runs
+before multiprocessing's own (which would SIGTERM the workers and join them without a bound).
+Children never depend on the training script's signal handlers: they reset them at start, and
+:meth:`_LoaderIterator.close` stops them with the control segment's stop flag and a futex
+wake-up, waits a bounded time, then SIGKILLs what is left.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import importlib
@@ -26,17 +33,19 @@ import json
 import mmap
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util  # registers multiprocessing's exit hook before ours: see the end
 import os
 import pickle
 import subprocess
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
-from dataset_rt import _native, _producer
+from dataset_rt import _native, _producer, _signals
 from dataset_rt._native import CachedSample, ConfigError, LoaderError, RingClosed, WorkerError
 
 if TYPE_CHECKING:
@@ -49,8 +58,13 @@ SHM_DIR = "/dev/shm"
 DEFAULT_HEARTBEAT_TIMEOUT = 30.0
 # How often the training loop checks its producer and workers while it waits.
 _POLL_S = 0.1
-# How long close() lets children exit on their own before killing them.
+# How long close() lets children exit on their own before killing them: a stopped child that
+# is waiting on the ring exits within milliseconds; one inside a long transform is killed.
 _EXIT_GRACE_S = 2.0
+# The same at interpreter exit, where nothing waits for a result any more.
+_AT_EXIT_GRACE_S = 0.5
+# How long a SIGKILLed child may take to be reaped (it cannot refuse; this only bounds the join).
+_KILL_WAIT_S = 2.0
 
 
 def _open_ring(name: str) -> int:
@@ -151,6 +165,8 @@ def _consumer_main(
     owner. Anything else that ends it early (a parent that is not the owner, ``worker_init_fn``
     raised, a protocol error) is sent to the training loop as ``("fatal", index, (stage,
     traceback))`` before it exits with code 1."""
+    # The training script's handlers (a SIGTERM handler that ignores the signal) are not ours.
+    _signals.reset_inherited()
     try:
         _native.set_parent_death_signal(owner_pid)
     except RingClosed:
@@ -257,6 +273,7 @@ class _LoaderIterator(Iterator[Any]):
         self._unlinked = False
         self._total = 0
         self._slot_size = 0
+        _open_passes.add(self)
         _native.reap_shm_leftovers()
         try:
             self._start()
@@ -520,9 +537,15 @@ class _LoaderIterator(Iterator[Any]):
     def close(self) -> None:
         """Stops the producer and workers (killing those that do not exit within seconds),
         removes the segments and keeps the state at what the loop received."""
+        self._shutdown(_EXIT_GRACE_S)
+
+    def _shutdown(self, grace: float) -> None:
+        """Sets the stop flag and wakes every party; waits up to ``grace`` seconds in all for
+        the children to exit, then SIGKILLs the rest. No wait is unbounded."""
         if self._closed or os.getpid() != self._owner:
             return
         self._closed = True
+        _open_passes.discard(self)
         ring = self._ring
         if ring is not None:
             ring.stop()
@@ -533,18 +556,20 @@ class _LoaderIterator(Iterator[Any]):
                 held.release()
         for conn in self._conns:
             conn.close()
-        deadline = time.monotonic() + _EXIT_GRACE_S
+        deadline = time.monotonic() + grace
         for process in self._workers:
             process.join(max(0.0, deadline - time.monotonic()))
+        for process in self._workers:
             if process.is_alive():
                 process.kill()
-                process.join()
+                process.join(_KILL_WAIT_S)
         if self._producer is not None:
             try:
                 self._producer.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self._producer.kill()
-                self._producer.wait()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._producer.wait(_KILL_WAIT_S)
         if ring is not None:
             ring.unlink()
             self._plan.end_pass(ring)
@@ -557,6 +582,24 @@ class _LoaderIterator(Iterator[Any]):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+# The passes of this process that are not closed yet.
+_open_passes: weakref.WeakSet[_LoaderIterator] = weakref.WeakSet()
+
+
+def _close_open_passes() -> None:
+    """Closes every open pass at interpreter exit. ``atexit`` runs hooks last registered
+    first, and ``multiprocessing.util`` (imported above) registered its own before this one: so
+    the workers are stopped here, within a bound, before multiprocessing SIGTERMs its daemonic
+    children and joins them with no timeout (forever, when a worker inherited a SIGTERM handler
+    that ignores the signal)."""
+    for loader_pass in list(_open_passes):
+        with contextlib.suppress(Exception):
+            loader_pass._shutdown(_AT_EXIT_GRACE_S)
+
+
+atexit.register(_close_open_passes)
 
 
 def _context(value: str | BaseContext | None) -> Any:

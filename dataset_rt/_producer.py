@@ -3,7 +3,9 @@
 
 Its loop is Rust (``_native.run_producer``) and runs without the GIL. It exits when its owner
 (the training process) is gone: the kernel's parent-death signal is not used here, because the
-producer, unlike a consumer, must live long enough to remove the owner's segments itself.
+producer, unlike a consumer, must live long enough to remove the owner's segments itself. It
+starts with SIGTERM at its default action and SIGINT ignored, whatever the training process set
+(see :mod:`dataset_rt._signals`); the training process stops it through the control segment.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dataset_rt import _native
+from dataset_rt import _native, _signals
 
 # The producer runs `python -I -S -c LAUNCHER`: isolated (no working directory, no PYTHONPATH or
 # other PYTHON* variables, no user site) and without `site` (no site-packages, no .pth files).
@@ -38,6 +40,8 @@ def command(owner_pid: int, spec_path: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    # An ignored or blocked SIGTERM survives `exec`: the producer must still end on one.
+    _signals.reset_inherited()
     owner_pid, spec_path = int(argv[0]), argv[1]
     try:
         # Also when the owner is already gone: the names it could not remove are removed then.

@@ -448,8 +448,11 @@ impl Ring {
         segment::unlink(&private_dir_name(&self.ctl.name));
     }
 
+    /// Wakes every futex a party may sleep on, so that each re-checks the stop flag and errors
+    /// now rather than at its next [`POLL`].
     fn wake_everyone(&self) {
         futex::wake_all(self.a32(C_PRODUCER_WAKE));
+        futex::wake_all(self.a32(C_ATTACHED));
         for s in 0..self.geometry.num_slots as usize {
             futex::wake_all(self.a32(self.slot_base(s) + S_WORD));
         }
@@ -915,6 +918,42 @@ mod tests {
             Err(ShmError::Stopped)
         ));
         assert!(matches!(r.wait_all_attached(), Err(ShmError::Stopped)));
+    }
+
+    #[test]
+    fn a_stop_wakes_every_waiter_at_once() {
+        // Each waiter sleeps on a different futex word; a stop must wake all of them without
+        // leaving any to notice at its next POLL. Each wait starts well before the stop, so a
+        // waiter that is not woken returns only about POLL after it began.
+        let r = ring(1, 4, 1, false);
+        fill(&r, 0, 0xB0); // the one slot is full: the producer waits for batch 1
+        let late = Duration::from_millis(60);
+        std::thread::scope(|s| {
+            let attached = s.spawn(|| {
+                let e = r.wait_all_attached();
+                (Instant::now(), matches!(e, Err(ShmError::Stopped)))
+            });
+            let fillable = s.spawn(|| {
+                let e = r.wait_fillable(1);
+                (Instant::now(), matches!(e, Err(ShmError::Stopped)))
+            });
+            let ready = s.spawn(|| {
+                let e = r.wait_ready(1, Duration::from_secs(5), Role::Child, None);
+                (Instant::now(), matches!(e, Err(ShmError::Stopped)))
+            });
+            std::thread::sleep(Duration::from_millis(30));
+            let stopped_at = Instant::now();
+            r.stop();
+            for (name, waiter) in [("attach", attached), ("fill", fillable), ("ready", ready)] {
+                let (woke, stopped) = waiter.join().unwrap();
+                assert!(stopped, "the {name} wait did not end with Stopped");
+                let after = woke.saturating_duration_since(stopped_at);
+                assert!(
+                    after < late,
+                    "the {name} wait ended {after:?} after the stop"
+                );
+            }
+        });
     }
 
     #[test]
