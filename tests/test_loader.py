@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -745,7 +746,14 @@ def test_worker_init_fn_exception_reaches_the_training_loop(dataset, start_metho
 def test_the_producer_imports_this_package_without_a_changed_path(dataset):
     with DataLoader(dataset, batch_size=4) as loader:
         it = iter(loader)
-        with open(f"/proc/{it.pids['producer']}/environ", "rb") as f:
+        pid = it.pids["producer"]
+        # Popen returns once the child exists, possibly before it has exec'd the interpreter
+        # (its /proc entries are then the fork's): wait for the producer's own command line.
+        deadline = time.monotonic() + 10
+        while b"-I\0-S" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the producer never exec'd python -I -S"
+            time.sleep(0.005)
+        with open(f"/proc/{pid}/environ", "rb") as f:
             environ = dict(entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
         next(it)
     ours = os.environ.get("PYTHONPATH")
