@@ -6,6 +6,7 @@ pub mod batch;
 mod futex;
 pub mod layout;
 pub mod producer;
+pub mod results;
 pub mod ring;
 pub mod segment;
 
