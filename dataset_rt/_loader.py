@@ -11,8 +11,15 @@ Lifetimes of the zero-copy views (``CachedSample.data``, a ``memoryview`` into a
   use raises ``ValueError``. Copy (``bytes(view)``) what must live longer. A view still
   exported then (``numpy.frombuffer`` of it alive) raises ``LoaderError`` instead of letting the
   slot be reused under it.
-- ``num_workers>0``: valid inside ``transform`` / ``collate_fn``; the result is pickled (views
-  become ``bytes``: one copy) before the slot is released.
+- ``num_workers>0``: slot views are valid inside ``transform`` / ``collate_fn``. The buffers of
+  the result (bytes, bytearray, memoryview, numpy arrays, CPU tensors, ``CachedSample.data``, at
+  any nesting) are written once by the worker into its result memory before the slot is
+  released (``_regions``). The training loop receives views of that memory: numpy arrays and
+  tensors (writable), read-only ``memoryview`` for bytes-like leaves, ``CachedSample`` whose
+  ``data`` is such a view; other objects as pickled. They stay valid as long as you hold them,
+  also after the pass ends: the memory is reused only once nothing references it. When held
+  batches fill ``result_bytes``, buffers that do not fit are pickled (one more copy) with a
+  ``RuntimeWarning`` once per pass; nothing waits, nothing is overwritten.
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
-from dataset_rt import _native, _producer
+from dataset_rt import _native, _producer, _regions
 from dataset_rt._native import CachedSample, ConfigError, LoaderError, RingClosed, WorkerError
 
 if TYPE_CHECKING:
@@ -88,22 +96,7 @@ class _BatchViews:
         )
 
 
-class _BatchPickler(pickle.Pickler):
-    """Pickles a worker's result; slot views become bytes (the one copy across processes)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, memoryview):
-            return bytes, (obj.tobytes(),)
-        if isinstance(obj, CachedSample):
-            data = obj.data
-            return CachedSample, (data if isinstance(data, bytes) else bytes(data), obj.metadata)
-        return NotImplemented
-
-
-def _dumps(message: tuple[str, int, Any]) -> bytes:
-    buffer = io.BytesIO()
-    _BatchPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
-    return buffer.getvalue()
+_dumps = _regions.dumps
 
 
 def _apply(
@@ -123,12 +116,14 @@ def _consumer_main(
     collate_fn: Callable[[list[Any]], Any] | None,
     worker_init_fn: Callable[[int], None] | None,
     conn: multiprocessing.connection.Connection,
+    region: tuple[Any, int, Any] | None = None,
 ) -> None:
     """A consumer process: takes tickets, runs the user's functions on zero-copy views, sends
-    pickled results, releases slots. Exits with code 0 when the pass ends, on close, or with its
-    owner. Anything else that ends it early (a parent that is not the owner, ``worker_init_fn``
-    raised, a protocol error) is sent to the training loop as ``("fatal", index, (stage,
-    traceback))`` before it exits with code 1."""
+    results (their buffers written to ``region``, the worker's result memory), releases slots.
+    Exits with code 0 when the pass ends, on close, or with its owner. Anything else that ends
+    it early (a parent that is not the owner, ``worker_init_fn`` raised, a protocol error) is
+    sent to the training loop as ``("fatal", index, (stage, traceback))`` before it exits with
+    code 1."""
     try:
         _native.set_parent_death_signal(owner_pid)
     except RingClosed:
@@ -141,11 +136,12 @@ def _consumer_main(
         ring = _native.RingHandle.attach(ctl_name, index)
         fd = _open_ring(ring.ring_name)
         ring.mark_attached()
+        writer = None if region is None else _regions.RegionWriter(*region)
         if worker_init_fn is not None:
             stage = "worker_init_fn"
             worker_init_fn(index)
             stage = "loader"
-        _consume(ring, fd, transform, collate_fn, conn)
+        _consume(ring, fd, transform, collate_fn, conn, writer)
         os.close(fd)
         ring.retire()
     except RingClosed:
@@ -162,6 +158,7 @@ def _consume(
     transform: Callable[[CachedSample], Any] | None,
     collate_fn: Callable[[list[Any]], Any] | None,
     conn: multiprocessing.connection.Connection,
+    writer: _regions.RegionWriter | None,
 ) -> None:
     while (seq := ring.take_ticket()) is not None:
         entries = None
@@ -173,11 +170,18 @@ def _consume(
             samples = [
                 CachedSample(v, meta) for v, (_, _, meta) in zip(views.views, items, strict=True)
             ]
-            message = _dumps(("ok", seq, _apply(samples, transform, collate_fn)))
+            if writer is None:
+                message = _dumps(("ok", seq, _apply(samples, transform, collate_fn)))
+            else:
+                with _regions.writing(writer):
+                    result = _apply(samples, transform, collate_fn)
+                    message = writer.encode(seq, result)
         except BaseException:
+            if writer is not None:
+                writer.arena.abort()
             message = _dumps(("err", seq, traceback.format_exc()))
         # Everything that could reference the slot is gone before it is handed back.
-        samples = []
+        samples = result = []
         try:
             views.release()
         except LoaderError:
@@ -214,6 +218,7 @@ class _LoaderIterator(Iterator[Any]):
         self._transform = loader.transform
         self._collate_fn = loader.collate_fn
         self._worker_init_fn = loader.worker_init_fn
+        self._result_bytes = loader.result_bytes
         self._timeout = loader.timeout
         self._heartbeat_timeout = loader.heartbeat_timeout
         self._owner = os.getpid()
@@ -223,6 +228,9 @@ class _LoaderIterator(Iterator[Any]):
         self._producer: subprocess.Popen[bytes] | None = None
         self._workers: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
+        # Each worker's result memory (None: results are pickled whole).
+        self._regions: list[_regions.RegionOwner | None] = []
+        self._warned_fallback = False
         # Workers whose pipe is still open, and those that exited cleanly (pass done).
         self._open: set[int] = set()
         self._exited: set[int] = set()
@@ -251,7 +259,10 @@ class _LoaderIterator(Iterator[Any]):
         self._producer = subprocess.Popen(
             _producer.command(self._owner, ring.spec_path), stdin=subprocess.DEVNULL
         )
+        arena = _regions.arena_bytes(self._result_bytes, workers)
         for i in range(workers):
+            region = _regions.RegionOwner(arena) if arena else None
+            self._regions.append(region)
             receiver, sender = self._context.Pipe(duplex=False)
             process = self._context.Process(
                 target=_consumer_main,
@@ -263,6 +274,7 @@ class _LoaderIterator(Iterator[Any]):
                     self._collate_fn,
                     self._worker_init_fn,
                     sender,
+                    None if region is None else region.worker_args(),
                 ),
                 name=f"dataset-rt-worker-{i}",
                 daemon=True,
@@ -274,6 +286,8 @@ class _LoaderIterator(Iterator[Any]):
                 raise
             finally:
                 sender.close()
+                if region is not None:
+                    region.started()
             self._workers.append(process)
             self._conns.append(receiver)
             self._open.add(i)
@@ -416,13 +430,34 @@ class _LoaderIterator(Iterator[Any]):
         conn = self._conns[i]
         while i in self._open and conn.poll():
             try:
-                tag, t, payload = pickle.loads(conn.recv_bytes())
+                stream = io.BytesIO(conn.recv_bytes())
             except EOFError:
                 self._open.discard(i)
                 return
+            tag, t, payload = pickle.load(stream)
             if tag == "fatal":
                 raise self._worker_failed(i, *payload)
+            if tag == "region":
+                ranges, fell_back = payload
+                region = self._regions[i]
+                assert region is not None
+                payload = region.load(ranges, stream)
+                tag = "ok"
+                if fell_back:
+                    self._warn_fallback()
             self._buffer[t] = (tag, payload)
+
+    def _warn_fallback(self) -> None:
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            warnings.warn(
+                f"the loader's result memory (result_bytes={self._result_bytes}) is full: "
+                "batches the training loop still holds use it all, so buffers that do not fit "
+                "are pickled (one more copy) until some are released; raise result_bytes or "
+                "keep fewer batches (warned once per pass)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _worker_failed(self, i: int, stage: str, report: str) -> LoaderError:
         pid = self._workers[i].pid
@@ -441,6 +476,9 @@ class _LoaderIterator(Iterator[Any]):
     def _from_workers(self, seq: int) -> Any:
         started = time.monotonic()
         while seq not in self._buffer:
+            for region in self._regions:
+                if region is not None and region.pending:
+                    region.flush()
             self._check(seq, started)
             conns: dict[Any, int] = {self._conns[i]: i for i in self._open}
             sentinels = {
@@ -499,6 +537,10 @@ class _LoaderIterator(Iterator[Any]):
             except subprocess.TimeoutExpired:
                 self._producer.kill()
                 self._producer.wait()
+        for region in self._regions:
+            if region is not None:
+                region.close()
+        self._regions = []
         if ring is not None:
             ring.unlink()
             self._plan.end_pass(ring)
@@ -545,6 +587,9 @@ class DataLoader:
     - ``heartbeat_timeout``: seconds the producer or a worker may show no sign of life (stopped,
       hung) before ``LoaderError``; a slow ``transform`` is no such sign (see ``timeout``).
     - ``worker_init_fn``: called with the worker index at the start of each worker.
+    - ``result_bytes``: shared memory for the workers' results, split evenly among them
+      (``None`` = 1 GiB; ``0`` pickles every result instead). Buffers in results travel through
+      it without copies in the training process; see the module's notes on their lifetime.
 
     Each ``iter(loader)`` is one epoch (the next one, or the one a loaded state resumes).
     :meth:`state_dict` reflects the batches the training loop has received.
@@ -565,6 +610,7 @@ class DataLoader:
         timeout: float = 0.0,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         worker_init_fn: Callable[[int], None] | None = None,
+        result_bytes: int | None = None,
     ) -> None:
         # /dev/shm, futexes and prctl: checked first, before anything else could fail oddly.
         if not sys.platform.startswith("linux"):
@@ -576,6 +622,8 @@ class DataLoader:
         ]
         if slot_size_bytes is not None:
             checks.append(("slot_size_bytes", slot_size_bytes, 1))
+        if result_bytes is not None:
+            checks.append(("result_bytes", result_bytes, 0))
         for name, value, low in checks:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"invalid DataLoader.{name}: {value!r} is not an int >= {low}")
@@ -600,6 +648,7 @@ class DataLoader:
         self.timeout = timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.worker_init_fn = worker_init_fn
+        self.result_bytes = _regions.DEFAULT_RESULT_BYTES if result_bytes is None else result_bytes
         self._context = _context(multiprocessing_context)
         self._plan = _native.LoaderPlan(dataset._native, batch_size, drop_last)
         self._iterator: _LoaderIterator | None = None
