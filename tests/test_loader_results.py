@@ -84,9 +84,11 @@ def test_arrays_arrive_as_views_of_result_memory(dataset):
         assert in_result_memory(address(batch), batch.nbytes)
 
 
-def test_cached_samples_arrive_with_data_in_result_memory(dataset):
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_cached_samples_arrive_with_data_in_result_memory(dataset, start_method):
     expected = epoch0(dataset)
-    with DataLoader(dataset, batch_size=7, num_workers=2) as loader:
+    loader = DataLoader(dataset, batch_size=7, num_workers=2, multiprocessing_context=start_method)
+    with loader:
         samples = [s for batch in loader for s in batch]
     assert all(type(s) is CachedSample for s in samples)
     assert [(s.metadata["i"], bytes(s.data)) for s in samples] == expected
