@@ -125,8 +125,8 @@ COPIES_RAW = {
         "the loop gets memoryviews into the slot"
     ),
     "drt_w2": (
-        "~7: producer -> slot; worker: view.tobytes, pickle stream, pipe write; "
-        "trainer: pipe read, BytesIO assembly, unpickle"
+        "2: producer -> slot; worker: slot -> its result memory; 0 in the trainer: "
+        "memoryviews of that memory"
     ),
     "drt_w2_len": "1 into the ring (the workers read views; ints cross the pipe)",
     "torch_cache_w0": "1 (mmap slice -> bytes, in the training process)",
@@ -140,7 +140,7 @@ COPIES_RAW = {
 }
 COPIES_NUM = {
     "drt_w0": 1,
-    "drt_w2": 7,
+    "drt_w2": 2,
     "drt_w2_len": 1,
     "torch_cache_w0": 1,
     "torch_cache_w2": 6,

@@ -173,6 +173,7 @@ def _consume(
             if writer is None:
                 message = _dumps(("ok", seq, _apply(samples, transform, collate_fn)))
             else:
+                writer.begin()
                 with _regions.writing(writer):
                     result = _apply(samples, transform, collate_fn)
                     message = writer.encode(seq, result)

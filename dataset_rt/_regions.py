@@ -28,6 +28,7 @@ import socket
 import struct
 import sys
 import weakref
+from array import array
 from collections.abc import Iterator
 from typing import Any
 
@@ -168,6 +169,15 @@ class _RegionUnpickler(pickle.Unpickler):
             import torch
 
             return torch.from_numpy(part).view(pid[4]).view(pid[5])
+        if kind == "L":
+            layout = array("Q")
+            layout.frombytes(pid[4])
+            half = len(layout) // 2
+            whole = memoryview(part).toreadonly()
+            views = [whole[o : o + k] for o, k in zip(layout[:half], layout[half:], strict=True)]
+            if pid[5] is None:
+                return views
+            return [CachedSample(v, m) for v, m in zip(views, pickle.loads(pid[5]), strict=True)]
         raise pickle.UnpicklingError(f"unknown result descriptor {kind!r}")
 
 
@@ -188,6 +198,12 @@ class RegionWriter:
         self.frees = frees
         frees.setblocking(False)
         self.fallback = False
+
+    def begin(self) -> None:
+        """A batch starts: take the frees that arrived, so that it reuses memory just released
+        (its pages are warm) before it touches new memory."""
+        self.fallback = False
+        self.drain()
 
     def drain(self) -> None:
         while True:
@@ -220,7 +236,6 @@ class RegionWriter:
     def encode(self, seq: int, result: Any) -> bytes:
         """The message of a batch: a header (ranges, whether something fell back) and the
         skeleton, one after the other."""
-        self.fallback = False
         body = io.BytesIO()
         _RegionPickler(body, self).dump(result)
         ranges = self.arena.finish()
@@ -243,6 +258,43 @@ class RegionWriter:
         else:
             target[:] = source.tobytes()
         return r, offset, n
+
+    def put_list(self, items: list[Any], samples: bool) -> tuple[Any, ...] | None:
+        """A list of ``CachedSample`` (a batch without ``transform``) or of bytes-like objects:
+        one allocation and one descriptor for all of it (per-item descriptors would cost more
+        than pickling small payloads)."""
+        if samples:
+            if any(type(s) is not CachedSample for s in items):
+                return None
+            views = [memoryview(s.data) for s in items]
+        else:
+            if any(type(b) not in _BUFFER_TYPES for b in items):
+                return None
+            views = [memoryview(b) for b in items]
+        if not all(v.c_contiguous for v in views):
+            return None
+        lengths = [v.nbytes for v in views]
+        offsets, end = [], 0
+        for n in lengths:
+            start = -(-end // 64) * 64
+            offsets.append(start)
+            end = start + n
+        if end == 0:
+            return None
+        got = self.alloc(end)
+        if got is None:
+            return None
+        r, offset, target = got
+        for v, o, n in zip(views, offsets, lengths, strict=True):
+            target[o : o + n] = v if v.format == "B" and v.ndim == 1 else v.cast("B")
+        layout = pickle.PickleBuffer(array("Q", offsets + lengths).tobytes())
+        metadata = (
+            pickle.PickleBuffer(pickle.dumps([s.metadata for s in items], pickle.HIGHEST_PROTOCOL))
+            if samples
+            else None
+        )
+        # Plain bytes inside (pickled in band, not placed): per-int descriptors would be slow.
+        return ("L", r, offset, end, layout, metadata)
 
     def put_array(self, array: Any) -> tuple[Any, ...] | None:
         n = array.nbytes
@@ -303,6 +355,11 @@ class _RegionPickler(BatchPickler):
 
     def persistent_id(self, obj: Any) -> Any:
         kind = type(obj)
+        if kind is list and obj:
+            first = type(obj[0])
+            if first is CachedSample or first in _BUFFER_TYPES:
+                return self._writer.put_list(obj, first is CachedSample)
+            return None
         if kind in _BUFFER_TYPES:
             got = self._writer.put_bytes(obj)
             return None if got is None else ("b", *got)

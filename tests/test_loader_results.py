@@ -121,7 +121,7 @@ def test_nested_results_keep_their_structure_and_leaves_view_result_memory(datas
         assert in_result_memory(address(d["t"]), 15 * 8)
         assert bytes(buffers[0]) == data and bytes(buffers[1]) == b"x" * (j + 1)
         assert in_result_memory(address(buffers[0]), len(data))
-        assert buffers[2] == b""  # nothing to place: sent inline
+        assert buffers[2] == b""
 
 
 @pytest.fixture(scope="module")
