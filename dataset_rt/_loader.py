@@ -457,7 +457,7 @@ class _LoaderIterator(Iterator[Any]):
                 "are pickled (one more copy) until some are released; raise result_bytes or "
                 "keep fewer batches (warned once per pass)",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=5,  # the loop that called next()
             )
 
     def _worker_failed(self, i: int, stage: str, report: str) -> LoaderError:

@@ -188,6 +188,7 @@ def test_a_full_region_falls_back_to_pickling_with_one_warning(dataset):
     with pytest.warns(RuntimeWarning, match=r"result memory .* is full") as warned:
         batches = list(loader)
     assert len([w for w in warned if issubclass(w.category, RuntimeWarning)]) == 1
+    assert warned[0].filename == __file__  # points at the loop, not at the loader
     assert [b[0].tolist() for b in batches] == [fixed(_Sample(i)).tolist() for i in ids]
     inside = [in_result_memory(address(b[0]), 8) for b in batches]
     # Two pages per worker, held to the end: each worker's first two batches; the rest pickled.
