@@ -451,11 +451,13 @@ class _LoaderIterator(Iterator[Any]):
     def _warn_fallback(self) -> None:
         if not self._warned_fallback:
             self._warned_fallback = True
+            share = _regions.arena_bytes(self._result_bytes, self._num_workers)
             warnings.warn(
-                f"the loader's result memory (result_bytes={self._result_bytes}) is full: "
-                "batches the training loop still holds use it all, so buffers that do not fit "
-                "are pickled (one more copy) until some are released; raise result_bytes or "
-                "keep fewer batches (warned once per pass)",
+                f"the loader's result memory is full (result_bytes={self._result_bytes}, "
+                f"{share} bytes per worker): batches the training loop still holds use it, or "
+                "a result is larger than a worker's share; buffers that do not fit are pickled "
+                "(one more copy). Raise result_bytes or keep fewer batches (warned once per "
+                "pass)",
                 RuntimeWarning,
                 stacklevel=5,  # the loop that called next()
             )

@@ -154,7 +154,7 @@ def test_held_batches_are_never_overwritten(thousand_batches, pages):
         assert inside == 1000 and warned == []
     else:
         assert inside == pages  # one page each, never reused while held
-        assert [str(w.message)[:28] for w in warned] == ["the loader's result memory ("]
+        assert [str(w.message)[:36] for w in warned] == ["the loader's result memory is full ("]
 
 
 class _Sample:
@@ -185,7 +185,7 @@ def test_a_full_region_falls_back_to_pickling_with_one_warning(dataset):
         dataset, batch_size=1, num_workers=2, transform=fixed, result_bytes=4 * mmap.PAGESIZE
     )
     ids = [i for i, _ in epoch0(dataset)]
-    with pytest.warns(RuntimeWarning, match=r"result memory .* is full") as warned:
+    with pytest.warns(RuntimeWarning, match=r"result memory is full") as warned:
         batches = list(loader)
     assert len([w for w in warned if issubclass(w.category, RuntimeWarning)]) == 1
     assert warned[0].filename == __file__  # points at the loop, not at the loader
@@ -198,6 +198,22 @@ def test_a_full_region_falls_back_to_pickling_with_one_warning(dataset):
     del batches
     gc.collect()
     assert result_fds() == [] and result_mappings() == []
+
+
+def test_a_result_larger_than_a_workers_share_is_pickled(dataset):
+    expected = epoch0(dataset)
+
+    def big(sample):
+        return np.full(3 * mmap.PAGESIZE, sample.metadata["i"] % 256, np.uint8)
+
+    loader = DataLoader(
+        dataset, batch_size=1, num_workers=1, transform=big, result_bytes=2 * mmap.PAGESIZE
+    )
+    with loader, pytest.warns(RuntimeWarning, match=r"8192 bytes per worker"):
+        batches = list(loader)
+    assert [int(b[0][0]) for b in batches] == [i % 256 for i, _ in expected]
+    assert all(b[0].shape == (3 * mmap.PAGESIZE,) for b in batches)
+    assert not any(in_result_memory(address(b[0])) for b in batches)
 
 
 def test_result_bytes_zero_pickles_everything(dataset):
