@@ -139,8 +139,8 @@ COPIES_RAW = {
         "the loop gets memoryviews into the slot"
     ),
     "drt_w2": (
-        "~7: producer -> slot; worker: view.tobytes, pickle stream, pipe write; "
-        "trainer: pipe read, BytesIO assembly, unpickle"
+        "2: producer -> slot; worker: slot -> its result memory; 0 in the trainer: "
+        "memoryviews of that memory"
     ),
     "drt_w2_len": "1 into the ring (the workers read views; ints cross the pipe)",
     "drt_lz4_w0": "1 (Rust producer: LZ4 decode -> buffer -> ring slot); 0 in Python",
@@ -160,9 +160,9 @@ COPIES_NUM = {
     "drt_w0": 1,
     "drt_lz4_w0": 1,
     "drt_lz4_w0_t1": 1,
-    "drt_lz4_w2": 7,
+    "drt_lz4_w2": 2,
     "torch_lz4_w2": 6,
-    "drt_w2": 7,
+    "drt_w2": 2,
     "drt_w2_len": 1,
     "torch_cache_w0": 1,
     "torch_cache_w2": 6,

@@ -12,8 +12,15 @@ Lifetimes of the zero-copy views (``CachedSample.data``, a ``memoryview`` into a
   batch the loop keeps past the next one, after the map's pages became a private copy in place
   (same address and bytes: one copy of each kept batch, so memory grows with what is kept, as
   with torch). A slot is never reused while anything can read it. See _release_held.
-- ``num_workers>0``: valid inside ``transform`` / ``collate_fn``; the result is pickled (views
-  become ``bytes``: one copy) before the slot is released.
+- ``num_workers>0``: slot views are valid inside ``transform`` / ``collate_fn``. The buffers of
+  the result (bytes, bytearray, memoryview, numpy arrays, CPU tensors, ``CachedSample.data``, at
+  any nesting) are written once by the worker into its result memory before the slot is
+  released (``_regions``). The training loop receives views of that memory: numpy arrays and
+  tensors (writable), read-only ``memoryview`` for bytes-like leaves, ``CachedSample`` whose
+  ``data`` is such a view; other objects as pickled. They stay valid as long as you hold them,
+  also after the pass ends: the memory is reused only once nothing references it. When held
+  batches fill ``result_bytes``, buffers that do not fit are pickled (one more copy) with a
+  ``RuntimeWarning`` once per pass; nothing waits, nothing is overwritten.
 
 Stopping: a pass still open when the interpreter exits is closed by an ``atexit`` hook that runs
 before multiprocessing's own (which would SIGTERM the workers and join them without a bound).
@@ -40,12 +47,13 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
-from dataset_rt import _native, _producer, _signals
+from dataset_rt import _native, _producer, _regions, _signals
 from dataset_rt._native import CachedSample, ConfigError, LoaderError, RingClosed, WorkerError
 
 if TYPE_CHECKING:
@@ -124,22 +132,7 @@ class _SlotMap:
         return True
 
 
-class _BatchPickler(pickle.Pickler):
-    """Pickles a worker's result; slot views become bytes (the one copy across processes)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, memoryview):
-            return bytes, (obj.tobytes(),)
-        if isinstance(obj, CachedSample):
-            data = obj.data
-            return CachedSample, (data if isinstance(data, bytes) else bytes(data), obj.metadata)
-        return NotImplemented
-
-
-def _dumps(message: tuple[str, int, Any]) -> bytes:
-    buffer = io.BytesIO()
-    _BatchPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
-    return buffer.getvalue()
+_dumps = _regions.dumps
 
 
 def _apply(
@@ -159,12 +152,14 @@ def _consumer_main(
     collate_fn: Callable[[list[Any]], Any] | None,
     worker_init_fn: Callable[[int], None] | None,
     conn: multiprocessing.connection.Connection,
+    region: tuple[Any, int, Any] | None = None,
 ) -> None:
     """A consumer process: takes tickets, runs the user's functions on zero-copy views, sends
-    pickled results, releases slots. Exits with code 0 when the pass ends, on close, or with its
-    owner. Anything else that ends it early (a parent that is not the owner, ``worker_init_fn``
-    raised, a protocol error) is sent to the training loop as ``("fatal", index, (stage,
-    traceback))`` before it exits with code 1."""
+    results (their buffers written to ``region``, the worker's result memory), releases slots.
+    Exits with code 0 when the pass ends, on close, or with its owner. Anything else that ends
+    it early (a parent that is not the owner, ``worker_init_fn`` raised, a protocol error) is
+    sent to the training loop as ``("fatal", index, (stage, traceback))`` before it exits with
+    code 1."""
     # The training script's handlers (a SIGTERM handler that ignores the signal) are not ours.
     _signals.reset_inherited()
     try:
@@ -179,11 +174,12 @@ def _consumer_main(
         ring = _native.RingHandle.attach(ctl_name, index)
         fd = _open_ring(ring.ring_name)
         ring.mark_attached()
+        writer = None if region is None else _regions.RegionWriter(*region)
         if worker_init_fn is not None:
             stage = "worker_init_fn"
             worker_init_fn(index)
             stage = "loader"
-        _consume(ring, fd, transform, collate_fn, conn)
+        _consume(ring, fd, transform, collate_fn, conn, writer)
         os.close(fd)
         ring.retire()
     except RingClosed:
@@ -200,6 +196,7 @@ def _consume(
     transform: Callable[[CachedSample], Any] | None,
     collate_fn: Callable[[list[Any]], Any] | None,
     conn: multiprocessing.connection.Connection,
+    writer: _regions.RegionWriter | None,
 ) -> None:
     while (seq := ring.take_ticket()) is not None:
         entries = None
@@ -211,11 +208,19 @@ def _consume(
             samples = [
                 CachedSample(v, meta) for v, (_, _, meta) in zip(views.views, items, strict=True)
             ]
-            message = _dumps(("ok", seq, _apply(samples, transform, collate_fn)))
+            if writer is None:
+                message = _dumps(("ok", seq, _apply(samples, transform, collate_fn)))
+            else:
+                writer.begin()
+                with _regions.writing(writer):
+                    result = _apply(samples, transform, collate_fn)
+                    message = writer.encode(seq, result)
         except BaseException:
+            if writer is not None:
+                writer.arena.abort()
             message = _dumps(("err", seq, traceback.format_exc()))
         # Everything that could reference the slot is gone before it is handed back.
-        samples = []
+        samples = result = []
         try:
             views.release()
         except LoaderError:
@@ -252,6 +257,7 @@ class _LoaderIterator(Iterator[Any]):
         self._transform = loader.transform
         self._collate_fn = loader.collate_fn
         self._worker_init_fn = loader.worker_init_fn
+        self._result_bytes = loader.result_bytes
         self._timeout = loader.timeout
         self._heartbeat_timeout = loader.heartbeat_timeout
         self._owner = os.getpid()
@@ -261,6 +267,9 @@ class _LoaderIterator(Iterator[Any]):
         self._producer: subprocess.Popen[bytes] | None = None
         self._workers: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
+        # Each worker's result memory (None: results are pickled whole).
+        self._regions: list[_regions.RegionOwner | None] = []
+        self._warned_fallback = False
         # Workers whose pipe is still open, and those that exited cleanly (pass done).
         self._open: set[int] = set()
         self._exited: set[int] = set()
@@ -295,7 +304,10 @@ class _LoaderIterator(Iterator[Any]):
         self._producer = subprocess.Popen(
             _producer.command(self._owner, ring.spec_path), stdin=subprocess.DEVNULL
         )
+        arena = _regions.arena_bytes(self._result_bytes, workers)
         for i in range(workers):
+            region = _regions.RegionOwner(arena) if arena else None
+            self._regions.append(region)
             receiver, sender = self._context.Pipe(duplex=False)
             process = self._context.Process(
                 target=_consumer_main,
@@ -307,6 +319,7 @@ class _LoaderIterator(Iterator[Any]):
                     self._collate_fn,
                     self._worker_init_fn,
                     sender,
+                    None if region is None else region.worker_args(),
                 ),
                 name=f"dataset-rt-worker-{i}",
                 daemon=True,
@@ -318,6 +331,8 @@ class _LoaderIterator(Iterator[Any]):
                 raise
             finally:
                 sender.close()
+                if region is not None:
+                    region.started()
             self._workers.append(process)
             self._conns.append(receiver)
             self._open.add(i)
@@ -479,13 +494,36 @@ class _LoaderIterator(Iterator[Any]):
         conn = self._conns[i]
         while i in self._open and conn.poll():
             try:
-                tag, t, payload = pickle.loads(conn.recv_bytes())
+                stream = io.BytesIO(conn.recv_bytes())
             except EOFError:
                 self._open.discard(i)
                 return
+            tag, t, payload = pickle.load(stream)
             if tag == "fatal":
                 raise self._worker_failed(i, *payload)
+            if tag == "region":
+                ranges, fell_back = payload
+                region = self._regions[i]
+                assert region is not None
+                payload = region.load(ranges, stream)
+                tag = "ok"
+                if fell_back:
+                    self._warn_fallback()
             self._buffer[t] = (tag, payload)
+
+    def _warn_fallback(self) -> None:
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            share = _regions.arena_bytes(self._result_bytes, self._num_workers)
+            warnings.warn(
+                f"the loader's result memory is full (result_bytes={self._result_bytes}, "
+                f"{share} bytes per worker): batches the training loop still holds use it, or "
+                "a result is larger than a worker's share; buffers that do not fit are pickled "
+                "(one more copy). Raise result_bytes or keep fewer batches (warned once per "
+                "pass)",
+                RuntimeWarning,
+                stacklevel=5,  # the loop that called next()
+            )
 
     def _worker_failed(self, i: int, stage: str, report: str) -> LoaderError:
         pid = self._workers[i].pid
@@ -504,6 +542,9 @@ class _LoaderIterator(Iterator[Any]):
     def _from_workers(self, seq: int) -> Any:
         started = time.monotonic()
         while seq not in self._buffer:
+            for region in self._regions:
+                if region is not None and region.pending:
+                    region.flush()
             self._check(seq, started)
             conns: dict[Any, int] = {self._conns[i]: i for i in self._open}
             sentinels = {
@@ -570,6 +611,10 @@ class _LoaderIterator(Iterator[Any]):
                 self._producer.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._producer.wait(_KILL_WAIT_S)
+        for region in self._regions:
+            if region is not None:
+                region.close()
+        self._regions = []
         if ring is not None:
             ring.unlink()
             self._plan.end_pass(ring)
@@ -640,6 +685,9 @@ class DataLoader:
       samples ahead of the batch being written (up to ``ReaderConfig.prefetch_size`` samples and
       64 MiB of decompressed LZ4 payloads); ``None`` = ``min(4, available cores)``. Batches keep
       the global order whatever the count.
+    - ``result_bytes``: shared memory for the workers' results, split evenly among them
+      (``None`` = 1 GiB; ``0`` pickles every result instead). Buffers in results travel through
+      it without copies in the training process; see the module's notes on their lifetime.
 
     Each ``iter(loader)`` is one epoch (the next one, or the one a loaded state resumes).
     :meth:`state_dict` reflects the batches the training loop has received.
@@ -661,6 +709,7 @@ class DataLoader:
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         worker_init_fn: Callable[[int], None] | None = None,
         producer_threads: int | None = None,
+        result_bytes: int | None = None,
     ) -> None:
         # /dev/shm, futexes and prctl: checked first, before anything else could fail oddly.
         if not sys.platform.startswith("linux"):
@@ -675,6 +724,8 @@ class DataLoader:
         ]
         if slot_size_bytes is not None:
             checks.append(("slot_size_bytes", slot_size_bytes, 1))
+        if result_bytes is not None:
+            checks.append(("result_bytes", result_bytes, 0))
         for name, value, low in checks:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"invalid DataLoader.{name}: {value!r} is not an int >= {low}")
@@ -699,6 +750,7 @@ class DataLoader:
         self.timeout = timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.worker_init_fn = worker_init_fn
+        self.result_bytes = _regions.DEFAULT_RESULT_BYTES if result_bytes is None else result_bytes
         self._context = _context(multiprocessing_context)
         self._plan = _native.LoaderPlan(dataset._native, batch_size, drop_last, producer_threads)
         self.producer_threads = self._plan.producer_threads

@@ -12,15 +12,16 @@ never does.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.data
-from torch.utils.data._utils.collate import collate, default_collate_fn_map
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
-from dataset_rt import _loader
+from dataset_rt import _loader, _regions
 from dataset_rt._native import CachedSample, ConfigError
 
 if TYPE_CHECKING:
@@ -111,12 +112,35 @@ def _collate_cached_samples(
     }
 
 
+def _collate_tensors(
+    batch: list[torch.Tensor], *, collate_fn_map: dict[Any, Callable[..., Any]] | None = None
+) -> torch.Tensor:
+    # In a loader worker, the stacked batch is written once, straight into the worker's result
+    # memory, and reaches the training loop without another copy (as torch's own collate
+    # stacks into shared memory inside its workers). Anything else is torch's business.
+    elem = batch[0]
+    if (
+        elem.layout == torch.strided
+        and elem.device.type == "cpu"
+        and not elem.is_nested
+        and all(t.shape == elem.shape for t in batch)
+    ):
+        numel = elem.numel() * len(batch)
+        buffer = _regions.result_buffer(numel * elem.element_size())
+        if buffer is not None:
+            out = torch.frombuffer(buffer, dtype=elem.dtype, count=numel)
+            return torch.stack(batch, 0, out=out.view(len(batch), *elem.shape))
+    stacked: torch.Tensor = collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    return stacked
+
+
 # torch's own default_collate (and so torch's DataLoader with a batch_size) collates batches of
 # CachedSample from here on; a function the user registered first is kept.
 default_collate_fn_map.setdefault(CachedSample, _collate_cached_sample_views)
 
 _COLLATE_FN_MAP: dict[Any, Callable[..., Any]] = {
     **default_collate_fn_map,
+    torch.Tensor: _collate_tensors,
     CachedSample: _collate_cached_samples,
 }
 
@@ -126,19 +150,35 @@ def default_collate(batch: list[Any]) -> Any:
     batch's structure): a batch of them becomes ``{"data": [bytes, ...], "metadata":
     default_collate(the metadata dicts)}``. The payloads are copies, so they outlive the
     loader's ring slots; torch's own ``default_collate`` gives the same structure with the
-    samples' views instead."""
+    samples' views instead.
+    In a loader worker, tensors are stacked straight into the worker's result memory."""
     return collate(batch, collate_fn_map=_COLLATE_FN_MAP)
+
+
+class _WorkerInit:
+    """What torch's workers do first: one intra-op thread each (the workers are the
+    parallelism; more threads only fight over the cores), then the user's ``worker_init_fn``."""
+
+    def __init__(self, user: Callable[[int], None] | None) -> None:
+        self.user = user
+
+    def __call__(self, index: int) -> None:
+        torch.set_num_threads(1)
+        if self.user is not None:
+            self.user(index)
 
 
 class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     """A drop-in ``torch.utils.data.DataLoader`` over a DatasetRT dataset.
 
     Takes torch's arguments plus ``transform`` (per sample, in the workers),
-    ``slot_size_bytes``, ``heartbeat_timeout`` and ``producer_threads``; collates with
+    ``slot_size_bytes``, ``heartbeat_timeout``, ``producer_threads`` and
+    ``result_bytes``; collates with
     :func:`default_collate` (torch's, plus ``CachedSample``) unless given ``collate_fn``. The
     order is the dataset's (``ReaderConfig(seed=, shuffle=)``), so ``shuffle``, ``sampler`` and
     ``batch_sampler`` are refused. ``persistent_workers`` is accepted; workers are started for
-    each epoch. ``generator`` is not used.
+    each epoch. ``generator`` is not used. ``pin_memory`` pins on CUDA; without it, a warning
+    (as torch gives) and no pinning.
     """
 
     def __init__(
@@ -164,6 +204,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         slot_size_bytes: int | None = None,
         heartbeat_timeout: float = _loader.DEFAULT_HEARTBEAT_TIMEOUT,
         producer_threads: int | None = None,
+        result_bytes: int | None = None,
     ) -> None:
         from dataset_rt._dataset import require_dataset
 
@@ -186,8 +227,9 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             multiprocessing_context=multiprocessing_context,
             timeout=timeout,
             heartbeat_timeout=heartbeat_timeout,
-            worker_init_fn=worker_init_fn,
+            worker_init_fn=_WorkerInit(worker_init_fn),
             producer_threads=producer_threads,
+            result_bytes=result_bytes,
         )
         # torch's own constructor validates its arguments and sets the attributes frameworks
         # read (batch_size, num_workers, pin_memory, ...); its sampler is never iterated.
@@ -208,6 +250,13 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         batches = iter(self._shm)
+        if self.pin_memory and not torch.cuda.is_available():
+            # What torch's DataLoader does without an accelerator: say so, do not pin.
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=2,
+            )
         if not (self.pin_memory and torch.cuda.is_available()):
             return batches
         return self._pinned(batches)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import time
@@ -88,6 +89,37 @@ def gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+RESULT_MEMORY = "/memfd:dataset-rt-results"
+
+
+def result_fds() -> list[str]:
+    """This process's open descriptors of loader result memory (memfds, never in /dev/shm)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(RESULT_MEMORY):
+            found.append(f"{fd} -> {target}")
+    return found
+
+
+def result_mappings(pid: int | str = "self") -> list[tuple[int, int]]:
+    """The address ranges where a process (this one by default) maps loader result memory."""
+    found = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            if RESULT_MEMORY in line:
+                start, end = line.split()[0].split("-")
+                found.append((int(start, 16), int(end, 16)))
+    return found
+
+
+def in_result_memory(address: int, nbytes: int = 1) -> bool:
+    return any(s <= address and address + nbytes <= e for s, e in result_mappings())
+
+
 def wait_until(condition, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -99,7 +131,10 @@ def wait_until(condition, seconds: float) -> bool:
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    """Every loader test leaves no child process and nothing of this process in /dev/shm."""
+    """Every loader test leaves no child process, nothing of this process in /dev/shm, and no
+    descriptor of result memory open."""
     yield
     assert wait_until(lambda: not children(), 5), f"child processes left: {children()}"
     assert own_segments() == [], f"segments left in /dev/shm: {own_segments()}"
+    gc.collect()  # a test's caught exception may hold its frame, and the batches in it
+    assert result_fds() == [], f"result memory left open: {result_fds()}"

@@ -15,7 +15,15 @@ import textwrap
 import time
 
 import pytest
-from loader_helpers import gone, load, no_leaks, own_segments, wait_until  # noqa: F401
+from loader_helpers import (  # noqa: F401
+    gone,
+    load,
+    no_leaks,
+    own_segments,
+    result_fds,
+    result_mappings,
+    wait_until,
+)
 
 from dataset_rt import CorruptRecordError
 from dataset_rt._loader import DataLoader
@@ -37,6 +45,12 @@ def slow(sample):
     return sample.metadata["i"]
 
 
+def slow_bytes(sample):
+    """A result with a buffer: it travels through the worker's result memory."""
+    time.sleep(0.01)
+    return bytes(sample.data)
+
+
 TRAINER = textwrap.dedent(
     """
     import json, sys, time
@@ -45,9 +59,9 @@ TRAINER = textwrap.dedent(
     from dataset_rt._loader import DataLoader
     dataset = load(__import__("pathlib").Path({base!r}), {n})
     loader = DataLoader(dataset, batch_size=2, num_workers=2, prefetch_factor=1,
-                        transform=lambda s: s.metadata["i"])
+                        transform=lambda s: bytes(s.data))
     it = iter(loader)
-    next(it)
+    batch = next(it)  # held: views of result memory
     print(json.dumps(it.pids), flush=True)
     time.sleep(600)
     """
@@ -62,6 +76,8 @@ def test_sigkill_of_the_training_process_stops_everything(base):
         pids = json.loads(line)
         others = [pids["producer"], *pids["workers"]]
         assert not any(gone(p) for p in others)
+        # Result memory is anonymous (never in /dev/shm) and lives only in these processes.
+        assert all(result_mappings(p) for p in [trainer.pid, *pids["workers"]])
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait()
         assert wait_until(lambda: all(gone(p) for p in others), 5), "children outlived it"
@@ -76,7 +92,7 @@ def test_sigkill_of_the_training_process_stops_everything(base):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_sigkill_of_the_producer_raises_within_seconds(base, num_workers):
     dataset = load(base, N)
-    with DataLoader(dataset, batch_size=2, num_workers=num_workers, transform=slow) as loader:
+    with DataLoader(dataset, batch_size=2, num_workers=num_workers, transform=slow_bytes) as loader:
         it = iter(loader)
         next(it)
         os.kill(it.pids["producer"], signal.SIGKILL)
@@ -89,15 +105,22 @@ def test_sigkill_of_the_producer_raises_within_seconds(base, num_workers):
 
 def test_sigkill_of_a_consumer_raises_within_seconds(base):
     dataset = load(base, N)
-    with DataLoader(dataset, batch_size=2, num_workers=2, transform=slow) as loader:
+    with DataLoader(dataset, batch_size=2, num_workers=2, transform=slow_bytes) as loader:
         it = iter(loader)
-        next(it)
+        held = next(it)
+        assert result_fds()  # the region is in use
         os.kill(it.pids["workers"][1], signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(LoaderError, match=r"worker 1 .* was killed by signal 9"):
             for _ in it:
                 pass
         assert time.monotonic() - started < 5
+    # Closed: only the views still held keep their worker's mapping; then nothing is left.
+    _ = None  # the loop's last batch
+    assert [bytes(v) for v in held] == [bytes(s.data) for s in list(dataset)[:2]]
+    assert len(result_mappings()) == 1
+    del held
+    assert result_mappings() == [] and result_fds() == []
 
 
 def test_corrupt_record_is_raised_in_order(tmp_path):

@@ -7,6 +7,7 @@ mod futex;
 pub mod layout;
 pub mod private_copy;
 pub mod producer;
+pub mod results;
 pub mod ring;
 pub mod segment;
 

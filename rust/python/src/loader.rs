@@ -12,6 +12,7 @@ use dataset_rt_shm::batch::{decode_metadata, max_sample_bytes, read_batch, slot_
 use dataset_rt_shm::layout::*;
 use dataset_rt_shm::private_copy::replace_with_private_copy;
 use dataset_rt_shm::producer::{self, ProducerSpec};
+use dataset_rt_shm::results;
 use dataset_rt_shm::ring::{Geometry, Heartbeat, Party, Pass, Ring, Role};
 use dataset_rt_shm::{segment, ShmError};
 use pyo3::create_exception;
@@ -51,6 +52,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RingClosed", py.get_type::<RingClosed>())?;
     m.add_class::<LoaderPlan>()?;
     m.add_class::<RingHandle>()?;
+    m.add_class::<ResultArena>()?;
     m.add_function(wrap_pyfunction!(run_producer, m)?)?;
     m.add_function(wrap_pyfunction!(set_parent_death_signal, m)?)?;
     m.add_function(wrap_pyfunction!(reap_shm_leftovers, m)?)?;
@@ -796,6 +798,57 @@ fn is_enomem(py: Python<'_>, err: &PyErr) -> bool {
             .getattr("errno")
             .and_then(|n| n.extract::<i32>())
             .is_ok_and(|n| n == libc::ENOMEM)
+}
+
+/// A loader worker's result arena: which bytes of its shared result memory each batch's buffers
+/// take, and when they are free again (`dataset_rt_shm::results` has the rules). The worker
+/// moves the bytes; this only decides where.
+#[pyclass(module = "dataset_rt._native")]
+pub struct ResultArena(results::ResultArena);
+
+#[pymethods]
+impl ResultArena {
+    #[new]
+    fn new(capacity: u64) -> PyResult<Self> {
+        results::ResultArena::new(capacity).map(Self).py_shm()
+    }
+
+    #[getter]
+    fn capacity(&self) -> u64 {
+        self.0.capacity()
+    }
+
+    #[getter]
+    fn in_use(&self) -> u64 {
+        self.0.in_use()
+    }
+
+    /// `(range index, arena offset)` of `n` bytes for the batch being written, or `None` when
+    /// nothing free can hold them.
+    fn alloc(&mut self, n: u64) -> Option<(usize, u64)> {
+        self.0.alloc(n).map(|a| (a.range, a.offset))
+    }
+
+    /// `(range index, offset)` when `[offset, offset + n)` was allocated by the batch being
+    /// written, else `None`.
+    fn owned(&self, offset: u64, n: u64) -> Option<(usize, u64)> {
+        self.0.owned(offset, n).map(|a| (a.range, a.offset))
+    }
+
+    /// The batch is sent: its ranges `(offset, length)`, busy until freed.
+    fn finish(&mut self) -> Vec<(u64, u64)> {
+        self.0.finish()
+    }
+
+    /// The batch being written is dropped: its ranges are free.
+    fn abort(&mut self) {
+        self.0.abort()
+    }
+
+    /// The training process released the busy range at `offset` (`LoaderError` if none is).
+    fn free(&mut self, offset: u64) -> PyResult<()> {
+        self.0.free(offset).py_shm()
+    }
 }
 
 /// The producer process's body: runs the Rust loop of the pass in `spec_path`, without the GIL.

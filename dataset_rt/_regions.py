@@ -1,0 +1,398 @@
+"""Worker results through shared memory: the result region.
+
+Each loader worker has an arena, one anonymous shared file (``memfd``: nothing is named in
+/dev/shm, so nothing can leak when a process is killed) that the training process creates and
+both map. A worker writes every buffer of a result (bytes, bytearray, memoryview, numpy arrays,
+CPU tensors, ``CachedSample.data``, at any nesting) once into the arena, where Rust's
+``ResultArena`` says, and sends only the skeleton: a pickle in which each buffer is a small
+descriptor (kind, range, offset, size, dtype, shape). The training process maps the arena once
+and rebuilds each result as views of it: zero copies there.
+
+A range is busy until nothing in the training process references its mapping any more; then
+a finalizer queues its offset, and the loop sends the queue back to the worker at its next
+batch. A busy range is never reused, so memory still referenced is never overwritten. A worker
+never waits for memory: a buffer that does not fit the free part of the arena is pickled into
+the message instead (today's one-copy path) and the loop warns once per pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import mmap
+import multiprocessing.reduction
+import os
+import pickle
+import socket
+import struct
+import sys
+import weakref
+from array import array
+from collections.abc import Iterator
+from typing import Any
+
+from dataset_rt import _native
+from dataset_rt._native import CachedSample
+
+# Bytes of result memory per loader by default, shared evenly by its workers.
+DEFAULT_RESULT_BYTES = 1 << 30
+_PAGE = mmap.PAGESIZE
+# Offsets per free message: one datagram, well under the socket's buffer.
+_FREES_PER_MESSAGE = 4096
+_BUFFER_TYPES = (bytes, bytearray, memoryview)
+
+
+class BatchPickler(pickle.Pickler):
+    """Pickles a worker's result; slot views become bytes (the one copy across processes)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, memoryview):
+            return bytes, (obj.tobytes(),)
+        if isinstance(obj, CachedSample):
+            data = obj.data
+            return CachedSample, (data if isinstance(data, bytes) else bytes(data), obj.metadata)
+        return NotImplemented
+
+
+def dumps(message: tuple[str, int, Any]) -> bytes:
+    buffer = io.BytesIO()
+    BatchPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return buffer.getvalue()
+
+
+def arena_bytes(result_bytes: int, workers: int) -> int:
+    """Each worker's share of ``result_bytes`` in whole pages; 0 = no region."""
+    return result_bytes // max(1, workers) // _PAGE * _PAGE
+
+
+class _SharedFd:
+    """A file descriptor given to a worker process: inherited under fork, passed with the
+    process's other descriptors under spawn."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> Any:
+        return _rebuild_fd, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _rebuild_fd(dup: Any) -> _SharedFd:
+    return _SharedFd(dup.detach())
+
+
+class RegionOwner:
+    """The training process's side of one worker's region: owns the memfd, maps each batch's
+    ranges and sends back the ones nothing references any more."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.fd = os.memfd_create("dataset-rt-results", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, capacity)  # sparse: pages exist once written
+            self._frees, self._worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._frees.setblocking(False)
+        # Mapped once for the pass (each mapping of a file holds a descriptor, so one per batch
+        # could exhaust them). Shared and writable: numpy and torch hand out ordinary writable
+        # arrays without a copy or a warning; a write lands in its batch's own range, which the
+        # worker reuses only once nothing here references it.
+        self._map: mmap.mmap | None = mmap.mmap(self.fd, capacity)
+        # Offsets of ranges no longer referenced; appended by finalizers, at any time.
+        self.pending: list[int] = []
+
+    def worker_args(self) -> tuple[_SharedFd, int, socket.socket]:
+        return _SharedFd(self.fd), self.capacity, self._worker_end
+
+    def started(self) -> None:
+        """The worker has its copies of the descriptors."""
+        self._worker_end.close()
+
+    def load(self, ranges: list[tuple[int, int]], stream: io.BytesIO) -> Any:
+        """Rebuilds a batch on its ranges. Each range gets a root array; every leaf is a view
+        of it (a numpy view, a tensor or memoryview of one), so the root lives exactly as long
+        as something of the batch does, and its death frees the range."""
+        import numpy
+
+        arena = self._map
+        assert arena is not None, "the region was closed"
+        roots = []
+        for offset, length in ranges:
+            root = numpy.frombuffer(arena, numpy.uint8, length, offset)
+            weakref.finalize(root, self.pending.append, offset)
+            roots.append(root)
+        return _RegionUnpickler(stream, roots, [offset for offset, _ in ranges]).load()
+
+    def flush(self) -> None:
+        """Sends the queued frees; never blocks (a full socket keeps them for the next call)."""
+        pending = self.pending
+        while pending:
+            count = min(len(pending), _FREES_PER_MESSAGE)
+            try:
+                self._frees.send(struct.pack(f"<{count}Q", *pending[:count]))
+            except BlockingIOError:
+                return
+            except OSError:  # the worker is gone: nothing to tell
+                del pending[:]
+                return
+            del pending[:count]
+
+    def close(self) -> None:
+        """Views handed out stay valid: they keep the mapping alive until they die."""
+        self._map = None
+        self._frees.close()
+        self._worker_end.close()
+        os.close(self.fd)
+
+
+class _RegionUnpickler(pickle.Unpickler):
+    def __init__(self, stream: io.BytesIO, roots: list[Any], starts: list[int]) -> None:
+        super().__init__(stream)
+        self._roots = roots
+        self._starts = starts
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, r, offset, n = pid[0], pid[1], pid[2], pid[3]
+        at = offset - self._starts[r]
+        part = self._roots[r][at : at + n]
+        if kind == "b":
+            return memoryview(part).toreadonly()
+        if kind == "s":
+            return CachedSample(memoryview(part).toreadonly(), pid[4])
+        if kind == "a":
+            return part.view(pid[4]).reshape(pid[5])
+        if kind == "t":
+            import torch
+
+            return torch.from_numpy(part).view(pid[4]).view(pid[5])
+        if kind == "L":
+            layout = array("Q")
+            layout.frombytes(pid[4])
+            half = len(layout) // 2
+            whole = memoryview(part).toreadonly()
+            views = [whole[o : o + k] for o, k in zip(layout[:half], layout[half:], strict=True)]
+            if pid[5] is None:
+                return views
+            return [CachedSample(v, m) for v, m in zip(views, pickle.loads(pid[5]), strict=True)]
+        raise pickle.UnpicklingError(f"unknown result descriptor {kind!r}")
+
+
+class RegionWriter:
+    """A worker's side of its region: the arena mapped writable, Rust's allocator, and the
+    frees from the training process."""
+
+    def __init__(self, fd: _SharedFd, capacity: int, frees: socket.socket) -> None:
+        try:
+            self.map = mmap.mmap(fd.fd, capacity)
+        finally:
+            os.close(fd.fd)
+        self.view = memoryview(self.map)
+        self._anchor = ctypes.c_char.from_buffer(self.map)  # pins the map: the address holds
+        self.base = ctypes.addressof(self._anchor)
+        self.capacity = capacity
+        self.arena = _native.ResultArena(capacity)
+        self.frees = frees
+        frees.setblocking(False)
+        self.fallback = False
+
+    def begin(self) -> None:
+        """A batch starts: take the frees that arrived, so that it reuses memory just released
+        (its pages are warm) before it touches new memory."""
+        self.fallback = False
+        self.drain()
+
+    def drain(self) -> None:
+        while True:
+            try:
+                data = self.frees.recv(8 * _FREES_PER_MESSAGE)
+            except (BlockingIOError, ConnectionError):
+                return
+            if not data:
+                return
+            for (offset,) in struct.iter_unpack("<Q", data):
+                self.arena.free(offset)
+
+    def alloc(self, n: int) -> tuple[int, int, memoryview] | None:
+        got = self.arena.alloc(n)
+        if got is None:
+            self.drain()
+            got = self.arena.alloc(n)
+            if got is None:
+                self.fallback = True
+                return None
+        r, offset = got
+        return r, offset, self.view[offset : offset + n]
+
+    def owned(self, address: int, n: int) -> tuple[int, int] | None:
+        offset = address - self.base
+        if 0 <= offset < self.capacity:
+            return self.arena.owned(offset, n)
+        return None
+
+    def encode(self, seq: int, result: Any) -> bytes:
+        """The message of a batch: a header (ranges, whether something fell back) and the
+        skeleton, one after the other."""
+        body = io.BytesIO()
+        _RegionPickler(body, self).dump(result)
+        ranges = self.arena.finish()
+        header = pickle.dumps(("region", seq, (ranges, self.fallback)), pickle.HIGHEST_PROTOCOL)
+        return header + body.getbuffer()
+
+    # ---- the leaves ----
+
+    def put_bytes(self, obj: Any) -> tuple[int, int, int] | None:
+        source = memoryview(obj)
+        n = source.nbytes
+        if n == 0:
+            return None
+        got = self.alloc(n)
+        if got is None:
+            return None
+        r, offset, target = got
+        if source.c_contiguous:
+            target[:] = source.cast("B") if source.format != "B" or source.ndim != 1 else source
+        else:
+            target[:] = source.tobytes()
+        return r, offset, n
+
+    def put_list(self, items: list[Any], samples: bool) -> tuple[Any, ...] | None:
+        """A list of ``CachedSample`` (a batch without ``transform``) or of bytes-like objects:
+        one allocation and one descriptor for all of it (per-item descriptors would cost more
+        than pickling small payloads)."""
+        if samples:
+            if any(type(s) is not CachedSample for s in items):
+                return None
+            views = [memoryview(s.data) for s in items]
+        else:
+            if any(type(b) not in _BUFFER_TYPES for b in items):
+                return None
+            views = [memoryview(b) for b in items]
+        if not all(v.c_contiguous for v in views):
+            return None
+        lengths = [v.nbytes for v in views]
+        offsets, end = [], 0
+        for n in lengths:
+            start = -(-end // 64) * 64
+            offsets.append(start)
+            end = start + n
+        if end == 0:
+            return None
+        got = self.alloc(end)
+        if got is None:
+            return None
+        r, offset, target = got
+        for v, o, n in zip(views, offsets, lengths, strict=True):
+            target[o : o + n] = v if v.format == "B" and v.ndim == 1 else v.cast("B")
+        layout = pickle.PickleBuffer(array("Q", offsets + lengths).tobytes())
+        metadata = (
+            pickle.PickleBuffer(pickle.dumps([s.metadata for s in items], pickle.HIGHEST_PROTOCOL))
+            if samples
+            else None
+        )
+        # Plain bytes inside (pickled in band, not placed): per-int descriptors would be slow.
+        return ("L", r, offset, end, layout, metadata)
+
+    def put_array(self, array: Any) -> tuple[Any, ...] | None:
+        n = array.nbytes
+        if n == 0 or array.dtype.hasobject:
+            return None
+        if array.flags.c_contiguous:
+            got = self.owned(array.__array_interface__["data"][0], n)
+            if got is not None:
+                return ("a", got[0], got[1], n, array.dtype, array.shape)
+        got3 = self.alloc(n)
+        if got3 is None:
+            return None
+        import numpy
+
+        r, offset, target = got3
+        numpy.copyto(numpy.frombuffer(target, array.dtype).reshape(array.shape), array)
+        return ("a", r, offset, n, array.dtype, array.shape)
+
+    def put_tensor(self, tensor: Any) -> tuple[Any, ...] | None:
+        import torch
+
+        if (
+            tensor.device.type != "cpu"
+            or tensor.layout != torch.strided
+            or tensor.requires_grad
+            or tensor.is_nested
+            or tensor.is_quantized
+        ):
+            return None
+        count = tensor.numel()
+        n = count * tensor.element_size()
+        if n == 0:
+            return None
+        shape = tuple(tensor.shape)
+        if tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
+            got = self.owned(tensor.data_ptr(), n)
+            if got is not None:
+                return ("t", got[0], got[1], n, tensor.dtype, shape)
+        got3 = self.alloc(n)
+        if got3 is None:
+            return None
+        r, offset, target = got3
+        torch.frombuffer(target, dtype=tensor.dtype, count=count).view(shape).copy_(tensor)
+        return ("t", r, offset, n, tensor.dtype, shape)
+
+
+class _RegionPickler(BatchPickler):
+    """Pickles a result with its buffers written to the region and replaced by descriptors;
+    a buffer that does not fit is pickled as :class:`BatchPickler` does."""
+
+    def __init__(self, stream: io.BytesIO, writer: RegionWriter) -> None:
+        super().__init__(stream, protocol=pickle.HIGHEST_PROTOCOL)
+        self._writer = writer
+        numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+        # Only exact types: a subclass may carry state that a plain view would lose.
+        self._ndarray = getattr(numpy, "ndarray", None)
+        self._tensor = getattr(torch, "Tensor", None)
+
+    def persistent_id(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind is list and obj:
+            first = type(obj[0])
+            if first is CachedSample or first in _BUFFER_TYPES:
+                return self._writer.put_list(obj, first is CachedSample)
+            return None
+        if kind in _BUFFER_TYPES:
+            got = self._writer.put_bytes(obj)
+            return None if got is None else ("b", *got)
+        if kind is CachedSample:
+            got = self._writer.put_bytes(obj.data)
+            return None if got is None else ("s", *got, obj.metadata)
+        if kind is self._ndarray:
+            return self._writer.put_array(obj)
+        if kind is self._tensor:
+            return self._writer.put_tensor(obj)
+        return None
+
+
+_current: RegionWriter | None = None
+
+
+@contextlib.contextmanager
+def writing(writer: RegionWriter | None) -> Iterator[None]:
+    """Makes ``writer`` the target of :func:`result_buffer` while a batch is produced."""
+    global _current
+    _current = writer
+    try:
+        yield
+    finally:
+        _current = None
+
+
+def result_buffer(nbytes: int) -> memoryview | None:
+    """Writable memory for ``nbytes`` of the result being produced, inside a loader worker:
+    a buffer built there (``torch.stack(..., out=)``) reaches the training loop without being
+    copied. ``None`` outside a worker, for ``nbytes <= 0``, or when the region is full."""
+    writer = _current
+    if writer is None or nbytes <= 0:
+        return None
+    got = writer.alloc(nbytes)
+    return None if got is None else got[2]

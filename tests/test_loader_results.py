@@ -1,0 +1,287 @@
+"""Worker results through shared memory: zero copies in the training process, nesting, the
+lifetime of what the loop holds, and the documented fallback when the memory is full."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import warnings
+
+import numpy as np
+import pytest
+from loader_helpers import (  # noqa: F401
+    in_result_memory,
+    load,
+    no_leaks,
+    payload,
+    result_fds,
+    result_mappings,
+)
+
+from dataset_rt import _regions
+from dataset_rt._loader import DataLoader
+from dataset_rt._native import CachedSample, ConfigError
+
+N = 60
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("results-cache")
+    load(path, N)
+    return path
+
+
+@pytest.fixture
+def dataset(base):
+    return load(base, N)
+
+
+def epoch0(dataset) -> list[tuple[int, bytes]]:
+    dataset.set_epoch(0)
+    return [(s.metadata["i"], bytes(s.data)) for s in dataset]
+
+
+def as_array(sample):
+    return np.frombuffer(sample.data, np.uint8).copy()
+
+
+def address(obj) -> int:
+    if isinstance(obj, np.ndarray):
+        return obj.__array_interface__["data"][0]
+    if isinstance(obj, memoryview):
+        return np.frombuffer(obj, np.uint8).__array_interface__["data"][0]
+    return obj.data_ptr()  # a tensor
+
+
+def base_chain_ends_in_a_map(array: np.ndarray) -> bool:
+    obj = array
+    while isinstance(obj, np.ndarray):
+        obj = obj.base
+    return isinstance(obj, memoryview) and isinstance(obj.obj, mmap.mmap)
+
+
+def fixed(sample):
+    """Every sample as 8 bytes: its index, then 7 bytes of its payload, so batches stack."""
+    head = payload(sample.metadata["i"])[:7].ljust(7, b"\0")
+    assert bytes(sample.data).startswith(head.rstrip(b"\0"))
+    return np.frombuffer(bytes([sample.metadata["i"] % 256]) + head, np.uint8).copy()
+
+
+def test_arrays_arrive_as_views_of_result_memory(dataset):
+    ids = [i for i, _ in epoch0(dataset)]
+    with DataLoader(
+        dataset, batch_size=6, num_workers=2, transform=fixed, collate_fn=np.stack
+    ) as loader:
+        batches = list(loader)
+    got = np.concatenate(batches)
+    assert got[:, 0].tolist() == [i % 256 for i in ids]
+    for batch in batches:
+        assert batch.shape == (6, 8) and batch.dtype == np.uint8
+        assert batch.flags.writeable
+        assert base_chain_ends_in_a_map(batch)
+        assert in_result_memory(address(batch), batch.nbytes)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_cached_samples_arrive_with_data_in_result_memory(dataset, start_method):
+    expected = epoch0(dataset)
+    loader = DataLoader(dataset, batch_size=7, num_workers=2, multiprocessing_context=start_method)
+    with loader:
+        samples = [s for batch in loader for s in batch]
+    assert all(type(s) is CachedSample for s in samples)
+    assert [(s.metadata["i"], bytes(s.data)) for s in samples] == expected
+    for s in samples:
+        assert isinstance(s.data, memoryview) and s.data.readonly
+        assert in_result_memory(address(s.data), len(s.data))
+
+
+@pytest.mark.torch
+def test_nested_results_keep_their_structure_and_leaves_view_result_memory(dataset):
+    torch = pytest.importorskip("torch")
+
+    def nested(sample):
+        i = sample.metadata["i"]
+        return (
+            as_array(sample),
+            i,
+            {"t": torch.full((3, 5), i, dtype=torch.int64), "name": f"s{i}"},
+            [bytearray(sample.data), memoryview(b"x" * (i + 1)), b""],
+        )
+
+    expected = epoch0(dataset)
+    with DataLoader(dataset, batch_size=4, num_workers=2, transform=nested) as loader:
+        items = [item for batch in loader for item in batch]
+    assert len(items) == len(expected)
+    for (array, i, d, buffers), (j, data) in zip(items, expected, strict=True):
+        assert i == j and d["name"] == f"s{j}"
+        assert array.tobytes() == data and in_result_memory(address(array), array.nbytes)
+        assert torch.equal(d["t"], torch.full((3, 5), j, dtype=torch.int64))
+        assert in_result_memory(address(d["t"]), 15 * 8)
+        assert bytes(buffers[0]) == data and bytes(buffers[1]) == b"x" * (j + 1)
+        assert in_result_memory(address(buffers[0]), len(data))
+        assert buffers[2] == b""
+
+
+@pytest.fixture(scope="module")
+def thousand_batches(tmp_path_factory):
+    return load(tmp_path_factory.mktemp("thousand"), 2000)
+
+
+@pytest.mark.parametrize("pages", [None, 64])
+def test_held_batches_are_never_overwritten(thousand_batches, pages):
+    """Every batch of a 1,000-batch epoch kept to the end, then checked: with the default
+    memory, and with 32 pages per worker, where the memory runs out and the rest is pickled."""
+    dataset = thousand_batches
+    ids = [i for i, _ in epoch0(dataset)]
+    loader = DataLoader(
+        dataset,
+        batch_size=2,
+        num_workers=2,
+        transform=fixed,
+        collate_fn=np.stack,
+        result_bytes=None if pages is None else pages * mmap.PAGESIZE,
+    )
+    with loader, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        batches = list(loader)
+    assert len(batches) == 1000
+    rows = np.concatenate(batches)
+    assert rows.tolist() == [fixed(_Sample(i)).tolist() for i in ids]
+    inside = sum(in_result_memory(address(b), b.nbytes) for b in batches)
+    if pages is None:
+        assert inside == 1000 and warned == []
+    else:
+        assert inside == pages  # one page each, never reused while held
+        assert [str(w.message)[:36] for w in warned] == ["the loader's result memory is full ("]
+
+
+class _Sample:
+    def __init__(self, i: int) -> None:
+        self.metadata = {"i": i}
+        self.data = payload(i)
+
+
+def test_released_memory_is_reused_and_held_memory_is_not(dataset):
+    # Eight pages per worker, one per batch, 30 batches each: enough only if the loop's frees
+    # reach the workers (a full region would warn, and warnings fail the suite).
+    loader = DataLoader(
+        dataset, batch_size=1, num_workers=2, transform=fixed, result_bytes=16 * mmap.PAGESIZE
+    )
+    with loader:
+        seen = 0
+        for batch in loader:
+            assert in_result_memory(address(batch[0]), 8)
+            seen += 1
+            del batch
+        assert seen == N
+    gc.collect()
+    assert result_mappings() == []
+
+
+def test_a_full_region_falls_back_to_pickling_with_one_warning(dataset):
+    loader = DataLoader(
+        dataset, batch_size=1, num_workers=2, transform=fixed, result_bytes=4 * mmap.PAGESIZE
+    )
+    ids = [i for i, _ in epoch0(dataset)]
+    with pytest.warns(RuntimeWarning, match=r"result memory is full") as warned:
+        batches = list(loader)
+    assert len([w for w in warned if issubclass(w.category, RuntimeWarning)]) == 1
+    assert warned[0].filename == __file__  # points at the loop, not at the loader
+    assert [b[0].tolist() for b in batches] == [fixed(_Sample(i)).tolist() for i in ids]
+    inside = [in_result_memory(address(b[0]), 8) for b in batches]
+    # Two pages per worker, held to the end: each worker's first two batches; the rest pickled.
+    assert sum(inside) == 4
+    # The pass is over; what is held keeps one mapping per worker (and its descriptor) alive.
+    assert len(result_fds()) == len(result_mappings()) == 2
+    del batches
+    gc.collect()
+    assert result_fds() == [] and result_mappings() == []
+
+
+def test_a_result_larger_than_a_workers_share_is_pickled(dataset):
+    expected = epoch0(dataset)
+
+    def big(sample):
+        return np.full(3 * mmap.PAGESIZE, sample.metadata["i"] % 256, np.uint8)
+
+    loader = DataLoader(
+        dataset, batch_size=1, num_workers=1, transform=big, result_bytes=2 * mmap.PAGESIZE
+    )
+    with loader, pytest.warns(RuntimeWarning, match=r"8192 bytes per worker"):
+        batches = list(loader)
+    assert [int(b[0][0]) for b in batches] == [i % 256 for i, _ in expected]
+    assert all(b[0].shape == (3 * mmap.PAGESIZE,) for b in batches)
+    assert not any(in_result_memory(address(b[0])) for b in batches)
+
+
+def test_result_bytes_zero_pickles_everything(dataset):
+    expected = epoch0(dataset)
+    with DataLoader(dataset, batch_size=5, num_workers=1, result_bytes=0) as loader:
+        samples = [s for batch in loader for s in batch]
+    assert all(isinstance(s.data, bytes) for s in samples)
+    assert [(s.metadata["i"], s.data) for s in samples] == expected
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "1"])
+def test_bad_result_bytes_is_refused(dataset, value):
+    with pytest.raises(ConfigError, match=r"DataLoader\.result_bytes"):
+        DataLoader(dataset, num_workers=1, result_bytes=value)
+
+
+@pytest.mark.torch
+def test_torch_default_collate_stacks_into_result_memory_once(dataset):
+    torch = pytest.importorskip("torch")
+    from dataset_rt.torch import DataLoader as TorchDataLoader
+    from dataset_rt.torch import default_collate
+
+    # In a worker: the stack lands in the region, and sending it copies nothing more.
+    owner = _regions.RegionOwner(1 << 20)
+    fd, capacity, frees = owner.worker_args()
+    writer = _regions.RegionWriter(_regions._SharedFd(os.dup(fd.fd)), capacity, frees)
+    try:
+        parts = [torch.full((4, 4), k, dtype=torch.float32) for k in range(8)]
+        sizes: list[int] = []
+        real_alloc = writer.alloc
+
+        def counted(n):
+            sizes.append(n)
+            return real_alloc(n)
+
+        writer.alloc = counted  # type: ignore[method-assign]
+        with _regions.writing(writer):
+            stacked = default_collate(parts)
+            assert writer.owned(stacked.data_ptr(), stacked.nbytes) is not None
+            message = writer.encode(0, stacked)
+        assert sizes == [8 * 16 * 4]  # the stack's one write; encoding copied nothing
+        assert torch.equal(stacked, torch.stack(parts))
+        assert len(message) < 400  # the skeleton only
+        assert writer.arena.in_use == mmap.PAGESIZE
+        del writer.alloc  # no cycle: the fixture sees the writer's mapping go with this frame
+    finally:
+        owner.close()
+
+    def as_tensor(sample):
+        return torch.from_numpy(fixed(sample))
+
+    ids = [i for i, _ in epoch0(dataset)]
+    with TorchDataLoader(dataset, batch_size=6, num_workers=2, transform=as_tensor) as loader:
+        batches = list(loader)
+    assert torch.cat(batches)[:, 0].tolist() == [i % 256 for i in ids]
+    assert all(in_result_memory(b.data_ptr(), b.nbytes) for b in batches)
+    # Outside a worker it is torch's collate.
+    assert default_collate([torch.ones(2), torch.zeros(2)]).tolist() == [[1, 1], [0, 0]]
+
+
+@pytest.mark.torch
+def test_pin_memory_without_an_accelerator_warns_like_torch(dataset):
+    torch = pytest.importorskip("torch")
+    from dataset_rt.torch import DataLoader as TorchDataLoader
+
+    if torch.cuda.is_available():
+        pytest.skip("an accelerator is present")
+    loader = TorchDataLoader(dataset, batch_size=30, pin_memory=True)
+    with loader, pytest.warns(UserWarning, match="no accelerator is found"):
+        batches = list(loader)
+    assert len(batches) == 2
