@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{Dataset, ReadOptions, WeightTable};
+use dataset_rt_core::sampler::EpochOrder;
 use dataset_rt_core::Error as CoreError;
 use serde::{Deserialize, Serialize};
 
@@ -150,7 +151,7 @@ fn fill(ring: &Arc<Ring>, spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Res
             .map(|k| {
                 // A long batch build (large samples, slow storage) still shows progress.
                 ring.heartbeat(Party::Producer);
-                let global = order[split.global_position(pass.epoch_len, pass.start, k) as usize];
+                let global = order.at(split.global_position(pass.epoch_len, pass.start, k));
                 let (c, row) = ds.locate(global);
                 let cache = &ds.caches[c];
                 Ok(SampleOut {
@@ -186,7 +187,7 @@ fn prepare(
     ring: &Arc<Ring>,
     spec: &ProducerSpec,
     weights: Option<Vec<f64>>,
-) -> Result<(Dataset, ReadOptions, Vec<u64>)> {
+) -> Result<(Dataset, ReadOptions, EpochOrder)> {
     let _alive = ring.keep_alive(Party::Producer)?;
     let caches = spec
         .cache_dirs

@@ -197,7 +197,10 @@ fn a_pass_delivers_the_epoch_order_with_every_byte() {
         s.ds.try_order(&s.opts, &WeightTable::uniform(), EPOCH)
             .unwrap();
     assert_eq!(order.len(), 17);
-    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), order);
+    assert_eq!(
+        got.iter().map(|g| g.0).collect::<Vec<_>>(),
+        order.iter().collect::<Vec<_>>()
+    );
     for (global, cache, row, meta, data) in &got {
         let (c, r) = s.ds.locate(*global);
         assert_eq!((*cache as usize, *row), (c, r));
@@ -217,7 +220,7 @@ fn a_corrupt_record_stops_the_pass_at_its_batch() {
         s.ds.try_order(&s.opts, &WeightTable::uniform(), EPOCH)
             .unwrap();
     // Damage the payload of the pass's 8th sample (batch 2) in its shard file.
-    let (c, row) = s.ds.locate(order[7]);
+    let (c, row) = s.ds.locate(order.at(7));
     let cache = &s.ds.caches[c];
     let (entry, _, start) = cache.verify_record(row).unwrap();
     let mut shard = std::fs::OpenOptions::new()
