@@ -26,6 +26,10 @@ Contenders:
 - ``litdata``: LitData ``optimize()`` locally, ``StreamingDataset(dir, shuffle=True)``.
 
 The ceiling, measured in the same run: a numpy memcpy and a warm page-cache read of the flat file.
+
+``--first-sample N`` measures something else, alone: the time to the first sample of a shuffled
+pass right after opening a cache of N 8-byte samples (written once under
+``$BENCH_DATA_DIR/first_sample``), which is what the epoch order costs a pass before it can read.
 """
 
 from __future__ import annotations
@@ -557,6 +561,64 @@ def print_table(res: dict[str, Any]) -> None:
         )
 
 
+def first_sample(n: int, data_dir: Path, repeats: int, workers: int) -> dict[str, Any]:
+    """Open, then the first shuffled sample (wall and CPU time), then the sample at the middle
+    of a resumed pass: median of ``repeats`` rounds in this process (warm page cache, a fresh
+    open and seed each)."""
+    drt = common.import_dataset_rt()
+
+    class Eights:
+        name = f"first_sample_{n}"
+
+        def __iter__(self) -> Any:
+            return (drt.CacheInput(i.to_bytes(8, "little")) for i in range(n))
+
+    base = data_dir / "first_sample"
+    base.mkdir(parents=True, exist_ok=True)
+    quiet = drt.WriterConfig(show_progress=False)
+    t0 = time.perf_counter()
+    with drt.DatasetRuntime(num_workers=workers) as runtime:
+        write_s = time.perf_counter() - t0
+        opens, firsts, resumes, cpu, anon = [], [], [], [], []
+        for r in range(repeats):
+            t1 = time.perf_counter()
+            result = runtime.from_cache_sources(
+                Eights(), base, reader_config=drt.ReaderConfig(seed=r), writer_config=quiet
+            )
+            t2 = time.perf_counter()
+            dataset = result.dataset
+            c2 = time.process_time()
+            anon_before = common.proc_status_mib().get("RssAnon", 0.0)
+            next(iter(dataset))
+            t3 = time.perf_counter()
+            cpu.append(time.process_time() - c2)
+            anon.append(common.proc_status_mib().get("RssAnon", 0.0) - anon_before)
+            state = {**dataset.state_dict(), "position": n // 2}
+            dataset.load_state_dict(state)
+            t4 = time.perf_counter()
+            next(iter(dataset))
+            t5 = time.perf_counter()
+            opens.append(t2 - t1)
+            firsts.append(t3 - t2)
+            resumes.append(t5 - t4)
+            if r == 0:
+                write_s = t2 - t0
+    return {
+        "samples": n,
+        "first_open_s (writes the cache if missing)": write_s,
+        "open_ms": common.median(opens) * 1e3,
+        "first_shuffled_sample_ms": common.median(firsts) * 1e3,
+        "first_shuffled_sample_min_ms": min(firsts) * 1e3,
+        # CPU time of every thread of the process: what the work costs, whatever the load.
+        "first_shuffled_sample_cpu_ms": common.median(cpu) * 1e3,
+        "first_sample_resumed_mid_epoch_ms": common.median(resumes) * 1e3,
+        # Anonymous memory the first pass added (the order, the read window): MiB.
+        "first_pass_anon_growth_mib": common.median(anon),
+        "all_first_shuffled_sample_ms": [x * 1e3 for x in firsts],
+        "peak_rss_mib": common.peak_rss_mib(),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=common.REPEATS)
@@ -569,7 +631,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
     parser.add_argument("--prepare", help=argparse.SUPPRESS)
     parser.add_argument("--size", choices=common.SIZES, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--first-sample",
+        type=int,
+        metavar="N",
+        help="only time the first shuffled sample after opening N 8-byte samples",
+    )
     args = parser.parse_args(argv)
+
+    if args.first_sample:
+        out = first_sample(args.first_sample, args.data_dir, args.repeats, args.workers)
+        print(json.dumps(out, indent=1))
+        return out
 
     if args.prepare:
         prepare(Layout(args.data_dir, args.size), args.prepare)

@@ -136,6 +136,8 @@ def epoch_order(
     epoch_len: int | None = None,
     shuffle: bool = True,
     weights: list[float] | None = None,
+    *,
+    positions: list[int] | None = None,
 ) -> list[int]: ...
 def check_compression(algo: Any, ratio: Any) -> None: ...
 def check_reader_config(

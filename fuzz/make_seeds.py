@@ -35,8 +35,9 @@ def cache_resigned() -> None:
 
 
 STATE = (
-    '{"format_version":1,"fingerprint":"@FP@","weights_fingerprint":"@WFP@","seed":7,'
-    '"shuffle":%s,"epoch_len":%d,"epoch":%d,"position":%d,"rank":%d,"world_size":%d}'
+    '{"format_version":1,"sampler_version":3,"fingerprint":"@FP@",'
+    '"weights_fingerprint":"@WFP@","seed":7,"shuffle":%s,"epoch_len":%d,"epoch":%d,'
+    '"position":%d,"rank":%d,"world_size":%d}'
 )
 
 

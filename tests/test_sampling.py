@@ -25,13 +25,13 @@ DATASET_PROPERTY = settings(max_examples=25, deadline=None)
 
 # (seed, epoch, num_samples, weights, epoch_len, shuffle, order)
 GOLDEN_ORDERS = [
-    (42, 0, 10, None, 10, True, [8, 9, 5, 2, 0, 4, 1, 7, 3, 6]),
-    (42, 1, 10, None, 10, True, [9, 6, 1, 2, 0, 5, 7, 4, 8, 3]),
-    (7, 3, 4, [1.0, 2.0, 3.0, 4.0], 10, True, [2, 3, 2, 3, 3, 0, 1, 3, 1, 2]),
+    (42, 0, 10, None, 10, True, [3, 5, 6, 8, 2, 0, 1, 9, 7, 4]),
+    (42, 1, 10, None, 10, True, [6, 8, 4, 5, 2, 1, 9, 0, 7, 3]),
+    (7, 3, 4, [1.0, 2.0, 3.0, 4.0], 10, True, [1, 3, 2, 0, 3, 3, 1, 2, 3, 2]),
     (7, 3, 4, [1.0, 2.0, 3.0, 4.0], 10, False, [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]),
-    (0, 0, 5, None, 12, True, [2, 3, 4, 0, 1, 4, 2, 4, 0, 1, 3, 2]),
+    (0, 0, 5, None, 12, True, [0, 3, 1, 1, 2, 2, 2, 0, 3, 4, 4, 4]),
     (7, 3, 4, [1.0, 2.0, 3.0, 4.0], 7, False, [0, 1, 2, 2, 3, 3, 3]),
-    (1, 2, 5, [0.5, 1.25, 3.0, 0.1, 2.15], 13, True, [1, 3, 2, 2, 1, 4, 4, 2, 2, 4, 2, 4, 1]),
+    (1, 2, 5, [0.5, 1.25, 3.0, 0.1, 2.15], 13, True, [4, 2, 4, 2, 3, 4, 1, 2, 4, 2, 1, 2, 1]),
     (3, 0, 10, None, 4, False, [1, 3, 6, 8]),
 ]
 
@@ -41,6 +41,21 @@ GOLDEN_COUNTS = [
     (0, 0, 5, None, 12, [2, 2, 3, 2, 3]),
     (7, 3, 4, [1.0, 2.0, 3.0, 4.0], 7, [1, 1, 2, 3]),
     (1, 2, 5, [0.5, 1.25, 3.0, 0.1, 2.15], 13, [0, 3, 5, 1, 4]),
+]
+
+# (seed, epoch, num_samples, epoch_len, positions, samples at those positions): read one
+# position at a time, as a resumed pass does.
+GOLDEN_POSITIONS = [
+    (2026, 5, 10**9, 10**9, [0, 1, 2, 10**9 - 1], [123200540, 267981582, 148084559, 759708584]),
+    (2026, 5, 1000, 10**9, [0, 1, 2, 10**9 - 1], [480, 389, 230, 835]),
+]
+
+# (x, seed, XXH3_64bits_withSeed of x's 8 little-endian bytes): the shuffle's round function.
+GOLDEN_ROUND_FUNCTION = [
+    (0, 0, 0xC77B3ABB6F87ACD9),
+    (5, 42, 0x53E4368E22C276EC),
+    (2**31, 0xDEADBEEFCAFEF00D, 0xEBD33C553418D8D2),
+    (2**64 - 1, 2**64 - 1, 0xDA8F77A4D5C399EA),
 ]
 
 GOLDEN_RAW_STREAM_42_0 = [
@@ -243,6 +258,40 @@ def reference_counts(
         previous = boundary
 
 
+SHUFFLE_ROUNDS = 8
+
+
+def xxh3_u64(x: int, seed: int) -> int:
+    """XXH3_64bits_withSeed of the 8 little-endian bytes of ``x``, in the page's short form."""
+    seed ^= int.from_bytes((seed & MASK32).to_bytes(4, "little"), "big") << 32
+    flip = ((0x1CAD21F72C81017C ^ 0xDB979083E96DD4DE) - seed) & MASK64
+    h = ((x >> 32) + ((x & MASK32) << 32)) ^ flip
+    h ^= _rotl64(h, 49) ^ _rotl64(h, 24)
+    h = (h * 0x9FB21C651E98DF25) & MASK64
+    h ^= ((h >> 35) + 8) & MASK64
+    h = (h * 0x9FB21C651E98DF25) & MASK64
+    return h ^ (h >> 28)
+
+
+def _rotl64(x: int, n: int) -> int:
+    return ((x << n) | (x >> (64 - n))) & MASK64
+
+
+def shuffle_position(keys: Sequence[int], length: int, k: int) -> int:
+    """The slot at position ``k``: the Feistel network with cycle walking, as the page says."""
+    bits = (length - 1).bit_length()
+    half = (bits + 1) // 2
+    mask = (1 << half) - 1
+    y = k
+    while True:
+        left, right = y >> half, y & mask
+        for key in keys:
+            left, right = right, left ^ (xxh3_u64(right, key) & mask)
+        y = (left << half) | right
+        if y < length:
+            return y
+
+
 def reference_order(
     seed: int,
     epoch: int,
@@ -253,18 +302,62 @@ def reference_order(
 ) -> list[int]:
     length = n if epoch_len is None else epoch_len
     rng = epoch_stream(seed, epoch)
-    order = [i for i, c in enumerate(reference_counts(rng, n, length, weights)) for _ in range(c)]
-    assert len(order) == length
-    if shuffle:
-        for i in range(len(order) - 1, 0, -1):
-            j = bounded(rng, i + 1)
-            order[i], order[j] = order[j], order[i]
-    return order
+    expansion = [
+        i for i, c in enumerate(reference_counts(rng, n, length, weights)) for _ in range(c)
+    ]
+    assert len(expansion) == length
+    if not shuffle or length < 2:
+        return expansion
+    keys = [rng.next_u64() for _ in range(SHUFFLE_ROUNDS)]
+    return [expansion[shuffle_position(keys, length, k)] for k in range(length)]
 
 
 def test_reference_reproduces_raw_stream() -> None:
     rng = epoch_stream(42, 0)
     assert [rng.next_u64() for _ in range(4)] == GOLDEN_RAW_STREAM_42_0
+
+
+@pytest.mark.parametrize(("x", "seed", "expected"), GOLDEN_ROUND_FUNCTION)
+def test_reference_reproduces_round_function(x: int, seed: int, expected: int) -> None:
+    assert xxh3_u64(x, seed) == expected
+
+
+def reference_positions(
+    seed: int, epoch: int, n: int, epoch_len: int, positions: Sequence[int]
+) -> list[int]:
+    """Uniform weights, shuffled: the samples at ``positions`` alone, without the expansion."""
+    rng = epoch_stream(seed, epoch)
+    off = None if epoch_len == n else bounded(rng, n)
+    keys = [rng.next_u64() for _ in range(SHUFFLE_ROUNDS)]
+    slots = [shuffle_position(keys, epoch_len, k) for k in positions]
+    if off is None:
+        return slots
+    return [((t + 1) * n - off - 1) // epoch_len for t in slots]
+
+
+@pytest.mark.parametrize(
+    ("seed", "epoch", "n", "epoch_len", "positions", "expected"), GOLDEN_POSITIONS
+)
+def test_golden_positions_of_a_large_epoch(
+    seed: int, epoch: int, n: int, epoch_len: int, positions: list[int], expected: list[int]
+) -> None:
+    assert reference_positions(seed, epoch, n, epoch_len, positions) == expected
+    assert _native.epoch_order(seed, epoch, n, epoch_len, positions=positions) == expected
+
+
+def test_positions_agree_with_the_whole_order() -> None:
+    weights = [0.5, 1.25, 3.0, 0.1, 2.15]
+    for n, w in ((10, None), (5, weights)):
+        for shuffle in (True, False):
+            whole = _native.epoch_order(1, 2, n, 13, shuffle, w)
+            picked = [12, 0, 7, 7, 3]
+            got = _native.epoch_order(1, 2, n, 13, shuffle, w, positions=picked)
+            assert got == [whole[k] for k in picked]
+
+
+def test_a_position_outside_the_epoch_is_refused() -> None:
+    with pytest.raises(_native.ConfigError, match="position 13 is outside the epoch of 13"):
+        _native.epoch_order(1, 2, 10, 13, positions=[0, 13])
 
 
 @pytest.mark.parametrize(
@@ -464,7 +557,7 @@ def test_dataset_reproduces_weighted_golden(base_dir: Path) -> None:
         table = dataset.samples_metadata().sort("sample_id")
         dataset.set_samples_metadata(table.with_columns(pl.Series("weight", [1.0, 2.0, 3.0, 4.0])))
         dataset.set_epoch(3)
-        assert ids(dataset) == [2, 3, 2, 3, 3, 0, 1, 3, 1, 2]
+        assert ids(dataset) == GOLDEN_ORDERS[2][-1]
 
 
 def test_dataset_reproduces_oversampled_golden(base_dir: Path) -> None:
@@ -473,7 +566,7 @@ def test_dataset_reproduces_oversampled_golden(base_dir: Path) -> None:
     )
     with runtime:
         assert len(dataset) == 12
-        assert ids(dataset) == [2, 3, 4, 0, 1, 4, 2, 4, 0, 1, 3, 2]
+        assert ids(dataset) == GOLDEN_ORDERS[4][-1]
 
 
 def test_dataset_undersampled_storage_order(base_dir: Path) -> None:

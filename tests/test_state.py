@@ -25,7 +25,16 @@ from dataset_rt import (
 from dataset_rt.testing import make_source
 
 QUIET = WriterConfig(show_progress=False)
-STATE_KEYS = {"format_version", "fingerprint", "seed", "epoch", "position", "rank", "world_size"}
+STATE_KEYS = {
+    "format_version",
+    "sampler_version",
+    "fingerprint",
+    "seed",
+    "epoch",
+    "position",
+    "rank",
+    "world_size",
+}
 
 
 def positional_source(name: str, n: int, tag: str = ""):  # type: ignore[no-untyped-def]
@@ -87,6 +96,7 @@ def test_state_is_plain_json_with_documented_fields(base_dir: Path) -> None:
         assert fresh["world_size"] == 1
         assert fresh["fingerprint"] == dataset.fingerprint
         assert isinstance(fresh["format_version"], int)
+        assert fresh["sampler_version"] == 3
         for value in fresh.values():
             assert isinstance(value, (bool, int, float, str))
 
@@ -478,6 +488,8 @@ def test_state_under_another_weight_table_refused(
     [
         ({"position": 11}, "position 11"),
         ({"format_version": 999}, "version"),
+        ({"sampler_version": 2}, "taken under sampler_version 2"),
+        ({"sampler_version": None}, "names no sampler_version"),
         ({"seed": 43}, "seed"),
         ({"shuffle": False}, "shuffle"),
         ({"epoch_len": 12}, "epoch_len"),
@@ -523,12 +535,30 @@ def test_list_of_the_state_values_refused(base_dir: Path, checkpoint: dict[str, 
     assert_refused(base_dir, list(checkpoint.values()), "a state is a JSON object .a dict.")  # type: ignore[arg-type]
 
 
+def previous_sampler_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint as the release before sampler_version 3 wrote it: without that key."""
+    return {k: v for k, v in checkpoint.items() if k != "sampler_version"}
+
+
+def test_a_checkpoint_of_the_previous_sampler_is_refused_clearly(
+    base_dir: Path, checkpoint: dict[str, Any]
+) -> None:
+    # Its position points into a Fisher-Yates order this release no longer computes.
+    assert_refused(
+        base_dir,
+        previous_sampler_state(checkpoint),
+        r"names no sampler_version: an earlier DatasetRT took it, under sampler_version 2, and "
+        r"this DatasetRT computes epoch orders with sampler_version 3: .* Call set_epoch",
+    )
+
+
 def impossible_states(checkpoint: dict[str, Any]) -> list[tuple[Any, str]]:
     return [
         (list(checkpoint.values()), "this is a list"),
         ({**checkpoint, "world_size": 0}, "world_size 0"),
         ({**checkpoint, "rank": 2, "world_size": 2}, "rank 2 is not below world_size 2"),
         ({**checkpoint, "epoch": 2**64 - 1}, "is not an epoch"),
+        (previous_sampler_state(checkpoint), "names no sampler_version"),
     ]
 
 

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{Dataset, EpochReader, ReadOptions, WeightTable};
 use dataset_rt_core::pool::Pool;
+use dataset_rt_core::sampler::EpochOrder;
 use dataset_rt_core::Error as CoreError;
 use serde::{Deserialize, Serialize};
 
@@ -219,7 +220,7 @@ fn prepare(
     ring: &Arc<Ring>,
     spec: &ProducerSpec,
     weights: Option<Vec<f64>>,
-) -> Result<(Dataset, ReadOptions, Vec<u64>)> {
+) -> Result<(Dataset, ReadOptions, EpochOrder)> {
     let _alive = ring.keep_alive(Party::Producer)?;
     let caches = spec
         .cache_dirs

@@ -224,7 +224,10 @@ fn a_pass_delivers_the_epoch_order_with_every_byte() {
         s.ds.try_order(&s.opts, &WeightTable::uniform(), EPOCH)
             .unwrap();
     assert_eq!(order.len(), 17);
-    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), order);
+    assert_eq!(
+        got.iter().map(|g| g.0).collect::<Vec<_>>(),
+        order.iter().collect::<Vec<_>>()
+    );
     for (global, cache, row, meta, data) in &got {
         let (c, r) = s.ds.locate(*global);
         assert_eq!((*cache as usize, *row), (c, r));
@@ -257,7 +260,7 @@ fn corrupt_record_stops_the_pass_at_its_batch(threads: usize, prefetch_size: usi
         s.ds.try_order(&s.opts, &WeightTable::uniform(), EPOCH)
             .unwrap();
     // Damage the payload of the pass's 8th sample (batch 2) in its shard file.
-    let (c, row) = s.ds.locate(order[7]);
+    let (c, row) = s.ds.locate(order.at(7));
     let cache = &s.ds.caches[c];
     let (entry, _, start) = cache.verify_record(row).unwrap();
     let mut shard = std::fs::OpenOptions::new()
@@ -299,7 +302,10 @@ fn several_threads_fill_the_same_slots_as_one_thread() {
     let order =
         s.ds.try_order(&s.opts, &WeightTable::uniform(), EPOCH)
             .unwrap();
-    assert_eq!(one_thread.iter().map(|g| g.0).collect::<Vec<_>>(), order);
+    assert_eq!(
+        one_thread.iter().map(|g| g.0).collect::<Vec<_>>(),
+        order.iter().collect::<Vec<_>>()
+    );
     assert_eq!(one_thread_slots.len() as u64, 280u64.div_ceil(BATCH));
 
     // (threads, prefetch_size): one sample per job, a few per job, the chunk limit of 256, and

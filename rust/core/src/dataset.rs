@@ -11,7 +11,9 @@ use crate::error::{Error, Result};
 use crate::format::{SampleIdSource, FLAG_LZ4};
 use crate::metadata::MetaRef;
 use crate::pool::{Pool, Slot};
-use crate::sampler::{try_epoch_order, EpochParams, RankPolicy, RankSplit, Weights, MAX_EPOCH_LEN};
+use crate::sampler::{
+    EpochOrder, EpochParams, RankPolicy, RankSplit, Weights, MAX_EPOCH_LEN, SAMPLER_VERSION,
+};
 
 pub const STATE_VERSION: u32 = 1;
 
@@ -77,6 +79,10 @@ impl ReadOptions {
 #[serde(deny_unknown_fields)]
 pub struct State {
     pub format_version: u32,
+    /// The [`SAMPLER_VERSION`] whose order `position` points into. `None`: the state predates
+    /// this field (it was taken under version 2), and is refused with that explanation.
+    #[serde(default)]
+    pub sampler_version: Option<u32>,
     /// Identifies the caches (their content fingerprints, in order).
     pub fingerprint: String,
     /// Identifies the weight table ("uniform" when every weight is equal to every other).
@@ -96,7 +102,7 @@ impl State {
         serde_json::to_string(self).expect("plain data serialises")
     }
 
-    /// Parses a state. Only a JSON object is a state: serde would also take the ten values as
+    /// Parses a state. Only a JSON object is a state: serde would also take the values as
     /// an array, in field order, which no `state_dict()` produces.
     pub fn from_json(text: &str) -> Result<State> {
         let not_a_state = |e: serde_json::Error| {
@@ -289,13 +295,14 @@ impl Dataset {
         opts.split().rank_len(self.epoch_len(opts), 0)
     }
 
-    /// The epoch's order, or [`Error::OutOfMemory`] when it does not fit in memory.
+    /// The epoch's order, computed position by position. Uniform weights: constant memory and
+    /// no set-up; weights: 8 bytes per sample, or [`Error::OutOfMemory`] when those cannot be had.
     pub fn try_order(
         &self,
         opts: &ReadOptions,
         weights: &WeightTable,
         epoch: u64,
-    ) -> Result<Vec<u64>> {
+    ) -> Result<EpochOrder> {
         let params = EpochParams {
             seed: opts.seed,
             epoch,
@@ -303,8 +310,8 @@ impl Dataset {
             shuffle: opts.shuffle,
         };
         match &weights.weights {
-            None => try_epoch_order(params, Weights::Uniform(self.len())),
-            Some(w) => try_epoch_order(params, Weights::Weighted(w)),
+            None => EpochOrder::new(params, Weights::Uniform(self.len())),
+            Some(w) => EpochOrder::new(params, Weights::Weighted(w)),
         }
     }
 
@@ -319,6 +326,22 @@ impl Dataset {
             return Err(Error::State(format!(
                 "state format version {} is not {STATE_VERSION}",
                 state.format_version
+            )));
+        }
+        let taken_under = match state.sampler_version {
+            Some(v) if v == SAMPLER_VERSION => None,
+            Some(v) => Some(format!("was taken under sampler_version {v}")),
+            None => Some(
+                "names no sampler_version: an earlier DatasetRT took it, under sampler_version 2"
+                    .to_owned(),
+            ),
+        };
+        if let Some(taken_under) = taken_under {
+            return Err(Error::State(format!(
+                "the state {taken_under}, and this DatasetRT computes epoch orders with \
+                 sampler_version {SAMPLER_VERSION}: its position points into an order this \
+                 version does not produce, so it cannot be resumed exactly. Call set_epoch to \
+                 start an epoch afresh, or resume it with the DatasetRT release that took it"
             )));
         }
         if state.world_size == 0 {
@@ -398,6 +421,7 @@ impl Dataset {
     ) -> State {
         State {
             format_version: STATE_VERSION,
+            sampler_version: Some(SAMPLER_VERSION),
             fingerprint: self.fingerprint.clone(),
             weights_fingerprint: weights_fingerprint.to_owned(),
             seed: opts.seed,
@@ -465,7 +489,7 @@ impl Dataset {
 pub struct EpochReader {
     pool: Arc<Pool>,
     dataset: Arc<Dataset>,
-    order: Arc<Vec<u64>>,
+    order: Arc<EpochOrder>,
     split: RankSplit,
     epoch_len: u64,
     pub epoch: u64,
@@ -496,13 +520,13 @@ impl EpochReader {
     pub fn new(
         pool: Arc<Pool>,
         dataset: Arc<Dataset>,
-        order: Arc<Vec<u64>>,
+        order: Arc<EpochOrder>,
         opts: &ReadOptions,
         epoch: u64,
         start: u64,
     ) -> Self {
         let split = opts.split();
-        let epoch_len = order.len() as u64;
+        let epoch_len = order.len();
         let len = split.rank_len(epoch_len, start);
         let prefetch = opts.prefetch_size as u64;
         EpochReader {
@@ -595,8 +619,9 @@ impl EpochReader {
             let k1 = (k0 + self.chunk).min(self.len);
             let mut globals = Vec::with_capacity((k1 - k0) as usize);
             for k in k0..k1 {
-                let g =
-                    self.order[self.split.global_position(self.epoch_len, self.start, k) as usize];
+                let g = self
+                    .order
+                    .at(self.split.global_position(self.epoch_len, self.start, k));
                 let cost = self.dataset.decoded_bytes(g);
                 let nothing_ahead = self.submitted == self.yielded && globals.is_empty();
                 if !nothing_ahead && self.bytes_in_flight.saturating_add(cost) > self.prefetch_bytes

@@ -5,23 +5,32 @@
 //! `docs/determinism.md` precisely enough to reimplement (the Python tests check the same
 //! golden vectors); any change to the output for some input must bump [`SAMPLER_VERSION`].
 //!
+//! Readers never materialise the order: [`EpochOrder::at`] computes any position on demand, so
+//! opening an epoch costs a handful of draws and resuming at any position costs nothing extra.
+//! Position k holds the sample at slot `shuffle(k)` of the expansion (every sample repeated by
+//! its count, in storage order); `shuffle` is a keyed Feistel permutation of `[0, L)`.
+//!
 //! Randomness comes from one ChaCha8 stream per (seed, epoch). Draw order within an epoch:
-//! first the counts draw (none, or exactly one), then the Fisher–Yates draws.
+//! first the counts draw (none, or exactly one), then the shuffle's round keys.
 
 use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{Error, Result};
 
 /// Version of the order and rank-split algorithms; bump whenever any output changes.
 /// 2: padding slots of a resumed pass wrap to the epoch's start, as in the uninterrupted pass.
-pub const SAMPLER_VERSION: u32 = 2;
+/// 3: the shuffle is a keyed Feistel permutation computed per position, not a Fisher–Yates.
+pub const SAMPLER_VERSION: u32 = 3;
 
 /// Largest epoch length (positions per epoch, before the rank split) a reader accepts: 2^40.
-/// The order costs 8 bytes per position, so even this bound is far beyond any machine's memory;
-/// it only keeps absurd values out of configs. What memory allows is checked when an order is
-/// computed (see [`try_epoch_order`]).
+/// The order itself takes constant memory at any length; this bound only keeps absurd values
+/// out of configs.
 pub const MAX_EPOCH_LEN: u64 = 1 << 40;
+
+/// Feistel rounds of the shuffle, each with its own key drawn from the epoch's stream.
+pub const SHUFFLE_ROUNDS: usize = 8;
 
 /// Last 16 bytes of the ChaCha key: separates this stream from any other use of (seed, epoch).
 const KEY_TAG: &[u8; 16] = b"dataset-rt/epoch";
@@ -77,9 +86,9 @@ fn bounded<R: RngCore>(rng: &mut R, m: u64) -> u64 {
     ((u128::from(rng.next_u64()) * u128::from(m)) >> 64) as u64
 }
 
-/// `epoch_len` as a `usize` capacity. Larger lengths could never be allocated anyway.
-fn capacity(epoch_len: u64) -> usize {
-    usize::try_from(epoch_len).expect("epoch_len exceeds the address space")
+/// `n` as a `usize` capacity. Larger lengths could never be allocated anyway.
+fn capacity(n: u64) -> usize {
+    usize::try_from(n).expect("length exceeds the address space")
 }
 
 /// Calls `emit(i, count_i)` for every sample i in increasing order, making the counts draws
@@ -146,11 +155,168 @@ fn for_each_count<R: RngCore>(
     }
 }
 
-/// In-place Fisher–Yates: for i = len-1 down to 1, swap(i, bounded(i + 1)).
-fn shuffle_in_place<R: RngCore>(rng: &mut R, v: &mut [u64]) {
-    for i in (1..v.len()).rev() {
-        let j = bounded(rng, i as u64 + 1) as usize;
-        v.swap(i, j);
+/// A keyed bijection of `[0, len)`: a balanced Feistel network on the smallest even number of
+/// bits that covers `len`, with cycle walking back into range.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct SlotShuffle {
+    len: u64,
+    /// Bits in each half of the Feistel block: the block covers `[0, 4^half_bits)`, which is
+    /// at least `len` and below `4 * len`, so cycle walking takes fewer than 4 steps on average.
+    half_bits: u32,
+    keys: [u64; SHUFFLE_ROUNDS],
+}
+
+impl SlotShuffle {
+    /// Draws the round keys. Precondition: `len >= 2`.
+    fn new<R: RngCore>(rng: &mut R, len: u64) -> Self {
+        debug_assert!(len >= 2);
+        // ceil(log2(len)) for len >= 2, then half of it rounded up.
+        let bits = u64::BITS - (len - 1).leading_zeros();
+        let mut keys = [0u64; SHUFFLE_ROUNDS];
+        keys.iter_mut().for_each(|k| *k = rng.next_u64());
+        SlotShuffle {
+            len,
+            half_bits: bits.div_ceil(2),
+            keys,
+        }
+    }
+
+    /// One pass of the network over the whole block `[0, 4^half_bits)`.
+    fn feistel(&self, x: u64) -> u64 {
+        let h = self.half_bits;
+        let mask = (1u64 << h) - 1;
+        let (mut left, mut right) = (x >> h, x & mask);
+        for &key in &self.keys {
+            // The round function is xxh3 (a well-specified keyed hash) of the right half.
+            let f = xxh3_64_with_seed(&right.to_le_bytes(), key) & mask;
+            (left, right) = (right, left ^ f);
+        }
+        (left << h) | right
+    }
+
+    /// The slot at position `k < len`. Every value met while walking is in the block, and the
+    /// walk ends because `k`'s cycle under the network contains `k` itself.
+    fn at(&self, k: u64) -> u64 {
+        let mut y = self.feistel(k);
+        while y >= self.len {
+            y = self.feistel(y);
+        }
+        y
+    }
+}
+
+/// Which sample each slot of the expansion holds (slots `[0, L)`, samples in storage order,
+/// each repeated by its count).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Expansion {
+    /// Uniform weights and `L == n`: slot t holds sample t.
+    Identity,
+    /// Uniform weights, `L != n`: slot t holds `floor(((t+1)*n - off - 1) / L)`.
+    Spread { n: u64, off: u64 },
+    /// Weights: `ends[i]` = the cumulative boundary `F_i`; slot t holds the first i with
+    /// `F_i > t`. The only part of an order that grows with the dataset (8 bytes per sample).
+    Weighted { ends: Vec<u64> },
+}
+
+/// An epoch's order, computed position by position: O(1) memory for uniform weights, one
+/// boundary per sample for weighted ones, and no pass over the epoch to set it up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EpochOrder {
+    len: u64,
+    expansion: Expansion,
+    /// `None` without shuffle, or when there is nothing to shuffle (`L < 2`).
+    shuffle: Option<SlotShuffle>,
+}
+
+impl EpochOrder {
+    /// The epoch's order. Preconditions: `n > 0` when `epoch_len > 0` (debug_asserted; an empty
+    /// order is returned otherwise), weights positive and finite. With weights, the one
+    /// allocation is the boundaries (8 bytes per sample); when that memory cannot be had the
+    /// result is [`Error::OutOfMemory`].
+    pub fn new(params: EpochParams, weights: Weights<'_>) -> Result<EpochOrder> {
+        Self::with_rng(&mut epoch_rng(&params), params, weights)
+    }
+
+    /// [`EpochOrder::new`] without the PRNG construction, so tests can watch the stream.
+    fn with_rng<R: RngCore>(
+        rng: &mut R,
+        params: EpochParams,
+        weights: Weights<'_>,
+    ) -> Result<EpochOrder> {
+        let l = params.epoch_len;
+        let n = weights.len();
+        debug_assert!(n > 0 || l == 0, "epoch_len > 0 needs at least one sample");
+        if n == 0 || l == 0 {
+            return Ok(EpochOrder {
+                len: 0,
+                expansion: Expansion::Identity,
+                shuffle: None,
+            });
+        }
+        let expansion = match weights {
+            Weights::Uniform(n) if n == l => Expansion::Identity,
+            Weights::Uniform(n) => Expansion::Spread {
+                n,
+                off: bounded(rng, n),
+            },
+            Weights::Weighted(w) => {
+                let mut ends = Vec::new();
+                ends.try_reserve_exact(w.len())
+                    .map_err(|_| Error::OutOfMemory {
+                        what: format!("the epoch order's boundaries for {n} weighted samples"),
+                        bytes: n.saturating_mul(8),
+                        advice: "free memory, or read with uniform weights",
+                    })?;
+                let mut end = 0;
+                for_each_count(rng, l, weights, |_, c| {
+                    end += c;
+                    ends.push(end);
+                });
+                Expansion::Weighted { ends }
+            }
+        };
+        let shuffle = (params.shuffle && l >= 2).then(|| SlotShuffle::new(rng, l));
+        Ok(EpochOrder {
+            len: l,
+            expansion,
+            shuffle,
+        })
+    }
+
+    /// Positions in the epoch (`L`).
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The global sample index at position `k` of the epoch, in O(1) (O(log n) with weights).
+    ///
+    /// # Panics
+    /// When `k >= len()`.
+    pub fn at(&self, k: u64) -> u64 {
+        assert!(
+            k < self.len,
+            "position {k} is outside the epoch of {} positions",
+            self.len
+        );
+        let slot = self.shuffle.as_ref().map_or(k, |s| s.at(k));
+        match &self.expansion {
+            Expansion::Identity => slot,
+            Expansion::Spread { n, off } => {
+                let t = u128::from(slot);
+                let (n, off, l) = (u128::from(*n), u128::from(*off), u128::from(self.len));
+                (((t + 1) * n - off - 1) / l) as u64
+            }
+            Expansion::Weighted { ends } => ends.partition_point(|&end| end <= slot) as u64,
+        }
+    }
+
+    /// Every position of the order, in order.
+    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        (0..self.len).map(|k| self.at(k))
     }
 }
 
@@ -166,16 +332,16 @@ fn physical_memory() -> Option<u64> {
     (pages > 0 && page_size > 0).then(|| (pages as u64).saturating_mul(page_size as u64))
 }
 
-/// An empty vector with room for an epoch order of `epoch_len` positions. An infallible
+/// An empty vector with room for a materialised order of `epoch_len` positions. An infallible
 /// allocation aborts the process when memory is short (no unwinding, nothing to catch), so this
-/// refuses an order larger than physical memory up front and turns any other allocation failure
+/// refuses a vector larger than physical memory up front and turns any other allocation failure
 /// into the same error.
 fn reserve_order(epoch_len: u64) -> Result<Vec<u64>> {
     let bytes = epoch_len.saturating_mul(8);
     let too_large = || Error::OutOfMemory {
-        what: format!("the epoch order of {epoch_len} positions (8 bytes each)"),
+        what: format!("a list of the epoch's {epoch_len} positions (8 bytes each)"),
         bytes,
-        advice: "lower ReaderConfig.samples_per_epoch",
+        advice: "read the order position by position, or lower the epoch length",
     };
     if physical_memory().is_some_and(|m| bytes > m) {
         return Err(too_large());
@@ -186,61 +352,14 @@ fn reserve_order(epoch_len: u64) -> Result<Vec<u64>> {
     Ok(order)
 }
 
-/// Order without the PRNG construction, so tests can watch the stream. `order` is empty with
-/// room for `epoch_len` positions.
-fn epoch_order_with<R: RngCore>(
-    rng: &mut R,
-    params: EpochParams,
-    weights: Weights<'_>,
-    mut order: Vec<u64>,
-) -> Vec<u64> {
-    let l = params.epoch_len;
-    let n = weights.len();
-    debug_assert!(n > 0 || l == 0, "epoch_len > 0 needs at least one sample");
-    debug_assert!(order.is_empty() && order.capacity() as u64 >= l);
-    if n == 0 || l == 0 {
-        return order;
-    }
-    match weights {
-        // Only the output vector is allocated on this path.
-        Weights::Uniform(n) if l == n => order.extend(0..n),
-        Weights::Uniform(n) => {
-            // Same expansion as the counts, computed per output slot in O(L) rather than
-            // O(n + L): slot t holds the i with floor((i*L+off)/n) <= t < floor(((i+1)*L+off)/n),
-            // i.e. i = floor(((t+1)*n - off - 1) / L).
-            let off = u128::from(bounded(rng, n));
-            let (l128, n128) = (u128::from(l), u128::from(n));
-            order.extend(
-                (0..l)
-                    .map(|t| ((u128::from(t) + 1) * n128 - off - 1) / l128)
-                    .map(|i| i as u64),
-            );
-        }
-        Weights::Weighted(_) => {
-            for_each_count(rng, l, weights, |i, c| {
-                order.extend(std::iter::repeat_n(i, c as usize))
-            });
-        }
-    }
-    debug_assert_eq!(order.len() as u64, l);
-    if params.shuffle {
-        shuffle_in_place(rng, &mut order);
-    }
-    order
-}
-
-/// The epoch's order: `epoch_len` global sample indices. Preconditions: `n > 0` when
-/// `epoch_len > 0` (debug_asserted; an empty order is returned otherwise), weights positive
-/// and finite. Peak memory is the returned vector (8 bytes per entry); when that memory cannot
-/// be had the result is [`Error::OutOfMemory`] and nothing was allocated.
+/// The whole epoch order as a vector (for tests and audits; readers use [`EpochOrder`]).
+/// Same preconditions as [`EpochOrder::new`]; a vector that does not fit in memory is
+/// [`Error::OutOfMemory`] and nothing was allocated.
 pub fn try_epoch_order(params: EpochParams, weights: Weights<'_>) -> Result<Vec<u64>> {
-    let order = reserve_order(params.epoch_len)?;
-    Ok(epoch_order_with(
-        &mut epoch_rng(&params),
-        params,
-        weights,
-        order,
-    ))
+    let mut out = reserve_order(params.epoch_len)?;
+    let order = EpochOrder::new(params, weights)?;
+    out.extend(order.iter());
+    Ok(out)
 }
 
 /// [`try_epoch_order`] for callers that treat a lack of memory as fatal.
@@ -253,7 +372,7 @@ pub fn epoch_order(params: EpochParams, weights: Weights<'_>) -> Vec<u64> {
 }
 
 /// Per-sample counts for the epoch (length n, sums to `epoch_len`). Makes the same counts
-/// draw as [`epoch_order`] (that draw comes first in the stream; `shuffle` is ignored here).
+/// draw as [`EpochOrder::new`] (that draw comes first in the stream; `shuffle` is ignored here).
 pub fn epoch_counts(params: EpochParams, weights: Weights<'_>) -> Vec<u64> {
     let mut rng = epoch_rng(&params);
     let mut counts = Vec::with_capacity(capacity(weights.len()));
@@ -366,13 +485,123 @@ mod tests {
     }
 
     fn order_with<R: RngCore>(rng: &mut R, p: EpochParams, weights: Weights<'_>) -> Vec<u64> {
-        epoch_order_with(rng, p, weights, reserve_order(p.epoch_len).unwrap())
+        EpochOrder::with_rng(rng, p, weights)
+            .unwrap()
+            .iter()
+            .collect()
     }
 
     fn counts_with<R: RngCore>(rng: &mut R, l: u64, weights: Weights<'_>) -> Vec<u64> {
         let mut out = Vec::new();
         for_each_count(rng, l, weights, |_, c| out.push(c));
         out
+    }
+
+    // ---- statistical uniformity of the shuffle, over many seeds
+
+    /// Pearson's chi-square statistic of observed counts against one common expectation.
+    fn chi_square(observed: &[u64], expected: f64) -> f64 {
+        observed
+            .iter()
+            .map(|&o| (o as f64 - expected).powi(2) / expected)
+            .sum()
+    }
+
+    /// A bound that a chi-square statistic with `dof` degrees of freedom exceeds with
+    /// probability far below 1e-6 (Wilson–Hilferty with z = 6): a failure is a real bias, not
+    /// bad luck, and since the seeds are fixed the outcome is the same on every run anyway.
+    fn chi_square_bound(dof: f64) -> f64 {
+        let c = 2.0 / (9.0 * dof);
+        dof * (1.0 - c + 6.0 * c.sqrt()).powi(3)
+    }
+
+    /// Over `seeds` seeds of `orders(seed)` (permutations of 0..len): whether every sample's
+    /// position histogram and every ordered adjacent pair are as uniform as chance allows.
+    fn uniformity(len: u64, seeds: u64, orders: impl Fn(u64) -> Vec<u64>) -> (f64, f64) {
+        let l = len as usize;
+        let mut positions = vec![0u64; l * l];
+        let mut pairs = vec![0u64; l * l];
+        for seed in 0..seeds {
+            let order = orders(seed);
+            for (k, &i) in order.iter().enumerate() {
+                positions[i as usize * l + k] += 1;
+            }
+            for w in order.windows(2) {
+                pairs[w[0] as usize * l + w[1] as usize] += 1;
+            }
+        }
+        // A sample at each position: expectation seeds / L; the table's margins are fixed, so
+        // (L - 1)^2 degrees of freedom.
+        let pos = chi_square(&positions, seeds as f64 / len as f64)
+            / chi_square_bound(((len - 1) * (len - 1)) as f64);
+        // Ordered pairs (a, b), a != b, are adjacent seeds * (L-1) times in all.
+        let off_diagonal: Vec<u64> = (0..l * l)
+            .filter(|c| c / l != c % l)
+            .map(|c| pairs[c])
+            .collect();
+        assert!(
+            (0..l).all(|a| pairs[a * l + a] == 0),
+            "a sample next to itself"
+        );
+        let pair = chi_square(&off_diagonal, seeds as f64 / len as f64)
+            / chi_square_bound((len * (len - 1) - 1) as f64);
+        (pos, pair)
+    }
+
+    #[test]
+    fn shuffle_positions_and_adjacent_pairs_are_uniform_over_seeds() {
+        // Small epochs are where a Feistel network on few bits could show a bias, and lengths
+        // just above a power of four make cycle walking do the most work.
+        for len in [2u64, 3, 4, 5, 7, 10, 16, 17, 31, 65] {
+            let seeds = 400 * len;
+            let (pos, pair) = uniformity(len, seeds, |seed| {
+                epoch_order(params(seed, 7, len, true), Weights::Uniform(len))
+            });
+            assert!(
+                pos < 1.0,
+                "L={len}: position chi-square at {pos} of the bound"
+            );
+            assert!(
+                pair < 1.0,
+                "L={len}: adjacent-pair chi-square at {pair} of the bound"
+            );
+        }
+    }
+
+    #[test]
+    fn the_uniformity_check_catches_a_biased_shuffle() {
+        // The same check on shuffles that are slightly off must fail, or it proves nothing.
+        let len = 10u64;
+        // A random rotation: positions uniform, adjacent pairs always (i, i+1).
+        let (_, pair) = uniformity(len, 4000, |seed| {
+            (0..len).map(|k| (k + seed * 7919) % len).collect()
+        });
+        assert!(pair > 1.0, "rotations passed the pair check ({pair})");
+        // Every tenth seed keeps storage order: positions lean to the diagonal.
+        let (pos, _) = uniformity(len, 4000, |seed| {
+            let p = params(seed, 7, len, seed % 10 != 0);
+            epoch_order(p, Weights::Uniform(len))
+        });
+        assert!(
+            pos > 1.0,
+            "a 10% identity bias passed the position check ({pos})"
+        );
+    }
+
+    #[test]
+    fn first_positions_of_a_large_epoch_are_uniform_over_seeds() {
+        // A large block: where each of the first 4 positions lands, in 16 buckets of the epoch.
+        let len = 1_000_003u64;
+        let seeds = 8000u64;
+        let mut buckets = vec![0u64; 4 * 16];
+        for seed in 0..seeds {
+            let order = EpochOrder::new(params(seed, 0, len, true), Weights::Uniform(len)).unwrap();
+            for k in 0..4 {
+                buckets[k as usize * 16 + (order.at(k) * 16 / len) as usize] += 1;
+            }
+        }
+        let stat = chi_square(&buckets, seeds as f64 / 16.0) / chi_square_bound(4.0 * 15.0);
+        assert!(stat < 1.0, "chi-square at {stat} of the bound");
     }
 
     // ---- golden vectors (also in docs/determinism.md; changing them means SAMPLER_VERSION+1)
@@ -446,7 +675,7 @@ mod tests {
         );
         assert_eq!(
             epoch_order(params(1, 2, 13, true), Weights::Weighted(&w)),
-            [1, 3, 2, 2, 1, 4, 4, 2, 2, 4, 2, 4, 1]
+            [4, 2, 4, 2, 3, 4, 1, 2, 4, 2, 1, 2, 1]
         );
     }
 
@@ -456,6 +685,37 @@ mod tests {
             epoch_order(params(3, 0, 4, false), Weights::Uniform(10)),
             [1, 3, 6, 8]
         );
+    }
+
+    #[test]
+    fn golden_positions_of_a_large_epoch() {
+        // Read position by position, as a resumed reader does; nothing before k is computed.
+        let l = 1_000_000_000;
+        let probes = [0, 1, 2, l - 1];
+        let full = EpochOrder::new(params(2026, 5, l, true), Weights::Uniform(l)).unwrap();
+        let got: Vec<u64> = probes.iter().map(|&k| full.at(k)).collect();
+        assert_eq!(got, [123200540, 267981582, 148084559, 759708584]);
+        let over = EpochOrder::new(params(2026, 5, l, true), Weights::Uniform(1000)).unwrap();
+        let got: Vec<u64> = probes.iter().map(|&k| over.at(k)).collect();
+        assert_eq!(got, [480, 389, 230, 835]);
+    }
+
+    #[test]
+    fn golden_round_function() {
+        // Pins xxhash-rust's XXH3_64bits_withSeed on 8-byte inputs, independent of the network.
+        let cases = [
+            (0u64, 0u64, 0xc77b3abb6f87acd9u64),
+            (5, 42, 0x53e4368e22c276ec),
+            (1 << 31, 0xdeadbeefcafef00d, 0xebd33c553418d8d2),
+            (u64::MAX, u64::MAX, 0xda8f77a4d5c399ea),
+        ];
+        for (x, seed, hash) in cases {
+            assert_eq!(
+                xxh3_64_with_seed(&x.to_le_bytes(), seed),
+                hash,
+                "x={x} seed={seed}"
+            );
+        }
     }
 
     #[test]
@@ -543,13 +803,13 @@ mod tests {
         assert_eq!(positions(1, p), [5, 7, 9, 0]);
     }
 
-    const GOLDEN_U10_E0: [u64; 10] = [8, 9, 5, 2, 0, 4, 1, 7, 3, 6];
-    const GOLDEN_U10_E1: [u64; 10] = [9, 6, 1, 2, 0, 5, 7, 4, 8, 3];
+    const GOLDEN_U10_E0: [u64; 10] = [3, 5, 6, 8, 2, 0, 1, 9, 7, 4];
+    const GOLDEN_U10_E1: [u64; 10] = [6, 8, 4, 5, 2, 1, 9, 0, 7, 3];
     const GOLDEN_W_COUNTS: [u64; 4] = [1, 2, 3, 4];
-    const GOLDEN_W_SHUFFLED: [u64; 10] = [2, 3, 2, 3, 3, 0, 1, 3, 1, 2];
+    const GOLDEN_W_SHUFFLED: [u64; 10] = [1, 3, 2, 0, 3, 3, 1, 2, 3, 2];
     const GOLDEN_W_ORDERED: [u64; 10] = [0, 1, 1, 2, 2, 2, 3, 3, 3, 3];
     const GOLDEN_U5_L12_COUNTS: [u64; 5] = [2, 2, 3, 2, 3];
-    const GOLDEN_U5_L12: [u64; 12] = [2, 3, 4, 0, 1, 4, 2, 4, 0, 1, 3, 2];
+    const GOLDEN_U5_L12: [u64; 12] = [0, 3, 1, 1, 2, 2, 2, 0, 3, 4, 4, 4];
 
     type RankTable = (u64, u64, u64, RankPolicy, &'static [&'static [u64]]);
     const GOLDEN_RANKS: &[RankTable] = &[
@@ -635,26 +895,92 @@ mod tests {
         assert_eq!(counts_with(&mut rng, 0, Weights::Weighted(&w)), [0, 0, 0]);
         assert!(order_with(&mut rng, params(9, 9, 0, true), Weights::Weighted(&w)).is_empty());
         assert_eq!(rng.get_word_pos(), 0);
+        // So does a shuffled epoch of one position: there is nothing to shuffle.
+        assert_eq!(
+            order_with(&mut rng, params(9, 9, 1, true), Weights::Uniform(1)),
+            [0]
+        );
+        assert_eq!(rng.get_word_pos(), 0);
+    }
+
+    /// The Feistel network written out from the spec, independently of `SlotShuffle`.
+    fn spec_shuffle(keys: &[u64], len: u64, k: u64) -> u64 {
+        let mut bits = 0;
+        while (1u128 << bits) < u128::from(len) {
+            bits += 1;
+        }
+        let h = (bits + 1) / 2;
+        let mask = (1u64 << h) - 1;
+        let mut x = k;
+        loop {
+            let (mut left, mut right) = (x >> h, x & mask);
+            for &key in keys {
+                let f = xxh3_64_with_seed(&right.to_le_bytes(), key) & mask;
+                let next = left ^ f;
+                left = right;
+                right = next;
+            }
+            x = (left << h) | right;
+            if x < len {
+                return x;
+            }
+        }
     }
 
     #[test]
-    fn shuffle_draws_follow_counts_draw() {
-        // Rebuild the shuffled order by hand from one stream: counts draw, then Fisher–Yates.
+    fn shuffle_keys_follow_counts_draw() {
+        // Rebuild the shuffled order by hand from one stream: counts draw, then the 8 keys.
         let p = params(5, 6, 9, true);
         let mut rng = epoch_rng(&p);
         let off = u128::from(bounded(&mut rng, 4));
-        let mut v: Vec<u64> = (0..9u128)
+        let keys: Vec<u64> = (0..SHUFFLE_ROUNDS).map(|_| rng.next_u64()).collect();
+        let v: Vec<u64> = (0..9u64)
+            .map(|k| u128::from(spec_shuffle(&keys, 9, k)))
             .map(|t| (((t + 1) * 4 - off - 1) / 9) as u64)
             .collect();
-        for i in (1..v.len()).rev() {
-            let j = ((u128::from(rng.next_u64()) * (i as u128 + 1)) >> 64) as usize;
-            v.swap(i, j);
-        }
         assert_eq!(epoch_order(p, Weights::Uniform(4)), v);
-        // Fisher–Yates draws len - 1 values.
+        // One counts draw and one draw per round, however long the epoch.
         let mut rng = epoch_rng(&p);
         order_with(&mut rng, p, Weights::Uniform(4));
-        assert_eq!(rng.get_word_pos(), 2 * 9);
+        assert_eq!(rng.get_word_pos(), 2 * (1 + SHUFFLE_ROUNDS as u128));
+        // Weighted: the float draw u, then the keys.
+        let w = [0.5, 1.5, 2.0];
+        let p = params(5, 6, 13, true);
+        let mut rng = epoch_rng(&p);
+        let u = unit_f64(&mut rng);
+        let keys: Vec<u64> = (0..SHUFFLE_ROUNDS).map(|_| rng.next_u64()).collect();
+        let ends = [
+            (13.0 * (0.5 / 4.0) + u).floor() as u64,
+            (13.0 * (2.0 / 4.0) + u).floor() as u64,
+            13,
+        ];
+        let v: Vec<u64> = (0..13u64)
+            .map(|k| spec_shuffle(&keys, 13, k))
+            .map(|t| ends.iter().position(|&e| e > t).unwrap() as u64)
+            .collect();
+        assert_eq!(epoch_order(p, Weights::Weighted(&w)), v);
+    }
+
+    #[test]
+    fn block_covers_the_epoch_within_a_factor_of_four() {
+        for len in (2u64..3000).chain([1 << 40, (1 << 40) + 1, u64::MAX - 1, u64::MAX]) {
+            let s = SlotShuffle::new(&mut Scripted(vec![0; SHUFFLE_ROUNDS]), len);
+            let block = 1u128 << (2 * s.half_bits);
+            assert!(block >= u128::from(len), "len={len}");
+            assert!(block < 4 * u128::from(len), "len={len}");
+        }
+    }
+
+    #[test]
+    fn feistel_is_a_bijection_of_its_block() {
+        let mut rng = epoch_rng(&params(1, 2, 0, true));
+        for len in [2u64, 3, 4, 5, 16, 17, 1000, 4097] {
+            let s = SlotShuffle::new(&mut rng, len);
+            let block = 1u64 << (2 * s.half_bits);
+            let mut seen: Vec<u64> = (0..block).map(|x| s.feistel(x)).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..block).collect::<Vec<_>>(), "len={len}");
+        }
     }
 
     #[test]
@@ -778,6 +1104,34 @@ mod tests {
             let mut order = epoch_order(params(seed, epoch, n, true), Weights::Uniform(n));
             order.sort_unstable();
             prop_assert_eq!(order, (0..n).collect::<Vec<_>>());
+        }
+
+        #[test]
+        fn shuffled_large_epoch_is_permutation(l in 2u64..70_000, seed: u64, epoch: u64) {
+            let mut order = epoch_order(params(seed, epoch, l, true), Weights::Uniform(l));
+            order.sort_unstable();
+            prop_assert_eq!(order, (0..l).collect::<Vec<_>>());
+        }
+
+        #[test]
+        fn any_position_alone_matches_the_full_iteration(
+            n in 1u64..3000,
+            l in 1u64..5000,
+            weights in prop::collection::vec(0.01f64..100.0, 1..60),
+            probes in prop::collection::vec(0.0f64..1.0, 1..20),
+            seed: u64,
+            shuffle: bool,
+        ) {
+            // Resuming at position k needs nothing but at(k): it agrees with the full pass.
+            let p = params(seed, 1, l, shuffle);
+            for weights in [Weights::Uniform(n), Weights::Weighted(&weights)] {
+                let full = epoch_order(p, weights);
+                let fresh = EpochOrder::new(p, weights).unwrap();
+                for &f in &probes {
+                    let k = ((l as f64) * f) as u64;
+                    prop_assert_eq!(fresh.at(k), full[k as usize]);
+                }
+            }
         }
 
         #[test]
@@ -994,15 +1348,33 @@ mod tests {
     }
 
     #[test]
-    fn an_order_larger_than_memory_is_an_error_not_an_abort() {
-        // 2^39 positions need 4 TiB: refused before any allocation is attempted.
+    fn a_huge_epoch_costs_constant_memory_and_any_position_is_direct() {
+        let p = params(11, 3, MAX_EPOCH_LEN, true);
+        let order = EpochOrder::new(p, Weights::Uniform(MAX_EPOCH_LEN)).unwrap();
+        assert_eq!(order.len(), MAX_EPOCH_LEN);
+        // Nothing in the order grows with the epoch: uniform weights need no boundaries.
+        assert_eq!(order.expansion, Expansion::Identity);
+        assert!(std::mem::size_of_val(&order) < 256);
+        let last = order.at(MAX_EPOCH_LEN - 1);
+        assert!(last < MAX_EPOCH_LEN);
+        assert_eq!(order.at(MAX_EPOCH_LEN - 1), last);
+        // Distinct positions give distinct samples.
+        let firsts: std::collections::HashSet<u64> = (0..1000).map(|k| order.at(k)).collect();
+        assert_eq!(firsts.len(), 1000);
+        let panic = std::panic::catch_unwind(|| order.at(MAX_EPOCH_LEN)).unwrap_err();
+        assert!(crate::pool::panic_message(&panic).contains("outside the epoch"));
+    }
+
+    #[test]
+    fn a_list_larger_than_memory_is_an_error_not_an_abort() {
+        // Materialising 2^39 positions needs 4 TiB: refused before any allocation is attempted.
         let p = params(0, 0, 1 << 39, true);
         let err = try_epoch_order(p, Weights::Uniform(10)).unwrap_err();
         assert!(
             matches!(err, Error::OutOfMemory { bytes, .. } if bytes == 1 << 42),
             "{err}"
         );
-        assert!(err.to_string().contains("samples_per_epoch"), "{err}");
+        assert!(err.to_string().contains("position by position"), "{err}");
         let panic = std::panic::catch_unwind(|| epoch_order(p, Weights::Uniform(10))).unwrap_err();
         assert!(crate::pool::panic_message(&panic).contains("cannot allocate"));
         // An ordinary order still comes back whole.

@@ -12,7 +12,7 @@ use dataset_rt_core::dataset::{
 use dataset_rt_core::format::Compression;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::sampler::RankPolicy;
+use dataset_rt_core::sampler::{RankPolicy, SAMPLER_VERSION};
 use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
 use dataset_rt_core::Error;
 use proptest::prelude::*;
@@ -129,7 +129,8 @@ fn padded_resume_on_the_same_world_size_delivers_the_same_pad() {
         .try_order(&opts, &WeightTable::uniform(), 0)
         .unwrap();
     assert_eq!(
-        full[5], order[0],
+        full[5],
+        order.at(0),
         "the pad repeats the epoch's first position"
     );
     let (head, position) = read(&opts, 0, 0, Some(2));
@@ -183,7 +184,7 @@ proptest! {
 fn a_list_is_not_a_state() {
     let opts = options(N, 0, 1, RankPolicy::Pad);
     let good = state(&opts, 0, 3);
-    // The ten values in field order: serde alone would take them as the struct.
+    // The values in field order: serde alone would take them as the struct.
     let serde_json::Value::Object(fields) = serde_json::to_value(&good).unwrap() else {
         panic!("a state serialises as an object");
     };
@@ -207,6 +208,43 @@ fn a_list_is_not_a_state() {
     }
     // The object itself still loads.
     assert_eq!(State::from_json(&good.to_json()).unwrap(), good);
+}
+
+#[test]
+fn a_state_of_another_sampler_version_is_refused() {
+    let opts = options(N, 0, 1, RankPolicy::Pad);
+    let good = state(&opts, 0, 3);
+    assert_eq!(good.sampler_version, Some(SAMPLER_VERSION));
+    let computes = format!(
+        "and this DatasetRT computes epoch orders with sampler_version {SAMPLER_VERSION}: its \
+         position points into an order this version does not produce"
+    );
+    // A checkpoint from before states named their sampler: taken under version 2.
+    let serde_json::Value::Object(mut fields) = serde_json::to_value(&good).unwrap() else {
+        panic!("a state serialises as an object");
+    };
+    fields.remove("sampler_version").unwrap();
+    let old = State::from_json(&serde_json::Value::Object(fields).to_string()).unwrap();
+    assert_eq!(old.sampler_version, None);
+    let msg = refusal(&old);
+    assert!(
+        msg.contains("the state names no sampler_version: an earlier DatasetRT took it, under sampler_version 2"),
+        "{msg}"
+    );
+    assert!(msg.contains(&computes), "{msg}");
+    assert!(msg.contains("Call set_epoch"), "{msg}");
+    for v in [2, SAMPLER_VERSION + 1] {
+        let msg = refusal(&State {
+            sampler_version: Some(v),
+            ..good.clone()
+        });
+        assert!(
+            msg.contains(&format!(
+                "the state was taken under sampler_version {v}, {computes}"
+            )),
+            "{msg}"
+        );
+    }
 }
 
 #[test]

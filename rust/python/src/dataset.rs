@@ -14,7 +14,7 @@ use dataset_rt_core::dataset::{
 };
 use dataset_rt_core::metadata::MetaRef;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::sampler::{self, EpochParams, Weights};
+use dataset_rt_core::sampler::{self, EpochOrder, EpochParams, Weights};
 use dataset_rt_core::samples;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyCapsule, PyDict, PySlice, PyString};
@@ -137,7 +137,7 @@ struct EpochControl {
     resume: Option<Resume>,
     current: Option<Arc<Progress>>,
     /// The last epoch order computed, reused when the same epoch is read again.
-    order: Option<(u64, String, Arc<Vec<u64>>)>,
+    order: Option<(u64, String, Arc<EpochOrder>)>,
 }
 
 #[pyclass(module = "dataset_rt._native", frozen)]
@@ -577,9 +577,11 @@ impl CachedSample {
     }
 }
 
-/// The epoch order as specified in docs/determinism.md (for tests and audits).
+/// The epoch order as specified in docs/determinism.md (for tests and audits): the whole
+/// order, or only the samples at `positions`, each computed on its own.
 #[pyfunction]
-#[pyo3(signature = (seed, epoch, num_samples, epoch_len=None, shuffle=true, weights=None))]
+#[pyo3(signature = (seed, epoch, num_samples, epoch_len=None, shuffle=true, weights=None, *, positions=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn epoch_order(
     py: Python<'_>,
     seed: u64,
@@ -588,6 +590,7 @@ pub fn epoch_order(
     epoch_len: Option<u64>,
     shuffle: bool,
     weights: Option<Vec<f64>>,
+    positions: Option<Vec<u64>>,
 ) -> PyResult<Vec<u64>> {
     let params = EpochParams {
         seed,
@@ -625,12 +628,24 @@ pub fn epoch_order(
             )));
         }
     }
+    if let Some(k) = positions.iter().flatten().find(|&&k| k >= params.epoch_len) {
+        return Err(crate::errors::ConfigError::new_err(format!(
+            "position {k} is outside the epoch of {} positions",
+            params.epoch_len
+        )));
+    }
+    let weights = match &weights {
+        Some(w) => Weights::Weighted(w),
+        None => Weights::Uniform(num_samples),
+    };
     // Not on a pool (this function has none): a local catch_unwind keeps a panic from
     // crossing into Python as PanicException.
     py.detach(|| {
-        std::panic::catch_unwind(|| match &weights {
-            Some(w) => sampler::try_epoch_order(params, Weights::Weighted(w)),
-            None => sampler::try_epoch_order(params, Weights::Uniform(num_samples)),
+        std::panic::catch_unwind(|| match &positions {
+            Some(ks) => {
+                EpochOrder::new(params, weights).map(|o| ks.iter().map(|&k| o.at(k)).collect())
+            }
+            None => sampler::try_epoch_order(params, weights),
         })
         .unwrap_or_else(|panic| {
             Err(dataset_rt_core::Error::Runtime(
