@@ -23,7 +23,11 @@ RELEASE_ARGS ?=
 LINUX_TARGETS := x86_64-unknown-linux-gnu aarch64-unknown-linux-gnu
 MANYLINUX := manylinux2014
 
-.PHONY: install build release build-all lint test ci demo bench clean fuzz fuzz-ci \
+# `make wheel-test`: where the wheel it installs is written (emptied first), and the Pythons.
+WHEEL_TEST_DIR := dist/wheel-test
+WHEEL_TEST_PYTHONS ?= 3.10 3.11 3.12 3.13
+
+.PHONY: install build release build-all wheel-test lint test ci demo bench clean fuzz fuzz-ci \
 	fuzz-install soak
 
 ## install: toolchain prerequisites, Python deps (runtime, test, dev; torch once), then the build
@@ -61,6 +65,15 @@ build-all:
 	$(MATURIN) sdist --out dist
 	$(PYTHON) scripts/check_wheels.py dist $(LINUX_TARGETS)
 
+## wheel-test: packages the `ci` build of `install`/`build` as a wheel (no recompilation: same
+## profile, features, interpreter and target directory), installs it into a virtualenv per Python
+## in WHEEL_TEST_PYTHONS and runs scripts/wheel_smoke.py there, outside the source tree
+wheel-test:
+	rm -rf $(WHEEL_TEST_DIR)
+	$(MATURIN) build --profile $(CARGO_PROFILE) --out $(WHEEL_TEST_DIR) \
+		--interpreter "$$($(PYTHON) -c 'import sys; print(sys.executable)')"
+	$(PYTHON) scripts/wheel_test.py $(WHEEL_TEST_DIR)/*.whl --pythons $(WHEEL_TEST_PYTHONS)
+
 ## lint: formatters, linters, type checker, and the stub checked against the built module
 lint:
 	cargo fmt --all --check
@@ -81,6 +94,7 @@ ci:
 	$(MAKE) install
 	$(MAKE) lint
 	$(MAKE) test
+	$(MAKE) wheel-test
 	$(MAKE) fuzz-ci
 
 ## fuzz-install: cargo-fuzz (libFuzzer) from crates.io, when missing
