@@ -13,10 +13,22 @@ CARGO_PROFILE := ci
 BUILD_EXTENSION := MATURIN_PEP517_ARGS="--profile $(CARGO_PROFILE)" \
 	$(PIP) install --no-build-isolation --editable
 
-# Extra flags for `make release`, e.g. RELEASE_ARGS="--zig --target aarch64-unknown-linux-gnu".
+MATURIN ?= $(PYTHON) -m maturin
+
+# Extra flags for `make release`, e.g. RELEASE_ARGS="--target aarch64-apple-darwin".
 RELEASE_ARGS ?=
 
-.PHONY: install build release build-all lint test ci demo bench clean fuzz fuzz-ci fuzz-install soak
+# `make build-all`: the Linux wheels, cross-compiled with Zig as the linker against an old glibc.
+# manylinux2014 (glibc 2.17) is the oldest level Rust's standard library supports.
+LINUX_TARGETS := x86_64-unknown-linux-gnu aarch64-unknown-linux-gnu
+MANYLINUX := manylinux2014
+
+# `make wheel-test`: where the wheel it installs is written (emptied first), and the Pythons.
+WHEEL_TEST_DIR := dist/wheel-test
+WHEEL_TEST_PYTHONS ?= 3.10 3.11 3.12 3.13
+
+.PHONY: install build release build-all wheel-test lint test ci demo bench clean fuzz fuzz-ci \
+	fuzz-install soak
 
 ## install: toolchain prerequisites, Python deps (runtime, test, dev; torch once), then the build
 install:
@@ -33,12 +45,34 @@ install:
 build:
 	$(BUILD_EXTENSION) . --no-deps
 
-## release: optimised abi3 wheels (fat LTO, one codegen unit) into dist/
+## release: an optimised abi3 wheel (fat LTO, one codegen unit) for this host into dist/
 release:
-	$(PYTHON) -m maturin build --release --out dist $(RELEASE_ARGS)
+	$(MATURIN) build --release --out dist $(RELEASE_ARGS)
 
-## build-all: the seed README's name for `release`
-build-all: release
+## build-all: the release artifacts into dist/ (emptied first): manylinux abi3 wheels for x86_64
+## and aarch64, cross-compiled with Zig, and an sdist; then checks them (scripts/check_wheels.py)
+build-all:
+	$(PYTHON) -m ziglang version >/dev/null 2>&1 || $(PIP) install ziglang
+	$(PYTHON) -m auditwheel --version >/dev/null 2>&1 || $(PIP) install auditwheel
+	for t in $(LINUX_TARGETS); do \
+		rustup target list --installed | grep -qx "$$t" || rustup target add "$$t" || exit 1; \
+	done
+	rm -rf dist
+	for t in $(LINUX_TARGETS); do \
+		$(MATURIN) build --release --zig --target "$$t" --compatibility $(MANYLINUX) --out dist \
+			|| exit 1; \
+	done
+	$(MATURIN) sdist --out dist
+	$(PYTHON) scripts/check_wheels.py dist $(LINUX_TARGETS)
+
+## wheel-test: packages the `ci` build of `install`/`build` as a wheel (no recompilation: same
+## profile, features, interpreter and target directory), installs it into a virtualenv per Python
+## in WHEEL_TEST_PYTHONS and runs scripts/wheel_smoke.py there, outside the source tree
+wheel-test:
+	rm -rf $(WHEEL_TEST_DIR)
+	$(MATURIN) build --profile $(CARGO_PROFILE) --out $(WHEEL_TEST_DIR) \
+		--interpreter "$$($(PYTHON) -c 'import sys; print(sys.executable)')"
+	$(PYTHON) scripts/wheel_test.py $(WHEEL_TEST_DIR)/*.whl --pythons $(WHEEL_TEST_PYTHONS)
 
 ## lint: formatters, linters, type checker, and the stub checked against the built module
 lint:
@@ -60,6 +94,7 @@ ci:
 	$(MAKE) install
 	$(MAKE) lint
 	$(MAKE) test
+	$(MAKE) wheel-test
 	$(MAKE) fuzz-ci
 
 ## fuzz-install: cargo-fuzz (libFuzzer) from crates.io, when missing
