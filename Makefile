@@ -30,7 +30,8 @@ WHEEL_TEST_PYTHONS ?= 3.10 3.11 3.12 3.13
 .PHONY: install build release build-all wheel-test lint test ci demo bench clean fuzz fuzz-ci \
 	fuzz-install soak
 
-## install: toolchain prerequisites, Python deps (runtime, test, dev; torch once), then the build
+## install: toolchain prerequisites, Python deps (runtime, test, dev, examples; torch once), then
+## the build
 install:
 	@command -v cargo >/dev/null || { echo "error: no Rust toolchain; install it from https://rustup.rs" >&2; exit 1; }
 	command -v cc >/dev/null || { apt-get update && apt-get install -y --no-install-recommends build-essential; }
@@ -39,7 +40,7 @@ install:
 	$(PIP) install 'maturin>=1.7,<2'
 	@# The `torch` extra is a CUDA build of several GB: install it once per machine.
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install 'torch>=2.1'
-	$(BUILD_EXTENSION) '.[test,dev]'
+	$(BUILD_EXTENSION) '.[test,dev,examples]'
 
 ## build: rebuild the extension in place after a Rust change (same build as `install`)
 build:
