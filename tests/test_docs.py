@@ -108,3 +108,44 @@ def test_the_exceptions_are_re_exported_and_documented():
     table = (DOCS / "python-api.md").read_text().split("\n## Exceptions\n", 1)[1]
     rows = re.findall(r"^\| `(\w+)` \|", table.split("\n## ", 1)[0], re.MULTILINE)
     assert sorted(rows) == sorted(dataset_rt.exceptions.__all__)
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def relative_links(page: Path) -> list[str]:
+    """`page`'s link targets that are not web addresses or anchors of the page itself."""
+    return [t for t in LINK.findall(page.read_text()) if not re.match(r"[a-z]+:|#", t)]
+
+
+def test_the_docs_site_lists_every_page_once():
+    nav = re.findall(r"^  - [^:\n]+: (\S+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.MULTILINE)
+    assert sorted(nav) == sorted(p.name for p in DOCS.glob("*.md"))
+
+
+def test_the_readme_links_every_page_by_its_repository_path():
+    links = {t.split("#")[0] for t in relative_links(ROOT / "README.md")}
+    pages = {f"docs/{p.name}" for p in DOCS.glob("*.md")} - {"docs/index.md"}
+    assert pages <= links
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_lead_to_files(page):
+    # mkdocs checks the anchors of docs/ too (`make docs`); this check also covers README.md and
+    # runs with the tests. A link out of docs/ works on a forge but not on the docs site.
+    broken = [t for t in relative_links(page) if not (page.parent / t.split("#")[0]).exists()]
+    assert broken == []
+    if page.parent == DOCS:
+        outside = [
+            t for t in relative_links(page) if not (page.parent / t).resolve().is_relative_to(DOCS)
+        ]
+        assert outside == [], "docs/ pages link only within docs/ (the site holds nothing else)"
+
+
+def test_make_docs_installs_the_docs_extra():
+    makefile = (ROOT / "Makefile").read_text()
+    extra = re.search(r'^docs = \["([^"]+)"\]$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert extra, "pyproject.toml has no docs extra of one requirement"
+    assert f"DOCS_REQUIREMENT := {extra[1]}\n" in makefile
+    ci = makefile.split("\nci:\n", 1)[1].split("\n\n", 1)[0]
+    assert ci.index("$(MAKE) lint") < ci.index("$(MAKE) docs") < ci.index("$(MAKE) test")
