@@ -23,12 +23,15 @@ RELEASE_ARGS ?=
 LINUX_TARGETS := x86_64-unknown-linux-gnu aarch64-unknown-linux-gnu
 MANYLINUX := manylinux2014
 
+# `make docs`: the `docs` extra of pyproject.toml (installed alone: no rebuild of the package).
+DOCS_REQUIREMENT := mkdocs-material>=9.5,<10
+
 # `make wheel-test`: where the wheel it installs is written (emptied first), and the Pythons.
 WHEEL_TEST_DIR := dist/wheel-test
 WHEEL_TEST_PYTHONS ?= 3.10 3.11 3.12 3.13
 
-.PHONY: install build release build-all wheel-test lint test ci demo bench clean fuzz fuzz-ci \
-	fuzz-install soak
+.PHONY: install build release build-all wheel-test lint docs test ci demo bench clean fuzz \
+	fuzz-ci fuzz-install soak
 
 ## install: toolchain prerequisites, Python deps (runtime, test, dev, examples; torch once), then
 ## the build
@@ -84,6 +87,12 @@ lint:
 	$(PYTHON) -m mypy
 	$(PYTHON) -m mypy.stubtest dataset_rt._native
 
+## docs: the docs site from docs/ into site/ (git-ignored) with mkdocs-material, strict: a
+## broken link or anchor, or a page missing from mkdocs.yml's nav, fails the build
+docs:
+	$(PYTHON) -c "import material" 2>/dev/null || $(PIP) install '$(DOCS_REQUIREMENT)'
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
+
 ## test: Rust tests, then pytest against the extension built by `install`/`build` (no rebuild).
 ## pytest exits 5 when it collects nothing, which fails this target like any other error.
 test:
@@ -94,6 +103,7 @@ test:
 ci:
 	$(MAKE) install
 	$(MAKE) lint
+	$(MAKE) docs
 	$(MAKE) test
 	$(MAKE) wheel-test
 	$(MAKE) fuzz-ci
@@ -126,5 +136,5 @@ bench:
 
 clean:
 	cargo clean
-	rm -rf dist demo-cache .pytest_cache .ruff_cache .mypy_cache dataset_rt/_native*.so
+	rm -rf dist site demo-cache .pytest_cache .ruff_cache .mypy_cache dataset_rt/_native*.so
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -38,6 +38,25 @@ _WORKERS_REFUSED = (
     "num_workers and collate_fn."
 )
 
+# torch's arguments that DataLoader accepts but does not honour, with what to know instead. Each
+# warns once per process, as torch's own warnings do; drop an entry once it is honoured.
+_IGNORED_ARGUMENTS = {
+    "generator": "the order is the dataset's own (ReaderConfig seed and shuffle)",
+    "persistent_workers": "the producer and workers are started again for each pass",
+}
+_warned_ignored: set[str] = set()
+
+
+def _warn_ignored(argument: str) -> None:
+    if argument in _warned_ignored:
+        return
+    _warned_ignored.add(argument)
+    warnings.warn(
+        f"dataset_rt.torch.DataLoader ignores {argument}=: {_IGNORED_ARGUMENTS[argument]}",
+        UserWarning,
+        stacklevel=3,
+    )
+
 
 class TorchIterableDataset(torch.utils.data.IterableDataset[CachedSample]):
     """A sized ``IterableDataset`` over a DatasetRT dataset, yielding :class:`CachedSample`.
@@ -176,9 +195,9 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     ``result_bytes``; collates with
     :func:`default_collate` (torch's, plus ``CachedSample``) unless given ``collate_fn``. The
     order is the dataset's (``ReaderConfig(seed=, shuffle=)``), so ``shuffle``, ``sampler`` and
-    ``batch_sampler`` are refused. ``persistent_workers`` is accepted; workers are started for
-    each epoch. ``generator`` is not used. ``pin_memory`` pins on CUDA; without it, a warning
-    (as torch gives) and no pinning.
+    ``batch_sampler`` are refused. ``persistent_workers`` is accepted, but workers are started
+    for each epoch; ``generator`` is not used: each warns once per process when given.
+    ``pin_memory`` pins on CUDA; without it, a warning (as torch gives) and no pinning.
     """
 
     def __init__(
@@ -214,6 +233,10 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                 "dataset_rt.torch.DataLoader reads the dataset's own order: set seed/shuffle in "
                 "ReaderConfig instead of shuffle=, sampler= or batch_sampler="
             )
+        if generator is not None:
+            _warn_ignored("generator")
+        if persistent_workers:
+            _warn_ignored("persistent_workers")
         collate_batch = default_collate if collate_fn is None else collate_fn
         self._shm = _loader.DataLoader(
             dataset,

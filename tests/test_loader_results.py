@@ -285,3 +285,27 @@ def test_pin_memory_without_an_accelerator_warns_like_torch(dataset):
     with loader, pytest.warns(UserWarning, match="no accelerator is found"):
         batches = list(loader)
     assert len(batches) == 2
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    ("argument", "value"), [("generator", "a torch.Generator"), ("persistent_workers", True)]
+)
+def test_ignored_torch_arguments_warn_once_per_process(dataset, monkeypatch, argument, value):
+    torch = pytest.importorskip("torch")
+    import dataset_rt.torch as dataset_rt_torch
+
+    if value == "a torch.Generator":
+        value = torch.Generator()
+    monkeypatch.setattr(dataset_rt_torch, "_warned_ignored", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # repeats are the loader's to suppress, not Python's
+        for _ in range(3):
+            dataset_rt_torch.DataLoader(dataset, batch_size=4, num_workers=1, **{argument: value})
+        dataset_rt_torch.DataLoader(dataset, batch_size=4, num_workers=1)
+    messages = [str(w.message) for w in caught if w.category is UserWarning]
+    assert messages == [
+        f"dataset_rt.torch.DataLoader ignores {argument}=: "
+        + (dataset_rt_torch._IGNORED_ARGUMENTS[argument])
+    ]
+    assert caught[0].filename == __file__  # points at the caller, as torch's warnings do
