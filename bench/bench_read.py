@@ -12,6 +12,8 @@ Contenders:
 
 - ``floor``: a Python for-loop over an in-memory list of ``bytes`` (no storage at all);
 - ``dataset_rt``: ``for sample in dataset`` with ``shuffle=True``, body ``len(sample.data)``;
+- ``dataset_rt_batches``: the same reader through ``dataset.iter_batches(--batch-size)``, body
+  ``len(x)`` for each payload ``x`` of ``batch.data`` (rates are still per sample);
 - ``flat_view`` / ``flat_bytes``: one file of all payloads plus a numpy offsets index, ``mmap``,
   ``numpy`` permutation, a generator yielding ``memoryview`` slices (zero copy) or ``bytes``;
 - ``flat_meta``: ``flat_view`` yielding what DatasetRT yields (an object with ``.data``, the
@@ -53,6 +55,7 @@ import numpy as np
 CONTENDERS = [
     "floor",
     "dataset_rt",
+    "dataset_rt_batches",
     "flat_view",
     "flat_bytes",
     "flat_meta",
@@ -65,6 +68,7 @@ CONTENDERS = [
 LABELS = {
     "floor": "floor (list of bytes)",
     "dataset_rt": "DatasetRT",
+    "dataset_rt_batches": "DatasetRT iter_batches",
     "flat_view": "flat mmap, memoryview",
     "flat_bytes": "flat mmap, bytes copy",
     "flat_meta": "flat mmap, memoryview + metadata dict",
@@ -77,6 +81,7 @@ LABELS = {
 # What each contender needs written (prepare step) besides the flat file.
 STORES = {
     "dataset_rt": "drt",
+    "dataset_rt_batches": "drt",
     "torch_files": "files",
     "streaming": "mds",
     "streaming_pd": "mds",
@@ -216,6 +221,11 @@ def loop(obj: Iterable[Any], kind: str) -> tuple[int, int]:
         for x in obj:
             b += len(x.data)
             n += 1
+    elif kind == "batch":
+        for batch in obj:
+            for x in batch.data:
+                b += len(x)
+                n += 1
     else:
         for x in obj:
             b += len(x["data"])
@@ -224,7 +234,13 @@ def loop(obj: Iterable[Any], kind: str) -> tuple[int, int]:
 
 
 def payload_len(x: Any, kind: str) -> int:
+    if kind == "batch":
+        return sum(len(p) for p in x.data)
     return len(x) if kind == "bytes" else len(x.data) if kind == "attr" else len(x["data"])
+
+
+def item_samples(x: Any, kind: str) -> int:
+    return len(x) if kind == "batch" else 1
 
 
 def contender(name: str, lay: Layout, args: argparse.Namespace) -> tuple[Callable[[], Any], str]:
@@ -236,7 +252,7 @@ def contender(name: str, lay: Layout, args: argparse.Namespace) -> tuple[Callabl
         mm.close()
         return (lambda: data), "bytes"
     holder: dict[str, Any] = {}
-    if name == "dataset_rt":
+    if name in ("dataset_rt", "dataset_rt_batches"):
         drt = common.import_dataset_rt()
         runtime = drt.DatasetRuntime(num_workers=args.workers)
 
@@ -256,9 +272,11 @@ def contender(name: str, lay: Layout, args: argparse.Namespace) -> tuple[Callabl
                 if not isinstance(result, drt.CacheSourcesDatasetSuccess):
                     raise RuntimeError(result.message)
                 holder["ds"] = result.dataset
+            if name == "dataset_rt_batches":
+                return holder["ds"].iter_batches(args.batch_size)
             return holder["ds"]
 
-        return open_drt, "attr"
+        return open_drt, "batch" if name == "dataset_rt_batches" else "attr"
     if name in ("flat_view", "flat_bytes", "flat_meta"):
         holder["epoch"] = 0
         labels = [i % 1000 for i in range(lay.count)]
@@ -375,7 +393,7 @@ def worker(name: str, lay: Layout, args: argparse.Namespace) -> dict[str, Any]:
         if ttfs is None:
             ttfs = time.perf_counter() - t0
         b += payload_len(x, kind)
-        n += 1
+        n += item_samples(x, kind)
     warm = time.perf_counter() - t0
     passes, counts = [], [n]
     measured = 0.0
@@ -627,6 +645,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--only", nargs="+", choices=CONTENDERS, default=CONTENDERS)
     parser.add_argument("--workers", type=int, default=2, help="DatasetRuntime(num_workers)")
     parser.add_argument("--prefetch", type=int, default=64, help="ReaderConfig.prefetch_size")
+    parser.add_argument(
+        "--batch-size", type=int, default=256, help="dataset_rt_batches: iter_batches(batch_size)"
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per contender run")
     parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
     parser.add_argument("--prepare", help=argparse.SUPPRESS)
@@ -688,6 +709,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     continue
                 argv_w = ["--worker", name, "--size", label, "--data-dir", str(args.data_dir)]
                 argv_w += ["--workers", str(args.workers), "--prefetch", str(args.prefetch)]
+                argv_w += ["--batch-size", str(args.batch_size)]
                 out, err = run_sub(argv_w, args.timeout)
                 if out is None:
                     runs[label][name].append({"error": err})

@@ -1,7 +1,7 @@
 """DatasetRT: a correctness-first dataset cache and data loader for ML training."""
 
 from dataset_rt._config import ReaderConfig, ShardCompression, WriterConfig
-from dataset_rt._dataset import CachedSample, Dataset
+from dataset_rt._dataset import Batch, CachedSample, Dataset
 from dataset_rt._loader import DataLoader
 from dataset_rt._native import __version__
 from dataset_rt._results import (
@@ -30,6 +30,7 @@ from dataset_rt.exceptions import (
 )
 
 __all__ = [
+    "Batch",
     "CacheInput",
     "CacheLoaded",
     "CacheMalformed",

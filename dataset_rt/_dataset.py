@@ -11,11 +11,13 @@ from dataset_rt import _native
 from dataset_rt._native import CachedSample
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
     import polars as pl
 
     from dataset_rt.torch import TorchIterableDataset
 
-__all__ = ["CachedSample", "Dataset", "require_dataset"]
+__all__ = ["Batch", "CachedSample", "Dataset", "require_dataset"]
 
 
 class _ArrowStream:
@@ -28,6 +30,54 @@ class _ArrowStream:
 
     def __arrow_c_stream__(self, requested_schema: object | None = None) -> object:
         return self._capsule
+
+
+class Batch:
+    """Consecutive samples of a pass, from :meth:`Dataset.iter_batches`.
+
+    ``data`` holds the payloads in order: zero-copy ``memoryview`` slices of the memory-mapped
+    shards (``bytes`` where a record was stored compressed), valid for as long as they are held,
+    after later batches too. ``indices`` and ``rows`` are built on first access.
+    """
+
+    __slots__ = ("_indices", "_native", "_rows")
+
+    def __init__(self, native: _native.Batch) -> None:
+        self._native = native
+        self._indices: npt.NDArray[np.int64] | None = None
+        self._rows: pl.DataFrame | None = None
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    def __repr__(self) -> str:
+        return f"Batch({len(self)} samples)"
+
+    @property
+    def data(self) -> list[memoryview | bytes]:
+        """The payloads, one per sample, in order."""
+        return self._native.data
+
+    @property
+    def indices(self) -> npt.NDArray[np.int64]:
+        """The samples' global indices: their row numbers in :meth:`Dataset.samples_metadata`
+        (read-only ``int64``)."""
+        if self._indices is None:
+            import numpy as np
+
+            self._indices = np.frombuffer(self._native.indices_bytes(), dtype="<i8")
+        return self._indices
+
+    @property
+    def rows(self) -> pl.DataFrame:
+        """The samples' rows of :meth:`Dataset.samples_metadata`, in the batch's order
+        (``cache_id | sample_id | <metadata...> | weight``, with the weights of the pass), built
+        in Rust from the caches' metadata columns and handed to Polars through Arrow."""
+        if self._rows is None:
+            import polars as pl
+
+            self._rows = pl.DataFrame(_ArrowStream(self._native.rows_stream()))
+        return self._rows
 
 
 class Dataset:
@@ -45,6 +95,13 @@ class Dataset:
 
     def __iter__(self) -> Iterator[CachedSample]:
         return self._native.__iter__()
+
+    def iter_batches(self, batch_size: int, *, drop_last: bool = False) -> Iterator[Batch]:
+        """One pass, ``batch_size`` samples at a time: the same order, rank split, epochs and
+        state as ``for sample in dataset``. ``state_dict()`` counts the samples of the batches
+        yielded; a state loaded at any position resumes at its exact next sample, and the first
+        batch then starts there. With ``drop_last`` the pass ends after its last whole batch."""
+        return map(Batch, self._native.iter_batches(batch_size, drop_last=drop_last))
 
     def __len__(self) -> int:
         """This rank's samples per epoch."""

@@ -2,7 +2,9 @@
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, OnceLock};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -10,7 +12,7 @@ use crate::cache::Cache;
 use crate::error::{Error, Result};
 use crate::format::{SampleIdSource, FLAG_LZ4};
 use crate::metadata::MetaRef;
-use crate::pool::{Pool, Slot};
+use crate::pool::{panic_message, Pool};
 use crate::sampler::{
     EpochOrder, EpochParams, RankPolicy, RankSplit, Weights, MAX_EPOCH_LEN, SAMPLER_VERSION,
 };
@@ -485,6 +487,71 @@ impl Dataset {
     }
 }
 
+/// The samples of one pool job. Workers and, when it helps, the consumer claim them one at a
+/// time, so a consumer that needs the chunk never sleeps until a worker is scheduled for it.
+struct Chunk {
+    globals: Vec<u64>,
+    claimed: AtomicUsize,
+    done: AtomicUsize,
+    /// One result per sample: a corrupt record fails only when its turn comes.
+    results: Vec<Mutex<Option<Result<Fetched>>>>,
+    complete: Mutex<bool>,
+    completed: Condvar,
+}
+
+impl Chunk {
+    fn new(globals: Vec<u64>) -> Self {
+        let results = globals.iter().map(|_| Mutex::new(None)).collect();
+        Chunk {
+            globals,
+            claimed: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            results,
+            complete: Mutex::new(false),
+            completed: Condvar::new(),
+        }
+    }
+
+    /// Reads samples of this chunk until none is left to claim.
+    fn work(&self, dataset: &Dataset, hook: Option<&FetchHook>) {
+        loop {
+            let i = self.claimed.fetch_add(1, Ordering::AcqRel);
+            let Some(&g) = self.globals.get(i) else {
+                return;
+            };
+            // A panic is this sample's error: the chunk still completes, so nobody waits forever.
+            let fetched = catch_unwind(AssertUnwindSafe(|| dataset.fetch(g)))
+                .unwrap_or_else(|panic| Err(Error::Runtime(panic_message(&panic))));
+            if let Some(hook) = hook {
+                hook();
+            }
+            *self.results[i].lock().unwrap() = Some(fetched);
+            if self.done.fetch_add(1, Ordering::AcqRel) + 1 == self.globals.len() {
+                *self.complete.lock().unwrap() = true;
+                self.completed.notify_all();
+            }
+        }
+    }
+
+    /// Waits until every sample was read, then takes the results in order.
+    fn take(&self) -> Vec<Result<Fetched>> {
+        let mut complete = self.complete.lock().unwrap();
+        while !*complete {
+            complete = self.completed.wait(complete).unwrap();
+        }
+        drop(complete);
+        self.results
+            .iter()
+            .map(|r| {
+                r.lock()
+                    .unwrap()
+                    .take()
+                    .expect("a complete chunk has every result")
+            })
+            .collect()
+    }
+}
+
 /// Reads one rank's share of one epoch, ahead of the consumer on the pool.
 pub struct EpochReader {
     pool: Arc<Pool>,
@@ -498,7 +565,9 @@ pub struct EpochReader {
     len: u64,
     submitted: u64,
     yielded: u64,
-    in_flight: VecDeque<Arc<Slot<Vec<Result<Fetched>>>>>,
+    in_flight: VecDeque<Arc<Chunk>>,
+    /// Whether the consumer reads the samples of the chunk it waits for itself.
+    helping: bool,
     ready: VecDeque<Result<Fetched>>,
     chunk: u64,
     prefetch: u64,
@@ -541,6 +610,7 @@ impl EpochReader {
             submitted: 0,
             yielded: 0,
             in_flight: VecDeque::new(),
+            helping: false,
             ready: VecDeque::new(),
             // Two chunks per prefetch window: one being read while the other is consumed, and
             // one pool hand-off per chunk rather than per sample.
@@ -552,6 +622,31 @@ impl EpochReader {
             on_fetched: None,
             failed: false,
         }
+    }
+
+    /// Ends the pass after its last whole batch of `batch` samples: the short tail is neither
+    /// read nor yielded (`drop_last`). The pass then counts as finished once that batch is out.
+    pub fn whole_batches_of(mut self, batch: u64) -> Self {
+        self.len -= self.len % batch.max(1);
+        self
+    }
+
+    /// Reads at least `samples` ahead of the consumer (a batch reader wants two batches: one
+    /// being read while the other is handed over), in chunks sized for that window.
+    pub fn read_ahead_at_least(mut self, samples: u64) -> Self {
+        if samples > self.prefetch {
+            self.prefetch = samples;
+            self.chunk = (samples / 2).clamp(1, 256);
+        }
+        self
+    }
+
+    /// Makes the consumer read the samples of a chunk it would otherwise wait for, beside the
+    /// workers: no wait for a worker to be scheduled, one more thread reading. For a consumer
+    /// that releases the GIL for a whole batch.
+    pub fn consumer_helps(mut self) -> Self {
+        self.helping = true;
+        self
     }
 
     /// Bounds the decompressed bytes read ahead of the consumer (default
@@ -637,23 +732,16 @@ impl EpochReader {
                 break;
             }
             let k1 = k0 + globals.len() as u64;
+            let chunk = Arc::new(Chunk::new(globals));
+            let job = chunk.clone();
             let dataset = self.dataset.clone();
             let hook = self.on_fetched.clone();
-            // One result per sample: a corrupt record fails only when its turn comes, after
-            // every good sample before it was delivered.
-            let slot = self.pool.submit(move || {
-                Ok(globals
-                    .into_iter()
-                    .map(|g| {
-                        let fetched = dataset.fetch(g);
-                        if let Some(hook) = &hook {
-                            hook();
-                        }
-                        fetched
-                    })
-                    .collect())
+            // The job's slot is not needed: the chunk itself tells when it is complete.
+            self.pool.submit(move || {
+                job.work(&dataset, hook.as_ref());
+                Ok(())
             })?;
-            self.in_flight.push_back(slot);
+            self.in_flight.push_back(chunk);
             self.submitted = k1;
         }
         Ok(())
@@ -675,22 +763,27 @@ impl EpochReader {
             self.failed = true;
             return Some(Err(e));
         }
+        self.next_in_process()
+    }
+
+    /// [`EpochReader::next_sample`] once the process was checked.
+    fn next_in_process(&mut self) -> Option<Result<Fetched>> {
+        if self.failed || self.yielded >= self.len {
+            return None;
+        }
         if self.ready.is_empty() {
             if let Err(e) = self.fill() {
                 self.failed = true;
                 return Some(Err(e));
             }
-            let slot = self
+            let chunk = self
                 .in_flight
                 .pop_front()
                 .expect("fill submitted the next chunk");
-            match slot.wait() {
-                Ok(samples) => self.ready.extend(samples),
-                Err(e) => {
-                    self.failed = true;
-                    return Some(Err(e));
-                }
+            if self.helping {
+                chunk.work(&self.dataset, self.on_fetched.as_ref());
             }
+            self.ready.extend(chunk.take());
         }
         let sample = match self.ready.pop_front().expect("a chunk is never empty") {
             Ok(s) => s,
@@ -710,5 +803,29 @@ impl EpochReader {
             return Some(Err(e));
         }
         Some(Ok(sample))
+    }
+
+    /// The next `max` samples (fewer at the end of the pass), waiting for the pool as needed;
+    /// `None` once the pass is over. Call without the GIL. An error ends the pass: the samples
+    /// read before it in this batch are not returned, so a state taken at the batch's start
+    /// resumes at its first sample.
+    pub fn next_batch(&mut self, max: usize) -> Option<Result<Vec<Fetched>>> {
+        if self.failed || self.yielded >= self.len {
+            return None;
+        }
+        // One fork check per batch rather than per sample (it is a system call).
+        if let Err(e) = self.pool.check_process() {
+            self.failed = true;
+            return Some(Err(e));
+        }
+        let n = self.remaining().min(max.max(1) as u64) as usize;
+        let mut batch = Vec::with_capacity(n);
+        while batch.len() < n {
+            match self.next_in_process()? {
+                Ok(sample) => batch.push(sample),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        Some(Ok(batch))
     }
 }

@@ -493,7 +493,8 @@ impl MetadataTable {
         self.rows
     }
 
-    fn locate(&self, row: u64) -> (usize, usize) {
+    /// (record batch, row within it) of a row of the table.
+    pub fn locate(&self, row: u64) -> (usize, usize) {
         let b = self.starts.partition_point(|&s| s <= row) - 1;
         (b, (row - self.starts[b]) as usize)
     }

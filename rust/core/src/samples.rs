@@ -155,6 +155,81 @@ pub fn table(ds: &Dataset, weights: &WeightTable) -> Result<(SchemaRef, Vec<Reco
     Ok((layout.schema, out))
 }
 
+/// The rows of the table for the samples `globals` (global indices, in that order, repeats
+/// allowed), as one record batch with the table's schema. The metadata columns are gathered
+/// from the caches' record batches by Arrow's `interleave`, without going through values one by
+/// one; `weights` are the weights the rows report.
+pub fn rows(ds: &Dataset, weights: &WeightTable, globals: &[u64]) -> Result<RecordBatch> {
+    let layout = layout(ds)?;
+    // Every metadata batch of every cache is one source; one null row follows them, for the
+    // columns a cache lacks.
+    let mut first_source = Vec::with_capacity(ds.caches.len());
+    let mut sources = 0usize;
+    for cache in &ds.caches {
+        first_source.push(sources);
+        sources += cache.metadata.batches.len();
+    }
+    let null_source = sources;
+    let located: Vec<(usize, usize, usize)> = globals
+        .iter()
+        .map(|&g| {
+            let (c, row) = ds.locate(g);
+            let (b, r) = ds.caches[c].metadata.locate(row);
+            (c, first_source[c] + b, r)
+        })
+        .collect();
+    let gather = |column_of: &dyn Fn(usize) -> Option<usize>, t: &DataType| -> Result<ArrayRef> {
+        let null = new_null_array(t, 1);
+        let mut arrays: Vec<&dyn Array> = Vec::with_capacity(sources + 1);
+        for (ci, cache) in ds.caches.iter().enumerate() {
+            for batch in &cache.metadata.batches {
+                arrays.push(match column_of(ci) {
+                    Some(col) => batch.column(col).as_ref(),
+                    None => null.as_ref(),
+                });
+            }
+        }
+        arrays.push(null.as_ref());
+        let indices: Vec<(usize, usize)> = located
+            .iter()
+            .map(|&(c, src, r)| match column_of(c) {
+                Some(_) => (src, r),
+                None => (null_source, 0),
+            })
+            .collect();
+        arrow_select::interleave::interleave(&arrays, &indices).map_err(ipc_err)
+    };
+    let mut cols: Vec<ArrayRef> = Vec::with_capacity(layout.schema.fields().len());
+    cols.push(Arc::new(StringArray::from_iter_values(
+        located.iter().map(|&(c, _, _)| ds.caches[c].name()),
+    )));
+    let same_id_type = ds
+        .caches
+        .iter()
+        .all(|c| c.manifest.sample_id_type == layout.id_type);
+    if same_id_type {
+        cols.push(gather(&|_| Some(0), &arrow_type(layout.id_type))?);
+    } else {
+        // Int ids beside str ids are shown in decimal, as `table` does.
+        cols.push(Arc::new(StringArray::from_iter_values(globals.iter().map(
+            |&g| {
+                let (c, row) = ds.locate(g);
+                match ds.caches[c].metadata.sample_id(row) {
+                    MetaRef::Str(s) => s.to_owned(),
+                    other => show(Some(other)),
+                }
+            },
+        ))));
+    }
+    for (_, t, per_cache) in &layout.columns {
+        cols.push(gather(&|c| per_cache[c], &arrow_type(*t))?);
+    }
+    cols.push(Arc::new(Float64Array::from_iter_values(
+        globals.iter().map(|&g| weights.weight(g)),
+    )));
+    RecordBatch::try_new(layout.schema, cols).map_err(ipc_err)
+}
+
 /// A column of the submitted table, read as typed values whatever Arrow encoding Polars chose.
 enum Col<'a> {
     Bool(&'a arrow_array::BooleanArray),

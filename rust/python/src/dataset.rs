@@ -10,14 +10,14 @@ use arrow_array::ffi_stream::FFI_ArrowArrayStream;
 use arrow_array::RecordBatchIterator;
 use dataset_rt_core::cache::Cache;
 use dataset_rt_core::dataset::{
-    self as core, EpochReader, Payload, ReadOptions, State, WeightTable,
+    self as core, EpochReader, Fetched, Payload, ReadOptions, State, WeightTable,
 };
 use dataset_rt_core::metadata::MetaRef;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::{self, EpochOrder, EpochParams, Weights};
 use dataset_rt_core::samples;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyCapsule, PyDict, PySlice, PyString};
+use pyo3::types::{PyBytes, PyCapsule, PyDict, PyList, PySlice, PyString};
 
 use crate::errors::IntoPyResult;
 
@@ -113,6 +113,45 @@ impl PySide {
     }
 }
 
+impl PySide {
+    /// A fetched sample's payload: a zero-copy slice of its shard's view, or bytes when it was
+    /// decompressed.
+    fn payload<'py>(
+        &self,
+        py: Python<'py>,
+        dataset: &core::Dataset,
+        fetched: &Fetched,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let c = fetched.cache as usize;
+        let cache = &dataset.caches[c];
+        Ok(match fetched.payload {
+            Payload::Mapped { shard, offset, len } => {
+                let view = self.shard_view(py, cache, c, shard, fetched.row)?;
+                let slice = PySlice::new(py, offset as isize, (offset + len) as isize, 1);
+                let data = view.get_item(slice)?;
+                // The view has the validated size and the core checked the record against it,
+                // so this holds; it is checked because a short slice would be silently wrong.
+                if data.len()? as u64 != len {
+                    return Err(crate::errors::to_py(
+                        dataset_rt_core::Error::CorruptRecord {
+                            cache: cache.name().to_owned(),
+                            shard: cache.shard_path(shard),
+                            offset: cache.entry(fetched.row).offset,
+                            sample: fetched.row,
+                            reason: format!(
+                                "the payload's view holds {} bytes, the record {len}",
+                                data.len()?
+                            ),
+                        },
+                    ));
+                }
+                data
+            }
+            Payload::Owned(ref bytes) => PyBytes::new(py, bytes).into_any(),
+        })
+    }
+}
+
 /// Where the most recent pass stands, shared between a dataset and its iterator.
 struct Progress {
     epoch: AtomicU64,
@@ -121,6 +160,13 @@ struct Progress {
     /// The weight table the pass reads under. Weights set during a pass apply from the next
     /// one, so a state taken mid-pass must name this table, not the one in force.
     weights_fingerprint: String,
+}
+
+/// A pass just started: its reader, its progress (shared with the dataset) and its weights.
+struct Pass {
+    reader: EpochReader,
+    progress: Arc<Progress>,
+    weights: WeightTable,
 }
 
 /// A loaded state that the next pass resumes.
@@ -183,6 +229,83 @@ impl Dataset {
                 order: None,
             }),
             py_side: Arc::new(py_side),
+        })
+    }
+
+    /// Starts the next pass: the next epoch, or the one a loaded state resumes, ending after
+    /// its last whole batch of `whole_batches_of` samples (1: every sample). The loaded state
+    /// and the epoch counter change only once the pass has started, so a failure here (a
+    /// closed runtime, say) leaves `state_dict()` as it was.
+    fn start_pass(&self, py: Python<'_>, whole_batches_of: u64) -> PyResult<Pass> {
+        let weights = self.weights.lock().unwrap().clone();
+        let (epoch, start, cached) = {
+            let control = self.control.lock().unwrap();
+            let (epoch, start) = match (&control.resume, &control.current) {
+                (Some(r), _) if r.weights_fingerprint != weights.fingerprint => {
+                    return Err(crate::errors::StateError::new_err(format!(
+                        "the loaded state (epoch {}, position {}) was taken under weight table \
+                         {}, but set_samples_metadata has since put {} in force: apply the \
+                         state's weights again to resume it, or call set_epoch to start a new \
+                         epoch instead",
+                        r.epoch, r.position, r.weights_fingerprint, weights.fingerprint
+                    )));
+                }
+                (Some(r), _) => (r.epoch, r.position),
+                (None, Some(p)) => (
+                    core::next_epoch(p.epoch.load(Ordering::Acquire)).py_err()?,
+                    0,
+                ),
+                (None, None) => (control.next_epoch, 0),
+            };
+            let cached = control
+                .order
+                .as_ref()
+                .filter(|(e, fp, _)| *e == epoch && *fp == weights.fingerprint)
+                .map(|(_, _, o)| o.clone());
+            (epoch, start, cached)
+        };
+        // A forked child must not start a pass: its cached order would hide that the pool's
+        // threads are gone until the first sample.
+        self.pool.check_usable().py_err()?;
+        let order = match cached {
+            Some(o) => o,
+            None => {
+                let inner = self.inner.clone();
+                let opts = self.opts;
+                let w = weights.clone();
+                Arc::new(
+                    py.detach(|| self.pool.run(move || inner.try_order(&opts, &w, epoch)))
+                        .py_err()?,
+                )
+            }
+        };
+        let progress = Arc::new(Progress {
+            epoch: AtomicU64::new(epoch),
+            position: AtomicU64::new(start),
+            finished: AtomicBool::new(false),
+            weights_fingerprint: weights.fingerprint.clone(),
+        });
+        let reader = EpochReader::new(
+            self.pool.clone(),
+            self.inner.clone(),
+            order.clone(),
+            &self.opts,
+            epoch,
+            start,
+        )
+        .whole_batches_of(whole_batches_of);
+        if reader.is_empty() {
+            progress.finished.store(true, Ordering::Release);
+        }
+        let mut control = self.control.lock().unwrap();
+        control.resume = None;
+        control.order = Some((epoch, weights.fingerprint.clone(), order));
+        control.current = Some(progress.clone());
+        drop(control);
+        Ok(Pass {
+            reader,
+            progress,
+            weights,
         })
     }
 
@@ -257,79 +380,47 @@ impl Dataset {
         self.inner.fingerprint().to_owned()
     }
 
-    /// Starts the next pass: the next epoch, or the one a loaded state resumes. The loaded
-    /// state and the epoch counter change only once the pass has started, so a failure here
-    /// (a closed runtime, say) leaves `state_dict()` as it was.
+    /// Starts the next pass, sample by sample.
     fn __iter__(&self, py: Python<'_>) -> PyResult<DatasetIterator> {
-        let weights = self.weights.lock().unwrap().clone();
-        let (epoch, start, cached) = {
-            let control = self.control.lock().unwrap();
-            let (epoch, start) = match (&control.resume, &control.current) {
-                (Some(r), _) if r.weights_fingerprint != weights.fingerprint => {
-                    return Err(crate::errors::StateError::new_err(format!(
-                        "the loaded state (epoch {}, position {}) was taken under weight table \
-                         {}, but set_samples_metadata has since put {} in force: apply the \
-                         state's weights again to resume it, or call set_epoch to start a new \
-                         epoch instead",
-                        r.epoch, r.position, r.weights_fingerprint, weights.fingerprint
-                    )));
-                }
-                (Some(r), _) => (r.epoch, r.position),
-                (None, Some(p)) => (
-                    core::next_epoch(p.epoch.load(Ordering::Acquire)).py_err()?,
-                    0,
-                ),
-                (None, None) => (control.next_epoch, 0),
-            };
-            let cached = control
-                .order
-                .as_ref()
-                .filter(|(e, fp, _)| *e == epoch && *fp == weights.fingerprint)
-                .map(|(_, _, o)| o.clone());
-            (epoch, start, cached)
-        };
-        // A forked child must not start a pass: its cached order would hide that the pool's
-        // threads are gone until the first sample.
-        self.pool.check_usable().py_err()?;
-        let order = match cached {
-            Some(o) => o,
-            None => {
-                let inner = self.inner.clone();
-                let opts = self.opts;
-                let w = weights.clone();
-                Arc::new(
-                    py.detach(|| self.pool.run(move || inner.try_order(&opts, &w, epoch)))
-                        .py_err()?,
-                )
-            }
-        };
-        let progress = Arc::new(Progress {
-            epoch: AtomicU64::new(epoch),
-            position: AtomicU64::new(start),
-            finished: AtomicBool::new(false),
-            weights_fingerprint: weights.fingerprint.clone(),
-        });
-        let reader = EpochReader::new(
-            self.pool.clone(),
-            self.inner.clone(),
-            order.clone(),
-            &self.opts,
-            epoch,
-            start,
-        );
-        if reader.is_empty() {
-            progress.finished.store(true, Ordering::Release);
-        }
-        let mut control = self.control.lock().unwrap();
-        control.resume = None;
-        control.order = Some((epoch, weights.fingerprint, order));
-        control.current = Some(progress.clone());
-        drop(control);
+        let pass = self.start_pass(py, 1)?;
         Ok(DatasetIterator {
-            reader,
+            reader: pass.reader,
             dataset: self.inner.clone(),
             py_side: self.py_side.clone(),
-            progress,
+            progress: pass.progress,
+        })
+    }
+
+    /// Starts the next pass, `batch_size` samples at a time; with `drop_last` the pass ends at
+    /// its last whole batch.
+    #[pyo3(signature = (batch_size, *, drop_last=false))]
+    fn iter_batches(
+        &self,
+        py: Python<'_>,
+        batch_size: i64,
+        drop_last: bool,
+    ) -> PyResult<BatchIterator> {
+        let batch_size = usize::try_from(batch_size)
+            .ok()
+            .filter(|&b| b >= 1)
+            .ok_or_else(|| {
+                crate::errors::ConfigError::new_err(format!(
+                    "iter_batches: invalid batch_size {batch_size}: must be at least 1"
+                ))
+            })?;
+        let pass = self.start_pass(py, if drop_last { batch_size as u64 } else { 1 })?;
+        Ok(BatchIterator {
+            reader: pass
+                .reader
+                .read_ahead_at_least(2u64.saturating_mul(batch_size as u64))
+                .consumer_helps(),
+            dataset: self.inner.clone(),
+            py_side: self.py_side.clone(),
+            progress: pass.progress,
+            pool: self.pool.clone(),
+            weights: pass.weights,
+            batch_size,
+            failed: false,
         })
     }
 
@@ -433,32 +524,7 @@ impl DatasetIterator {
         };
         let fetched = fetched.py_err()?;
         let c = fetched.cache as usize;
-        let cache = &self.dataset.caches[c];
-        let data = match fetched.payload {
-            Payload::Mapped { shard, offset, len } => {
-                let view = self.py_side.shard_view(py, cache, c, shard, fetched.row)?;
-                let slice = PySlice::new(py, offset as isize, (offset + len) as isize, 1);
-                let data = view.get_item(slice)?;
-                // The view has the validated size and the core checked the record against it,
-                // so this holds; it is checked because a short slice would be silently wrong.
-                if data.len()? as u64 != len {
-                    return Err(crate::errors::to_py(
-                        dataset_rt_core::Error::CorruptRecord {
-                            cache: cache.name().to_owned(),
-                            shard: cache.shard_path(shard),
-                            offset: cache.entry(fetched.row).offset,
-                            sample: fetched.row,
-                            reason: format!(
-                                "the payload's view holds {} bytes, the record {len}",
-                                data.len()?
-                            ),
-                        },
-                    ));
-                }
-                data
-            }
-            Payload::Owned(bytes) => PyBytes::new(py, &bytes).into_any(),
-        };
+        let data = self.py_side.payload(py, &self.dataset, &fetched)?;
         self.progress
             .position
             .store(self.reader.position(), Ordering::Release);
@@ -475,6 +541,127 @@ impl DatasetIterator {
                 row: fetched.row,
             }),
         }))
+    }
+}
+
+/// A pass read a batch at a time: each batch is gathered in one call, waiting for the pool
+/// without the GIL, then made into Python objects with the GIL taken once.
+#[pyclass(module = "dataset_rt._native")]
+pub struct BatchIterator {
+    reader: EpochReader,
+    dataset: Arc<core::Dataset>,
+    py_side: Arc<PySide>,
+    progress: Arc<Progress>,
+    pool: Arc<Pool>,
+    /// The weights of this pass: its batches' rows report them.
+    weights: WeightTable,
+    batch_size: usize,
+    /// Set by an error: the pass ends there, so `state_dict()` stays at the failed batch's start.
+    failed: bool,
+}
+
+#[pymethods]
+impl BatchIterator {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    /// Samples this pass has still to yield.
+    fn __len__(&self) -> usize {
+        self.reader.remaining() as usize
+    }
+
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.reader.epoch
+    }
+
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<Batch>> {
+        if self.failed {
+            return Ok(None);
+        }
+        let reader = &mut self.reader;
+        let batch_size = self.batch_size;
+        let Some(fetched) = py.detach(|| reader.next_batch(batch_size)) else {
+            self.progress.finished.store(true, Ordering::Release);
+            return Ok(None);
+        };
+        let made = fetched.py_err().and_then(|fetched| {
+            let mut data = Vec::with_capacity(fetched.len());
+            let mut globals = Vec::with_capacity(fetched.len());
+            for f in &fetched {
+                data.push(self.py_side.payload(py, &self.dataset, f)?);
+                globals.push(self.dataset.cache_start(f.cache as usize) + f.row);
+            }
+            Ok((PyList::new(py, data)?.unbind(), globals))
+        });
+        let (data, globals) = match made {
+            Ok(made) => made,
+            Err(e) => {
+                self.failed = true;
+                return Err(e);
+            }
+        };
+        self.progress
+            .position
+            .store(self.reader.position(), Ordering::Release);
+        if self.reader.remaining() == 0 {
+            self.progress.finished.store(true, Ordering::Release);
+        }
+        Ok(Some(Batch {
+            data,
+            globals,
+            dataset: self.dataset.clone(),
+            pool: self.pool.clone(),
+            weights: self.weights.clone(),
+        }))
+    }
+}
+
+/// Consecutive samples of a pass: their payloads, and what builds their rows of the
+/// samples-metadata table on demand.
+#[pyclass(module = "dataset_rt._native", frozen)]
+pub struct Batch {
+    /// The payloads in order: zero-copy memoryviews, or bytes where they were decompressed.
+    #[pyo3(get)]
+    data: Py<PyList>,
+    globals: Vec<u64>,
+    dataset: Arc<core::Dataset>,
+    pool: Arc<Pool>,
+    weights: WeightTable,
+}
+
+#[pymethods]
+impl Batch {
+    fn __len__(&self) -> usize {
+        self.globals.len()
+    }
+
+    /// The samples' global indices (rows of `samples_metadata()`) as little-endian int64 bytes.
+    fn indices_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let mut out = Vec::with_capacity(self.globals.len() * 8);
+        for &g in &self.globals {
+            out.extend_from_slice(&(g as i64).to_le_bytes());
+        }
+        PyBytes::new(py, &out)
+    }
+
+    /// The samples' rows of the samples-metadata table as an Arrow C stream capsule
+    /// (`arrow_array_stream`) of one record batch, gathered without the GIL.
+    fn rows_stream<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+        let inner = self.dataset.clone();
+        let weights = self.weights.clone();
+        let globals = self.globals.clone();
+        let batch = py
+            .detach(|| {
+                self.pool
+                    .run(move || samples::rows(&inner, &weights, &globals))
+            })
+            .py_err()?;
+        let schema = batch.schema();
+        let reader = RecordBatchIterator::new(std::iter::once(Ok(batch)), schema);
+        let stream = FFI_ArrowArrayStream::new(Box::new(reader));
+        PyCapsule::new(py, stream, Some(c"arrow_array_stream".to_owned()))
     }
 }
 

@@ -20,6 +20,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<runtime::Runtime>()?;
     m.add_class::<dataset::Dataset>()?;
     m.add_class::<dataset::DatasetIterator>()?;
+    m.add_class::<dataset::BatchIterator>()?;
+    m.add_class::<dataset::Batch>()?;
     m.add_class::<dataset::CachedSample>()?;
     m.add_function(wrap_pyfunction!(dataset::epoch_order, m)?)?;
     m.add_function(wrap_pyfunction!(config::check_compression, m)?)?;

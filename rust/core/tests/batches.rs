@@ -1,0 +1,211 @@
+//! Batch reads: `EpochReader::next_batch` yields the order of `next_sample` in whole batches,
+//! with or without the consumer helping, on every rank and from any start; `whole_batches_of`
+//! drops the short tail; `samples::rows` gives the table's rows for any global indices.
+
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::{Float64Type, Int64Type};
+use arrow_array::Array;
+use dataset_rt_core::cache::{Cache, Validation};
+use dataset_rt_core::dataset::{Dataset, EpochReader, ReadOptions, WeightTable};
+use dataset_rt_core::format::Compression;
+use dataset_rt_core::metadata::MetaValue;
+use dataset_rt_core::pool::Pool;
+use dataset_rt_core::sampler::RankPolicy;
+use dataset_rt_core::samples;
+use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+
+const N: u64 = 29;
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    pool: Arc<Pool>,
+    dataset: Arc<Dataset>,
+}
+
+/// Two caches: "a" with `N` samples (metadata `i` and `tag`), "b" with 5 (metadata `i` only).
+fn fixture() -> &'static Fixture {
+    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
+    FIXTURE.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = Pool::new(2).unwrap();
+        write(&pool, dir.path(), "a", N, true);
+        write(&pool, dir.path(), "b", 5, false);
+        let open =
+            |name: &str| Arc::new(Cache::open(&dir.path().join(name), Validation::Full).unwrap());
+        Fixture {
+            dataset: Arc::new(Dataset::new(vec![open("a"), open("b")])),
+            pool,
+            _dir: dir,
+        }
+    })
+}
+
+fn write(pool: &Arc<Pool>, base: &Path, name: &str, n: u64, tag: bool) {
+    let lock = CacheLock::acquire(base, name).unwrap();
+    let opts = WriterOptions {
+        prefetch_size: 4,
+        compression: Compression::NONE,
+        validate: true,
+        shard_size: 1 << 20,
+    };
+    let mut writer = CacheWriter::create(pool.clone(), lock, opts).unwrap();
+    for i in 0..n {
+        let mut metadata = vec![("i".to_owned(), MetaValue::Int(i as i64))];
+        if tag {
+            metadata.push(("tag".to_owned(), MetaValue::Str(format!("t{}", i % 4))));
+        }
+        writer
+            .push(SampleInput {
+                data: i.to_le_bytes().to_vec(),
+                metadata,
+            })
+            .unwrap();
+    }
+    writer.finish().unwrap();
+}
+
+fn options(rank: u64, world_size: u64) -> ReadOptions {
+    ReadOptions {
+        seed: 5,
+        shuffle: true,
+        prefetch_size: 4,
+        epoch_len: None,
+        rank,
+        world_size,
+        policy: RankPolicy::Pad,
+    }
+}
+
+fn reader(opts: &ReadOptions, start: u64) -> EpochReader {
+    let f = fixture();
+    let order = f
+        .dataset
+        .try_order(opts, &WeightTable::uniform(), 0)
+        .unwrap();
+    EpochReader::new(
+        f.pool.clone(),
+        f.dataset.clone(),
+        Arc::new(order),
+        opts,
+        0,
+        start,
+    )
+}
+
+fn global(fetched: &dataset_rt_core::dataset::Fetched) -> u64 {
+    fixture().dataset.cache_start(fetched.cache as usize) + fetched.row
+}
+
+fn per_sample(mut reader: EpochReader) -> Vec<u64> {
+    std::iter::from_fn(|| reader.next_sample())
+        .map(|f| global(&f.unwrap()))
+        .collect()
+}
+
+/// The globals of each batch, and the reader's position after each.
+fn batches(mut reader: EpochReader, size: usize) -> (Vec<Vec<u64>>, Vec<u64>) {
+    let mut out = Vec::new();
+    let mut positions = Vec::new();
+    while let Some(batch) = reader.next_batch(size) {
+        out.push(batch.unwrap().iter().map(global).collect());
+        positions.push(reader.position());
+    }
+    (out, positions)
+}
+
+#[test]
+fn batches_concatenate_to_the_per_sample_order_on_every_rank_and_start() {
+    for world_size in [1, 3] {
+        for rank in 0..world_size {
+            let opts = options(rank, world_size);
+            for start in [0, 1, 7, 20] {
+                let expected = per_sample(reader(&opts, start));
+                for size in [1, 4, 64] {
+                    for helping in [false, true] {
+                        let r = reader(&opts, start);
+                        let r = if helping { r.consumer_helps() } else { r };
+                        let (got, _) = batches(r, size);
+                        let sizes: Vec<usize> = got.iter().map(Vec::len).collect();
+                        assert!(sizes[..sizes.len() - 1].iter().all(|&s| s == size));
+                        assert_eq!(
+                            got.concat(),
+                            expected,
+                            "rank {rank}/{world_size} start {start} size {size}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn positions_after_batches_are_those_of_per_sample_reads() {
+    let opts = options(0, 1);
+    let (_, positions) = batches(reader(&opts, 3), 5);
+    let mut r = reader(&opts, 3);
+    let mut expected = Vec::new();
+    let mut k = 0;
+    while r.next_sample().is_some() {
+        k += 1;
+        if k % 5 == 0 || r.remaining() == 0 {
+            expected.push(r.position());
+        }
+    }
+    assert_eq!(positions, expected);
+}
+
+#[test]
+fn whole_batches_of_drops_the_short_tail_only() {
+    let total = fixture().dataset.len();
+    let opts = options(0, 1);
+    let expected = per_sample(reader(&opts, 2));
+    let r = reader(&opts, 2).whole_batches_of(8);
+    assert_eq!(r.len(), (total - 2) / 8 * 8);
+    let (got, _) = batches(r, 8);
+    assert!(got.iter().all(|b| b.len() == 8));
+    assert_eq!(got.concat(), expected[..((total - 2) / 8 * 8) as usize]);
+    assert!(reader(&opts, 0).whole_batches_of(total + 1).is_empty());
+}
+
+#[test]
+fn rows_gather_the_table_rows_of_any_indices() {
+    let f = fixture();
+    let weights = WeightTable::from_weights((0..f.dataset.len()).map(|g| 1.0 + g as f64).collect());
+    let (schema, table) = samples::table(&f.dataset, &weights).unwrap();
+    let whole = arrow_select::concat::concat_batches(&schema, &table).unwrap();
+    let globals = [N + 4, 0, 17, N, 17, 3];
+    let rows = samples::rows(&f.dataset, &weights, &globals).unwrap();
+    assert_eq!(rows.schema(), schema);
+    assert_eq!(rows.num_rows(), globals.len());
+    for (k, &g) in globals.iter().enumerate() {
+        for c in 0..schema.fields().len() {
+            let (got, want) = (
+                rows.column(c).slice(k, 1),
+                whole.column(c).slice(g as usize, 1),
+            );
+            assert_eq!(got.to_data(), want.to_data(), "column {c}, global {g}");
+        }
+    }
+    // Cache b has no `tag`: null there; the weights are those given.
+    let tag = rows.column(schema.index_of("tag").unwrap());
+    assert!(tag.is_null(0) && tag.is_null(3) && !tag.is_null(1));
+    let w = rows
+        .column(schema.index_of("weight").unwrap())
+        .as_primitive::<Float64Type>();
+    assert_eq!(
+        w.values().to_vec(),
+        globals.map(|g| 1.0 + g as f64).to_vec()
+    );
+    let i = rows
+        .column(schema.index_of("i").unwrap())
+        .as_primitive::<Int64Type>();
+    assert_eq!(i.values().to_vec(), vec![4, 0, 17, 0, 17, 3]);
+    assert_eq!(
+        samples::rows(&f.dataset, &weights, &[]).unwrap().num_rows(),
+        0
+    );
+}
