@@ -7,7 +7,10 @@ Workloads (batches of 64, shuffled, the page cache warm):
   run in the loader's workers, decodes one with Pillow into a numpy array and returns the sum of
   its pixels (an int: decoding is the work, nothing large is shipped back);
 - ``4KiB`` / ``128KiB``: the training process needs the raw bytes (GPU decoding, say): each
-  loader hands it every payload and the loop body reads ``len()`` and the first byte.
+  loader hands it every payload and the loop body reads ``len()`` and the first byte;
+- ``arrays``: decoded arrays: each payload is a raw 3x224x224 uint8 image (150,528 bytes); the
+  transform views it with numpy and flips it (a copy: a cheap stand-in for decoding), and the
+  loader collates the 64 arrays into one batch array (tensor); the loop reads one element.
 
 Contenders (a contender's key names its ``num_workers``):
 
@@ -31,6 +34,13 @@ Contenders (a contender's key names its ``num_workers``):
   ``DataLoader`` with 2 workers);
 - ``litdata_w2``: LitData (``optimize()`` locally, ``StreamingDataset`` in its
   ``StreamingDataLoader`` with 2 workers);
+- ``drt_np_w2`` (arrays only): ``dataset_rt.DataLoader``, 2 workers, numpy arrays,
+  ``collate_fn=np.stack``; in the arrays workload ``drt_w2`` is ``dataset_rt.torch.DataLoader``
+  (2 workers, tensors, its default collate, which stacks into the worker's result memory);
+- ``torch_flat_w2`` (arrays only): torch's 2-worker DataLoader over a map-style dataset that
+  ``np.memmap``s the flat file of the images (no ``bytes`` slice: the flip copies from the page
+  cache), default collate (each batch through its own shared-memory file): the reference of the
+  arrays ratios; ``torch_cache_w2`` there is the same transform over the DatasetRT cache;
 - ``floor`` (decode only): the transform over an in-memory list of bytes in one process: the
   1-process decode rate that "ideal scaling" multiplies (ideal for N workers = min(N, cores) x
   it);
@@ -78,7 +88,9 @@ WORKLOADS = {
     "decode": (int(os.environ.get("BENCH_LOADER_IMAGES", "3072")), None),
     "4KiB": (int(os.environ.get("BENCH_LOADER_4K", "16384")), 4 * common.KIB),
     "128KiB": (int(os.environ.get("BENCH_LOADER_128K", "2048")), 128 * common.KIB),
+    "arrays": (int(os.environ.get("BENCH_LOADER_ARRAYS", "1024")), 3 * 224 * 224),
 }
+ARRAY_SHAPE = (3, 224, 224)
 # Mean payload bytes per workload, filled from the data (the PNGs vary in size).
 WORKLOADS_MEAN_BYTES: dict[str, float] = {}
 IMAGE_SIDE = 128
@@ -110,6 +122,12 @@ CONTENDERS = {
         "drt_lz4_w0_t1",
         "drt_lz4_w2",
     ],
+    "arrays": [
+        "torch_flat_w2",
+        "drt_w2",
+        "drt_np_w2",
+        "torch_cache_w2",
+    ],
 }
 LABELS = {
     "floor": "in-process decode loop (1 process)",
@@ -129,8 +147,16 @@ LABELS = {
     "streaming_w2": "MosaicML Streaming, 2 torch workers",
     "litdata_w2": "LitData, 2 workers",
 }
-# The reference every ratio is taken against.
+# The arrays workload's own labels (its drt_w2 is the torch subclass).
+LABELS_ARRAYS = {
+    "drt_w2": "dataset_rt.torch.DataLoader, 2 workers, tensors, default collate",
+    "drt_np_w2": "dataset_rt.DataLoader, 2 workers, numpy arrays, np.stack",
+    "torch_flat_w2": "torch DataLoader, 2 workers, np.memmap of the flat file",
+    "torch_cache_w2": "torch DataLoader, 2 workers, DatasetRT cache (map-style)",
+}
+# The reference every ratio is taken against (the arrays': the issue's reproducer's).
 BASELINE = "torch_cache_w2"
+BASELINE_ARRAYS = "torch_flat_w2"
 # Payload copies, from the storage's page cache to what the training loop holds, counted from
 # each code path (memcpy-like passes in user space and the kernel's copies through pipes).
 COPIES_RAW = {
@@ -170,6 +196,26 @@ COPIES_NUM = {
     "streaming_w2": 6,
     "litdata_w2": 6,
 }
+# The arrays workload: passes over each payload's 150,528 bytes, from the page cache to the
+# batch the loop holds (the flip is the transform's work, which every contender does).
+COPIES_ARRAYS = {
+    "torch_flat_w2": (
+        2,
+        "worker: flip (memmap page cache -> array), torch.stack into the batch's new shared-"
+        "memory file (the kernel zeroes its pages first); trainer: maps it, 0 copies",
+    ),
+    "torch_cache_w2": (3, "as torch_flat_w2, after an mmap slice -> bytes"),
+    "drt_w2": (
+        3,
+        "producer: shard mmap -> ring slot (+ xxh3 checksum pass); worker: flip, torch.stack "
+        "straight into its result memory; trainer: a view of it, 0 copies",
+    ),
+    "drt_np_w2": (
+        4,
+        "producer: shard mmap -> ring slot (+ xxh3 checksum pass); worker: flip, np.stack, "
+        "the stacked array -> its result memory; trainer: a view of it, 0 copies",
+    ),
+}
 SAMPLE_PERIOD_S = 0.05
 CHILD_TIMEOUT_S = 300
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -183,7 +229,17 @@ def workers_of(contender: str) -> int:
 
 
 def kind_of(workload: str) -> str:
-    return "decode" if workload == "decode" else "io"
+    return workload if workload in ("decode", "arrays") else "io"
+
+
+def baseline_of(workload: str) -> str:
+    return BASELINE_ARRAYS if workload == "arrays" else BASELINE
+
+
+def label_of(workload: str, contender: str) -> str:
+    if workload == "arrays" and contender in LABELS_ARRAYS:
+        return LABELS_ARRAYS[contender]
+    return LABELS[contender]
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,9 +383,11 @@ def prepare(lay: Layout, kind: str) -> None:
 STORES = {
     "drt": "drt",
     "drt_lz4": "drt_lz4",
+    "drt_np": "drt",
     "torch_cache": "drt",
     "torch_lz4": "drt_lz4",
     "torch_files": "files",
+    "torch_flat": "flat",
     "streaming": "mds",
     "litdata": "litdata",
 }
@@ -374,6 +432,46 @@ def len_sample(sample: Any) -> int:
 
 def list_collate(batch: list[Any]) -> list[Any]:
     return batch
+
+
+def flip_array(data: Any) -> Any:
+    """The arrays workload's transform: a view of the raw image, flipped (one copy)."""
+    return np.frombuffer(data, dtype=np.uint8).reshape(ARRAY_SHAPE)[:, ::-1, :].copy()
+
+
+def flip_tensor(data: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(flip_array(data))
+
+
+def flip_sample_array(sample: Any) -> Any:
+    return flip_array(sample.data)
+
+
+def flip_sample_tensor(sample: Any) -> Any:
+    return flip_tensor(sample.data)
+
+
+class FlatArrays:
+    """The reproducer's torch reference: the flat file of the images, ``np.memmap``ped once per
+    worker, each item flipped into a tensor straight from the page cache."""
+
+    def __init__(self, lay: Layout) -> None:
+        self.flat = lay.flat
+        self.count, self.size = lay.count, int(lay.size or 0)
+        self.mm: Any = None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> Any:
+        if self.mm is None:
+            self.mm = np.memmap(self.flat, dtype=np.uint8, mode="r", shape=(self.count, self.size))
+        return flip_tensor(self.mm[i])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "mm": None}
 
 
 class CacheMapDataset:
@@ -495,6 +593,8 @@ def open_loader(
     ``producer_threads`` applies to DatasetRT contenders without a ``_tN`` suffix."""
     decoding = lay.workload == "decode"
     workers = workers_of(name)
+    if lay.workload == "arrays":
+        return open_arrays_loader(name, lay, producer_threads)
     if name in ("floor", "floor_x2"):
         items = list(lay.payloads())
         batches = [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
@@ -516,22 +616,9 @@ def open_loader(
         return (FloorPool() if name == "floor_x2" else Floor()), lambda x: x
     if name.startswith("drt_"):
         drt = common.import_dataset_rt()
-
-        class NameOnly:
-            name = "bench"
-
-        with drt.DatasetRuntime(num_workers=1) as rt:
-            result = rt.from_cache_sources(
-                NameOnly(),
-                lay.store(store_of(name) or "drt"),
-                reader_config=drt.ReaderConfig(seed=0, shuffle=True),
-                writer_config=drt.WriterConfig(show_progress=False),
-            )
-        if not isinstance(result, drt.CacheSourcesDatasetSuccess):
-            raise RuntimeError(result.message)
         transform = decode_sample if decoding else len_sample if name == "drt_w2_len" else None
         loader = drt.DataLoader(
-            result.dataset,
+            drt_dataset(name, lay),
             batch_size=BATCH,
             num_workers=workers,
             transform=transform,
@@ -575,6 +662,71 @@ def open_loader(
     raise ValueError(name)
 
 
+def drt_dataset(name: str, lay: Layout) -> Any:
+    drt = common.import_dataset_rt()
+
+    class NameOnly:
+        name = "bench"
+
+    with drt.DatasetRuntime(num_workers=1) as rt:
+        result = rt.from_cache_sources(
+            NameOnly(),
+            lay.store(store_of(name) or "drt"),
+            reader_config=drt.ReaderConfig(seed=0, shuffle=True),
+            writer_config=drt.WriterConfig(show_progress=False),
+        )
+    if not isinstance(result, drt.CacheSourcesDatasetSuccess):
+        raise RuntimeError(result.message)
+    return result.dataset
+
+
+def open_arrays_loader(
+    name: str, lay: Layout, producer_threads: int | None
+) -> tuple[Any, Callable[[Any], Any]]:
+    """The arrays workload: every loader yields one (64, 3, 224, 224) uint8 array per batch."""
+    import torch.utils.data as tud
+
+    workers = workers_of(name)
+    threads = producer_threads_of(name, producer_threads)
+    if name == "drt_w2":
+        from dataset_rt.torch import DataLoader as TorchSubclass
+
+        loader: Any = TorchSubclass(
+            drt_dataset(name, lay),
+            batch_size=BATCH,
+            num_workers=workers,
+            transform=flip_sample_tensor,
+            producer_threads=threads,
+        )
+    elif name == "drt_np_w2":
+        drt = common.import_dataset_rt()
+        loader = drt.DataLoader(
+            drt_dataset(name, lay),
+            batch_size=BATCH,
+            num_workers=workers,
+            transform=flip_sample_array,
+            collate_fn=np.stack,
+            producer_threads=threads,
+        )
+    elif name.startswith("torch_flat"):
+        loader = tud.DataLoader(
+            FlatArrays(lay),  # type: ignore[arg-type]
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=workers,
+        )
+    elif name.startswith("torch_cache"):
+        loader = tud.DataLoader(
+            CacheMapDataset(lay.store("drt") / "bench", flip_tensor),  # type: ignore[arg-type]
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=workers,
+        )
+    else:
+        raise ValueError(f"{name} does not run the arrays workload")
+    return loader, lambda x: x
+
+
 def io_counters() -> dict[str, int]:
     """``/proc/self/io``: ``rchar``/``wchar`` count bytes through read()/write()-family calls
     (files and pipes, not mmap) of this process plus its children once reaped (the producer,
@@ -587,6 +739,16 @@ def io_counters() -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+def cpu_of_tree() -> float:
+    """User + system CPU seconds of this process and its reaped children (the producer and the
+    workers of every finished epoch: both loaders wait for them when a pass ends)."""
+    import resource
+
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def steady_rate(stamps: list[float], sizes: list[int]) -> float:
@@ -610,6 +772,7 @@ def child(
     import torch  # noqa: F401
 
     decoding = lay.workload == "decode"
+    arrays = lay.workload == "arrays"
     if decoding:
         from PIL import PngImagePlugin  # noqa: F401
 
@@ -617,6 +780,7 @@ def child(
     epochs = []
     measured = 0.0
     io0 = io_counters()
+    cpu0 = cpu_of_tree()
     while len(epochs) < max_epochs and (measured < min_seconds or not epochs):
         n = nbytes = check = 0
         stamps: list[float] = []
@@ -629,6 +793,10 @@ def child(
                 for x in batch:
                     check += x
                     n += 1
+            elif arrays:
+                n += len(batch)
+                nbytes += batch.nbytes
+                check ^= int(batch[0][0][0][0])
             else:
                 for x in batch:
                     d = payload(x)
@@ -659,6 +827,7 @@ def child(
     close = getattr(loader, "close", None)
     if callable(close):
         close()
+    cpu1 = cpu_of_tree()
     total = sum(e["samples"] for e in epochs)
     return {
         "contender": name,
@@ -666,6 +835,7 @@ def child(
         "epochs": epochs,
         "tree_read_bytes_per_sample": (io1.get("rchar", 0) - io0.get("rchar", 0)) / total,
         "tree_write_bytes_per_sample": (io1.get("wchar", 0) - io0.get("wchar", 0)) / total,
+        "cpu_s_per_sample": (cpu1 - cpu0) / total,
     }
 
 
@@ -831,13 +1001,21 @@ def warm_page_cache(root: Path) -> int:
     return n
 
 
+def copies_of(workload: str, name: str) -> tuple[int | None, str | None]:
+    if workload == "decode":
+        return None, None
+    if workload == "arrays":
+        return COPIES_ARRAYS.get(name, (None, None))
+    return COPIES_NUM.get(name), COPIES_RAW.get(name)
+
+
 def summarise(
     workload: str, runs: dict[str, list[dict[str, Any]]], prep_errors: dict[str, str]
 ) -> dict[str, Any]:
     count, size = WORKLOADS[workload]
     rows: list[dict[str, Any]] = []
     for name, results in runs.items():
-        row: dict[str, Any] = {"contender": name, "label": LABELS[name]}
+        row: dict[str, Any] = {"contender": name, "label": label_of(workload, name)}
         ok = [r for r in results if "error" not in r]
         if not ok:
             store = store_of(name)
@@ -874,23 +1052,32 @@ def summarise(
                     r["tree_read_bytes_per_sample"] for r in ok
                 ),
                 "shm_left": sorted({n for r in ok for n in r["shm_left"]}),
-                "copies": None if workload == "decode" else COPIES_NUM.get(name),
-                "copies_how": None if workload == "decode" else COPIES_RAW.get(name),
+                "copies": copies_of(workload, name)[0],
+                "copies_how": copies_of(workload, name)[1],
+                "cpu_us_per_sample": common.median(r.get("cpu_s_per_sample", 0.0) for r in ok)
+                * 1e6,
                 "rounds": len(ok),
                 "failed_rounds": [r["error"] for r in results if "error" in r],
             }
         )
         rows.append(row)
     by = {r["contender"]: r for r in rows}
-    base = by.get(BASELINE, {}).get("samples_per_s")
-    base_rounds = by.get(BASELINE, {}).get("per_round_samples_per_s", [])
+    baseline = baseline_of(workload)
+    base = by.get(baseline, {}).get("samples_per_s")
+    base_rounds = by.get(baseline, {}).get("per_round_samples_per_s", [])
     for r in rows:
         if "samples_per_s" in r and base:
             r["x_torch_w2"] = r["samples_per_s"] / base
             # The same ratio taken in each round (neighbours in time), then the median.
             pairs = zip(r["per_round_samples_per_s"], base_rounds, strict=False)
             r["x_torch_w2_paired"] = common.median(a / b for a, b in pairs)
-    out: dict[str, Any] = {"workload": workload, "samples": count, "size": size, "rows": rows}
+    out: dict[str, Any] = {
+        "workload": workload,
+        "samples": count,
+        "size": size,
+        "baseline": baseline,
+        "rows": rows,
+    }
     if workload == "decode" and "samples_per_s" in by.get("floor", {}):
         floor = by["floor"]["samples_per_s"]
         pool = by.get("floor_x2", {}).get("samples_per_s")
@@ -906,7 +1093,7 @@ def summarise(
             r["of_ideal"] = r["samples_per_s"] / r["ideal_samples_per_s"]
             if w >= 2 and pool:
                 r["of_measured_2proc"] = r["samples_per_s"] / pool
-    else:
+    elif workload != "arrays":
         drt0 = by.get("drt_w0", {}).get("samples_per_s")
         if drt0 and base:
             out["target_raw_bytes_x"] = drt0 / base
@@ -919,16 +1106,20 @@ def print_tables(tables: list[dict[str, Any]]) -> None:
         what = (
             f"{t['samples']} PNG images {IMAGE_SIDE}x{IMAGE_SIDE}, decoded in the transform"
             if decoding
+            else f"{t['samples']} raw 3x224x224 uint8 images, flipped into a batch array"
+            if t["workload"] == "arrays"
             else f"{t['samples']} samples of {t['workload']}, raw bytes to the training loop"
         )
         print(f"\n### {t['workload']}: {what}\n")
-        headers = ["contender", "samples/s", "MB/s", f"x {BASELINE}", "epoch samples/s"]
+        baseline = t.get("baseline", BASELINE)
+        headers = ["contender", "samples/s", "MB/s", f"x {baseline}", "epoch samples/s"]
         headers += (
             ["of N x 1-proc", "of 2-proc pool"]
             if decoding
             else ["copies/sample", "read() B/sample"]
         )
-        headers += ["first batch ms", "teardown ms", "peak ΣRSS MiB", "peak ΣPSS MiB", "procs"]
+        headers += ["CPU us/sample", "first batch ms", "teardown ms", "peak ΣRSS MiB"]
+        headers += ["peak ΣPSS MiB", "procs"]
         rows = []
         for r in t["rows"]:
             if "error" in r:
@@ -943,6 +1134,7 @@ def print_tables(tables: list[dict[str, Any]]) -> None:
             else:
                 row += [r.get("copies"), r["tree_read_bytes_per_sample"]]
             row += [
+                r.get("cpu_us_per_sample"),
                 r["first_batch_s"] * 1e3,
                 r["last_batch_to_end_s"] * 1e3,
                 r["peak_tree_rss_mib"],
@@ -997,7 +1189,7 @@ def draw_chart(data: dict[str, Any], path: Path) -> None:
             ax.text(
                 r["samples_per_s"], i, f" {r['samples_per_s']:,.0f}{extra}", va="center", fontsize=7
             )
-        if t["workload"] == "decode":
+        if t["workload"] in ("decode", "arrays"):
             ax.set_xlim(0, max(rates) * 1.6)
             ax.set_xlabel("samples/s (steady, median of rounds)")
         else:
@@ -1007,6 +1199,8 @@ def draw_chart(data: dict[str, Any], path: Path) -> None:
         title = (
             "decode-bound: PNG decode in the transform"
             if t["workload"] == "decode"
+            else "decoded arrays: 3x224x224 uint8 flipped, batch arrays"
+            if t["workload"] == "arrays"
             else f"I/O-bound: {t['workload']}, raw bytes to the loop"
         )
         ax.set_title(title, fontsize=10)
