@@ -407,10 +407,21 @@ impl Cache {
     /// Never panics on a damaged record: a panic in the checks below (a case they did not
     /// foresee) is caught and reported as that record's corruption.
     pub fn verify_record(&self, sample: u64) -> Result<(IndexEntry, RecordHeader, u64)> {
+        self.check_record(sample, true)
+    }
+
+    /// Locates record `sample` and runs `verify_record`'s structural checks (header against the
+    /// index, flags, lengths within the shard, the bound on an LZ4 payload's decoded size),
+    /// which keep reading and decoding it safe; its checksum only when `checksum` is true.
+    pub fn check_record(
+        &self,
+        sample: u64,
+        checksum: bool,
+    ) -> Result<(IndexEntry, RecordHeader, u64)> {
         debug_assert!(sample < self.len());
         let e = self.entry(sample);
         // Unwind safety: the checks only read the cache, so a panic leaves nothing half-changed.
-        let checked = AssertUnwindSafe(|| self.verify_record_checked(sample, e));
+        let checked = AssertUnwindSafe(|| self.check_record_unwinding(sample, e, checksum));
         std::panic::catch_unwind(checked).unwrap_or_else(|panic| {
             Err(self.corrupt(
                 e.shard,
@@ -424,10 +435,11 @@ impl Cache {
         })
     }
 
-    fn verify_record_checked(
+    fn check_record_unwinding(
         &self,
         sample: u64,
         e: IndexEntry,
+        checksum: bool,
     ) -> Result<(IndexEntry, RecordHeader, u64)> {
         let shard = self.shards.get(e.shard as usize).ok_or_else(|| {
             self.corrupt(
@@ -504,6 +516,9 @@ impl Cache {
                 sample,
                 "record lies past the end of its shard",
             ));
+        }
+        if !checksum {
+            return Ok((e, h, payload_start));
         }
         let meta = &shard[header_end..header_end + h.meta_len as usize];
         let payload = &shard[payload_start as usize..payload_end as usize];
