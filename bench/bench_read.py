@@ -29,6 +29,13 @@ Contenders:
 
 The ceiling, measured in the same run: a numpy memcpy and a warm page-cache read of the flat file.
 
+``--verify`` measures something else, alone: DatasetRT's read rate under each
+``ReaderConfig(verify=...)`` policy ("always", "once", "never"), every policy in its own fresh
+process per round, for epoch 1 (the first pass after opening: "once" verifies every record here)
+and epochs 2+ (the median pass after it), with the rates as ratios to "never" in the same run. The
+policies differ only in whether a record's checksum is computed, so "always" against "never"
+isolates the checksum's cost.
+
 ``--first-sample N`` measures something else, alone: the time to the first sample of a shuffled
 pass right after opening a cache of N 8-byte samples (written once under
 ``$BENCH_DATA_DIR/first_sample``), which is what the epoch order costs a pass before it can read.
@@ -265,7 +272,10 @@ def contender(name: str, lay: Layout, args: argparse.Namespace) -> tuple[Callabl
                     NameOnly(),
                     lay.store("drt"),
                     reader_config=drt.ReaderConfig(
-                        seed=0, shuffle=True, prefetch_size=args.prefetch
+                        seed=0,
+                        shuffle=True,
+                        prefetch_size=args.prefetch,
+                        verify=args.policy or "always",
                     ),
                     writer_config=drt.WriterConfig(show_progress=False),
                 )
@@ -382,6 +392,9 @@ def worker(name: str, lay: Layout, args: argparse.Namespace) -> dict[str, Any]:
         obj = open_fn()
         return obj if cap is None else itertools.islice(obj, cap)
 
+    if args.policy:
+        # Verification runs time epoch 1 alone: the dataset is opened before the clock starts.
+        open_fn()
     # Peak RSS counts from here: the reader's memory, not the imports (nor the floor's list).
     peak_reset = common.reset_peak_rss()
     base = common.proc_status_mib()
@@ -637,6 +650,86 @@ def first_sample(n: int, data_dir: Path, repeats: int, workers: int) -> dict[str
     }
 
 
+POLICIES = ["always", "once", "never"]
+
+
+def verify_policies(args: argparse.Namespace) -> dict[str, Any]:
+    """Rates of DatasetRT under each verification policy, epoch 1 and epochs 2+, and their
+    ratios to "never" in the same round (median over the rounds)."""
+    common.import_dataset_rt()
+    errors = prepare_all(args, ["dataset_rt"])
+    if errors:
+        raise RuntimeError(f"writing the data failed: {errors}")
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        s: {p: [] for p in POLICIES} for s in args.sizes
+    }
+    for r in range(args.repeats):
+        for label in args.sizes:
+            for policy in POLICIES:
+                argv_w = ["--worker", "dataset_rt", "--size", label, "--policy", policy]
+                argv_w += ["--data-dir", str(args.data_dir), "--workers", str(args.workers)]
+                argv_w += ["--prefetch", str(args.prefetch)]
+                out, err = run_sub(argv_w, args.timeout)
+                if out is None:
+                    raise RuntimeError(f"{label} verify={policy}: {err}")
+                runs[label][policy].append(out)
+                print(
+                    f"# round {r + 1} {label} verify={policy}: epoch 1 "
+                    f"{out['samples'][0] / out['warmup_s']:,.0f} samples/s, epochs 2+ "
+                    f"{out['samples'][-1] / common.median(out['pass_s']):,.0f} samples/s",
+                    file=sys.stderr,
+                )
+    tables = []
+    for label in args.sizes:
+        rates: dict[str, dict[str, float]] = {}
+        for policy, results in runs[label].items():
+            rates[policy] = {
+                "epoch1_samples_per_s": common.median(
+                    x["samples"][0] / x["warmup_s"] for x in results
+                ),
+                "epoch2_samples_per_s": common.median(
+                    x["samples"][-1] / common.median(x["pass_s"]) for x in results
+                ),
+            }
+        # Ratios per round (the policies of a round ran back to back), then their median.
+        for policy in POLICIES:
+            pairs = list(zip(runs[label][policy], runs[label]["never"], strict=True))
+            rates[policy]["epoch1_vs_never"] = common.median(
+                (x["samples"][0] / x["warmup_s"]) / (n["samples"][0] / n["warmup_s"])
+                for x, n in pairs
+            )
+            rates[policy]["epoch2_vs_never"] = common.median(
+                (x["samples"][-1] / common.median(x["pass_s"]))
+                / (n["samples"][-1] / common.median(n["pass_s"]))
+                for x, n in pairs
+            )
+        tables.append({"size": label, "samples": runs[label]["never"][0]["samples"][-1], **rates})
+    return {
+        "machine": common.machine_info(),
+        "dataset_rt": common.dataset_rt_origin(),
+        "repeats": args.repeats,
+        "workers": args.workers,
+        "prefetch": args.prefetch,
+        "command": " ".join(sys.argv),
+        "verify": tables,
+        "raw": runs,
+    }
+
+
+def print_verify_table(res: dict[str, Any]) -> None:
+    print(f"\n{res['command']}")
+    print("| size | verify | epoch 1 samples/s | vs never | epochs 2+ samples/s | vs never |")
+    print("|---|---|---:|---:|---:|---:|")
+    for t in res["verify"]:
+        for policy in POLICIES:
+            p = t[policy]
+            print(
+                f"| {t['size']} | {policy} | {p['epoch1_samples_per_s']:,.0f} | "
+                f"{p['epoch1_vs_never']:.3f} | {p['epoch2_samples_per_s']:,.0f} | "
+                f"{p['epoch2_vs_never']:.3f} |"
+            )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=common.REPEATS)
@@ -658,7 +751,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         metavar="N",
         help="only time the first shuffled sample after opening N 8-byte samples",
     )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="only compare DatasetRT's ReaderConfig(verify=) policies, epoch 1 and epochs 2+",
+    )
+    parser.add_argument("--policy", choices=POLICIES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    if args.verify:
+        out = verify_policies(args)
+        common.write_results("read_verify", out)
+        print_verify_table(out)
+        return out
 
     if args.first_sample:
         out = first_sample(args.first_sample, args.data_dir, args.repeats, args.workers)

@@ -39,7 +39,14 @@ class ReaderConfig:
       LZ4 records read ahead also stay within 64 MiB decompressed, or one record if larger).
     - ``shuffle``: ``False`` reads in storage order, caches in source order.
     - ``validate_cache``: also hash every shard when loading (structure, index and metadata
-      checksums are always checked; every record's checksum is checked whenever it is read).
+      checksums are always checked; record checksums follow ``verify``).
+    - ``verify``: when a record's checksum is checked as it is read. ``"always"`` (the default):
+      on every read. ``"once"``: the first time this process reads the record (one bit per sample
+      remembers it, shared by the dataset's readers; the loader's producer process keeps its own).
+      ``"never"``: not at read time. Under every policy the record's header is checked against the
+      index on every read, so a damaged record cannot make a read or LZ4 decoding go out of bounds;
+      under ``"always"`` and ``"once"`` a damaged record raises ``CorruptRecordError`` naming the
+      shard file and the sample. What each policy does not catch: docs/security.md.
     - ``rank`` / ``world_size``: this reader's share; ``None`` takes them from an initialised
       ``torch.distributed``, else the ``RANK`` / ``WORLD_SIZE`` environment, else 0 of 1.
     - ``drop_last``: ranks get equal shares by padding (repeating samples, the default) or, when
@@ -53,6 +60,7 @@ class ReaderConfig:
     prefetch_size: int = 64
     shuffle: bool = True
     validate_cache: bool = False
+    verify: Literal["always", "once", "never"] = "always"
     rank: int | None = None
     world_size: int | None = None
     drop_last: bool = False
@@ -64,6 +72,7 @@ class ReaderConfig:
             prefetch_size=self.prefetch_size,
             shuffle=self.shuffle,
             validate_cache=self.validate_cache,
+            verify=self.verify,
             rank=self.rank,
             world_size=self.world_size,
             drop_last=self.drop_last,

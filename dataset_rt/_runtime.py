@@ -182,6 +182,7 @@ def _read_options(reader: ReaderConfig) -> dict[str, Any]:
         "shuffle": reader.shuffle,
         "read_prefetch": reader.prefetch_size,
         "read_validate": reader.validate_cache,
+        "read_verify": reader.verify,
         "rank": rank,
         "world_size": world_size,
         "drop_last": reader.drop_last,

@@ -12,6 +12,7 @@ use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{Dataset, EpochReader, ReadOptions, WeightTable};
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::EpochOrder;
+use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::Error as CoreError;
 use serde::{Deserialize, Serialize};
 
@@ -38,6 +39,10 @@ pub struct ProducerSpec {
     pub epoch_len: Option<u64>,
     /// Samples read ahead of the slot being filled (`ReaderConfig.prefetch_size`).
     pub prefetch_size: usize,
+    /// When records are hashed (`ReaderConfig.verify`). Under `Once` the producer keeps its
+    /// own bitmap, which lives as long as this process: one pass, or the loader's life with
+    /// persistent workers.
+    pub verify: VerifyPolicy,
     /// Threads that read, verify and decompress (`DataLoader(producer_threads=)`).
     pub threads: usize,
 }
@@ -227,7 +232,7 @@ fn prepare(
         .iter()
         .map(|d| Cache::open(d, Validation::Structure).map(Arc::new))
         .collect::<std::result::Result<Vec<_>, _>>()?;
-    let ds = Dataset::new(caches);
+    let ds = Dataset::new(caches).with_verify(spec.verify);
     if ds.fingerprint() != spec.fingerprint {
         return Err(CoreError::State(format!(
             "the caches changed under the loader: fingerprint {} is not the dataset's {}",

@@ -13,6 +13,7 @@ use dataset_rt_core::format::Compression;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::RankPolicy;
+use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
 use dataset_rt_shm::batch::{encode_metadata, max_sample_bytes, read_batch, slot_size_for};
 use dataset_rt_shm::layout::B_USED;
@@ -108,6 +109,7 @@ fn setup_sized(raw: u64, lz4: u64) -> Setup {
         shuffle: true,
         epoch_len: None,
         prefetch_size: 1,
+        verify: VerifyPolicy::Once,
         threads: 1,
     };
     Setup {

@@ -68,9 +68,10 @@ fn map_sized(cache: &str, dir: &Path, rel: &str, file: &File, len: u64) -> Resul
     // SAFETY: `Mmap` hands out `&[u8]` over the file, which Rust assumes nobody changes while
     // it is borrowed. DatasetRT never modifies a published file (they are read-only, 0444), but
     // another process with write access can, and nothing here can stop it:
-    // - bytes changed in place are seen by every later read; a record is verified against its
-    //   checksum each time it is fetched, so a change made before that fetch is an error, but a
-    //   change made after it (for example under a zero-copy view already handed out) is not
+    // - bytes changed in place are seen by every later read; under the default verify policy a
+    //   record is verified against its checksum each time it is fetched, so a change made before
+    //   that fetch is an error, but a change made after it (for example under a zero-copy view
+    //   already handed out, or after the first fetch under `VerifyPolicy::Once`) is not
     //   detected;
     // - a file truncated while mapped makes any access to the lost pages raise SIGBUS, which
     //   kills the process.
@@ -407,10 +408,21 @@ impl Cache {
     /// Never panics on a damaged record: a panic in the checks below (a case they did not
     /// foresee) is caught and reported as that record's corruption.
     pub fn verify_record(&self, sample: u64) -> Result<(IndexEntry, RecordHeader, u64)> {
+        self.check_record(sample, true)
+    }
+
+    /// Locates record `sample` and runs `verify_record`'s structural checks (header against the
+    /// index, flags, lengths within the shard, the bound on an LZ4 payload's decoded size),
+    /// which keep reading and decoding it safe; its checksum only when `checksum` is true.
+    pub fn check_record(
+        &self,
+        sample: u64,
+        checksum: bool,
+    ) -> Result<(IndexEntry, RecordHeader, u64)> {
         debug_assert!(sample < self.len());
         let e = self.entry(sample);
         // Unwind safety: the checks only read the cache, so a panic leaves nothing half-changed.
-        let checked = AssertUnwindSafe(|| self.verify_record_checked(sample, e));
+        let checked = AssertUnwindSafe(|| self.check_record_unwinding(sample, e, checksum));
         std::panic::catch_unwind(checked).unwrap_or_else(|panic| {
             Err(self.corrupt(
                 e.shard,
@@ -424,10 +436,11 @@ impl Cache {
         })
     }
 
-    fn verify_record_checked(
+    fn check_record_unwinding(
         &self,
         sample: u64,
         e: IndexEntry,
+        checksum: bool,
     ) -> Result<(IndexEntry, RecordHeader, u64)> {
         let shard = self.shards.get(e.shard as usize).ok_or_else(|| {
             self.corrupt(
@@ -504,6 +517,9 @@ impl Cache {
                 sample,
                 "record lies past the end of its shard",
             ));
+        }
+        if !checksum {
+            return Ok((e, h, payload_start));
         }
         let meta = &shard[header_end..header_end + h.meta_len as usize];
         let payload = &shard[payload_start as usize..payload_end as usize];

@@ -16,6 +16,7 @@ use crate::pool::{panic_message, Pool};
 use crate::sampler::{
     EpochOrder, EpochParams, RankPolicy, RankSplit, Weights, MAX_EPOCH_LEN, SAMPLER_VERSION,
 };
+use crate::verify::{VerifiedSet, VerifyPolicy};
 
 pub const STATE_VERSION: u32 = 1;
 
@@ -176,6 +177,14 @@ pub struct Dataset {
     starts: Vec<u64>,
     fingerprint: String,
     id_indexes: Vec<OnceLock<IdIndex>>,
+    verify: Verifier,
+}
+
+/// A [`VerifyPolicy`] with what it needs: under `Once`, the samples already verified.
+enum Verifier {
+    Always,
+    Once(VerifiedSet),
+    Never,
 }
 
 /// The weights in force: shared by readers that started under them.
@@ -239,6 +248,35 @@ impl Dataset {
             starts,
             fingerprint: format!("{:032x}", h.digest128()),
             id_indexes,
+            verify: Verifier::Always,
+        }
+    }
+
+    /// Reads under `policy` (the default is [`VerifyPolicy::Always`]). Under `Once` the dataset
+    /// keeps one bit per sample, shared by all its readers: a sample whose record passed its
+    /// checksum is not hashed again by this dataset.
+    pub fn with_verify(mut self, policy: VerifyPolicy) -> Self {
+        self.verify = match policy {
+            VerifyPolicy::Always => Verifier::Always,
+            VerifyPolicy::Once => Verifier::Once(VerifiedSet::new(self.len())),
+            VerifyPolicy::Never => Verifier::Never,
+        };
+        self
+    }
+
+    pub fn verify_policy(&self) -> VerifyPolicy {
+        match self.verify {
+            Verifier::Always => VerifyPolicy::Always,
+            Verifier::Once(_) => VerifyPolicy::Once,
+            Verifier::Never => VerifyPolicy::Never,
+        }
+    }
+
+    /// Samples whose records this dataset verified under `Once` (`None` under other policies).
+    pub fn verified_count(&self) -> Option<u64> {
+        match &self.verify {
+            Verifier::Once(set) => Some(set.count()),
+            _ => None,
         }
     }
 
@@ -461,11 +499,20 @@ impl Dataset {
         }
     }
 
-    /// Verifies and, when compressed, decompresses one sample.
+    /// Checks (under the verification policy) and, when compressed, decompresses one sample.
     pub fn fetch(&self, global: u64) -> Result<Fetched> {
         let (c, row) = self.locate(global);
         let cache = &self.caches[c];
-        let (entry, header, payload_start) = cache.verify_record(row)?;
+        let checksum = match &self.verify {
+            Verifier::Always => true,
+            Verifier::Once(verified) => !verified.contains(global),
+            Verifier::Never => false,
+        };
+        let (entry, header, payload_start) = cache.check_record(row, checksum)?;
+        if let (true, Verifier::Once(verified)) = (checksum, &self.verify) {
+            // Only now: a record is never marked before its checksum matched.
+            verified.mark(global);
+        }
         let payload = if header.flags & FLAG_LZ4 != 0 {
             Payload::Owned(
                 cache

@@ -12,6 +12,7 @@ pub mod pool;
 pub mod progress;
 pub mod sampler;
 pub mod samples;
+pub mod verify;
 pub mod writer;
 
 pub use error::{Error, Result};

@@ -3,6 +3,7 @@
 use dataset_rt_core::dataset::ReadOptions;
 use dataset_rt_core::format::Compression;
 use dataset_rt_core::sampler::RankPolicy;
+use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::writer::WriterOptions;
 use pyo3::prelude::*;
 
@@ -62,14 +63,15 @@ pub fn check_compression(algo: &Bound<'_, PyAny>, ratio: &Bound<'_, PyAny>) -> P
 }
 
 #[pyfunction]
-#[pyo3(signature = (*, seed, prefetch_size, shuffle, validate_cache, rank, world_size, drop_last,
-    samples_per_epoch))]
+#[pyo3(signature = (*, seed, prefetch_size, shuffle, validate_cache, verify, rank, world_size,
+    drop_last, samples_per_epoch))]
 #[allow(clippy::too_many_arguments)]
 pub fn check_reader_config(
     seed: &Bound<'_, PyAny>,
     prefetch_size: &Bound<'_, PyAny>,
     shuffle: &Bound<'_, PyAny>,
     validate_cache: &Bound<'_, PyAny>,
+    verify: &Bound<'_, PyAny>,
     rank: Option<&Bound<'_, PyAny>>,
     world_size: Option<&Bound<'_, PyAny>>,
     drop_last: &Bound<'_, PyAny>,
@@ -79,6 +81,13 @@ pub fn check_reader_config(
     let prefetch = unsigned("ReaderConfig.prefetch_size", prefetch_size, 1)?;
     let shuffle = boolean("ReaderConfig.shuffle", shuffle)?;
     boolean("ReaderConfig.validate_cache", validate_cache)?;
+    let verify_name: String = verify.extract().map_err(|_| {
+        ConfigError::new_err(format!(
+            "invalid ReaderConfig.verify: expected \"always\", \"once\" or \"never\", got {}",
+            verify.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))
+    })?;
+    VerifyPolicy::parse(&verify_name).py_err()?;
     let drop_last = boolean("ReaderConfig.drop_last", drop_last)?;
     let world_size = optional("ReaderConfig.world_size", world_size, 1)?;
     let rank = optional("ReaderConfig.rank", rank, 0)?;

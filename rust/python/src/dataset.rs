@@ -16,6 +16,7 @@ use dataset_rt_core::metadata::MetaRef;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::{self, EpochOrder, EpochParams, Weights};
 use dataset_rt_core::samples;
+use dataset_rt_core::verify::VerifyPolicy;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyCapsule, PyDict, PyList, PySlice, PyString};
 
@@ -202,6 +203,7 @@ impl Dataset {
         pool: Arc<Pool>,
         caches: Vec<Arc<Cache>>,
         opts: ReadOptions,
+        verify: VerifyPolicy,
     ) -> PyResult<Self> {
         let py_side = PySide {
             caches: caches
@@ -219,7 +221,7 @@ impl Dataset {
         };
         Ok(Dataset {
             pool,
-            inner: Arc::new(core::Dataset::new(caches)),
+            inner: Arc::new(core::Dataset::new(caches).with_verify(verify)),
             opts,
             weights: Mutex::new(WeightTable::uniform()),
             control: Mutex::new(EpochControl {

@@ -386,6 +386,7 @@ impl LoaderPlan {
                 shuffle: opts.shuffle,
                 epoch_len: opts.epoch_len,
                 prefetch_size: opts.prefetch_size,
+                verify: inner.verify_policy(),
                 threads: self.producer_threads,
             };
             let path = private_dir.join("spec.json");

@@ -14,6 +14,7 @@ use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::progress::{SourceProgress, WriteProgress};
 use dataset_rt_core::sampler::RankPolicy;
+use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::writer::{
     check_base_dir, reap_dead_leftovers, validate_name, CacheLock, CacheWriter, InterruptCheck,
     SampleInput, WriterOptions,
@@ -68,7 +69,7 @@ impl Runtime {
 
     /// Loads or writes every source, then opens the loaded caches as one dataset.
     #[pyo3(signature = (sources, base_cache_dir, *, seed, shuffle, read_prefetch, read_validate,
-        rank, world_size, drop_last, samples_per_epoch, write_prefetch, algo, ratio,
+        read_verify, rank, world_size, drop_last, samples_per_epoch, write_prefetch, algo, ratio,
         show_progress, write_validate, shard_size))]
     #[allow(clippy::too_many_arguments, clippy::wrong_self_convention)]
     fn from_cache_sources(
@@ -80,6 +81,7 @@ impl Runtime {
         shuffle: bool,
         read_prefetch: usize,
         read_validate: bool,
+        read_verify: &str,
         rank: u64,
         world_size: u64,
         drop_last: bool,
@@ -99,6 +101,7 @@ impl Runtime {
             shuffle,
             read_prefetch,
             read_validate,
+            read_verify,
             rank,
             world_size,
             drop_last,
@@ -157,7 +160,7 @@ impl Runtime {
                 caches.push(Arc::new(c));
             }
         }
-        self.dataset(py, caches, outcomes, reading.read)
+        self.dataset(py, caches, outcomes, reading.read, reading.verify)
     }
 
     /// Loads existing caches by name, as `from_cache_sources` loads them, and nothing else:
@@ -165,7 +168,7 @@ impl Runtime {
     /// (no lock file, no reaping of dead writers' leftovers), so it works on read-only storage
     /// and beside running writers.
     #[pyo3(signature = (names, base_cache_dir, *, seed, shuffle, read_prefetch, read_validate,
-        rank, world_size, drop_last, samples_per_epoch))]
+        read_verify, rank, world_size, drop_last, samples_per_epoch))]
     #[allow(clippy::too_many_arguments)]
     fn open_caches(
         &self,
@@ -176,6 +179,7 @@ impl Runtime {
         shuffle: bool,
         read_prefetch: usize,
         read_validate: bool,
+        read_verify: &str,
         rank: u64,
         world_size: u64,
         drop_last: bool,
@@ -187,6 +191,7 @@ impl Runtime {
             shuffle,
             read_prefetch,
             read_validate,
+            read_verify,
             rank,
             world_size,
             drop_last,
@@ -225,7 +230,7 @@ impl Runtime {
                 caches.push(Arc::new(c));
             }
         }
-        self.dataset(py, caches, outcomes, reading.read)
+        self.dataset(py, caches, outcomes, reading.read, reading.verify)
     }
 }
 
@@ -233,6 +238,7 @@ impl Runtime {
 struct Reading {
     read: ReadOptions,
     validation: Validation,
+    verify: VerifyPolicy,
 }
 
 impl Reading {
@@ -242,6 +248,7 @@ impl Reading {
         shuffle: bool,
         prefetch_size: usize,
         validate: bool,
+        verify: &str,
         rank: u64,
         world_size: u64,
         drop_last: bool,
@@ -266,7 +273,11 @@ impl Reading {
         } else {
             Validation::Structure
         };
-        Ok(Reading { read, validation })
+        Ok(Reading {
+            read,
+            validation,
+            verify: VerifyPolicy::parse(verify).py_err()?,
+        })
     }
 }
 
@@ -533,6 +544,7 @@ impl Runtime {
         caches: Vec<Arc<Cache>>,
         outcomes: Vec<Outcome>,
         read: ReadOptions,
+        verify: VerifyPolicy,
     ) -> PyResult<(Option<Dataset>, Vec<Outcome>)> {
         if caches.is_empty() {
             return Ok((None, outcomes));
@@ -545,7 +557,7 @@ impl Runtime {
                 read.epoch_len.unwrap_or(0)
             )));
         }
-        let dataset = Dataset::new(py, self.pool.clone(), caches, read)?;
+        let dataset = Dataset::new(py, self.pool.clone(), caches, read, verify)?;
         Ok((Some(dataset), outcomes))
     }
 
