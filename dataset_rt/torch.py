@@ -176,9 +176,9 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     ``result_bytes``; collates with
     :func:`default_collate` (torch's, plus ``CachedSample``) unless given ``collate_fn``. The
     order is the dataset's (``ReaderConfig(seed=, shuffle=)``), so ``shuffle``, ``sampler`` and
-    ``batch_sampler`` are refused. ``persistent_workers`` is accepted; workers are started for
-    each epoch. ``generator`` is not used. ``pin_memory`` pins on CUDA; without it, a warning
-    (as torch gives) and no pinning.
+    ``batch_sampler`` are refused. ``persistent_workers=True`` keeps the producer, the workers
+    and the ring between epochs. ``generator`` is not used. ``pin_memory`` pins on CUDA;
+    without it, a warning (as torch gives) and no pinning.
     """
 
     def __init__(
@@ -230,6 +230,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             worker_init_fn=_WorkerInit(worker_init_fn),
             producer_threads=producer_threads,
             result_bytes=result_bytes,
+            persistent_workers=persistent_workers,
         )
         # torch's own constructor validates its arguments and sets the attributes frameworks
         # read (batch_size, num_workers, pin_memory, ...); its sampler is never iterated.
