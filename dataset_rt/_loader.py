@@ -507,7 +507,9 @@ class _LoaderIterator(Iterator[Any]):
                 if not process.is_alive() and process.exitcode != 0:
                     raise self._worker_died(i, "while starting")
             if not self._unlinked:
-                time.sleep(0.005)
+                assert self._ring is not None
+                # Woken by each attach (a futex), else back to the checks within _POLL_S.
+                self._ring.wait_attached(_POLL_S)
 
     def _inline(self, seq: int) -> Any:
         ring, fd = self._ring, self._fd

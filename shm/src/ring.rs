@@ -558,6 +558,18 @@ impl Ring {
         }
     }
 
+    /// Sleeps until the attach count changes (or `timeout`, at most [`POLL`], passes, or the
+    /// ring is stopped); says whether every party has attached. The owner's wait: it checks its
+    /// children itself between two calls.
+    pub fn wait_attached(&self, timeout: Duration) -> bool {
+        let attached = self.a32(C_ATTACHED);
+        let seen = attached.load(Ordering::Acquire);
+        if !self.all_attached() && !self.stopped() {
+            futex::wait(attached, seen, timeout.min(POLL));
+        }
+        self.all_attached()
+    }
+
     /// The owner's private directory for the producer's parameters, `<stem>-spec`.
     pub fn private_dir(&self) -> std::path::PathBuf {
         segment::path_of(&private_dir_name(&self.ctl.name))
@@ -1275,6 +1287,27 @@ mod tests {
         assert!(r.all_attached());
         assert!(names.iter().all(|n| !segment::path_of(n).exists()));
         r.wait_all_attached().unwrap();
+        assert!(r.wait_attached(Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn the_owner_sleeps_until_a_party_attaches() {
+        let r = ring(2, 1, 0, false); // the producer is the one party to attach
+        let started = Instant::now();
+        assert!(!r.wait_attached(Duration::from_millis(30)));
+        assert!(started.elapsed() >= Duration::from_millis(25));
+        std::thread::scope(|s| {
+            let owner = s.spawn(|| {
+                let attached = r.wait_attached(Duration::from_secs(5));
+                (Instant::now(), attached)
+            });
+            std::thread::sleep(Duration::from_millis(30));
+            let at = Instant::now();
+            r.mark_attached(); // the one expected party: wakes the owner at once
+            let (woke, attached) = owner.join().unwrap();
+            assert!(attached);
+            assert!(woke.saturating_duration_since(at) < Duration::from_millis(60));
+        });
     }
 
     #[test]

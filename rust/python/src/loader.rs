@@ -659,6 +659,13 @@ impl RingHandle {
         self.ring.all_attached()
     }
 
+    /// Sleeps (without the GIL) until a party attaches, at most `timeout` seconds (capped at
+    /// 0.1); says whether every party has attached.
+    fn wait_attached(&self, py: Python<'_>, timeout: f64) -> bool {
+        let timeout = Duration::from_secs_f64(timeout.max(0.0));
+        py.detach(|| self.ring.wait_attached(timeout))
+    }
+
     /// Removes both names from /dev/shm; every mapping stays valid.
     fn unlink(&self) {
         self.ring.unlink();
