@@ -153,10 +153,12 @@ def _consumer_main(
     worker_init_fn: Callable[[int], None] | None,
     conn: multiprocessing.connection.Connection,
     region: tuple[Any, int, Any] | None = None,
+    persistent: bool = False,
 ) -> None:
     """A consumer process: takes tickets, runs the user's functions on zero-copy views, sends
     results (their buffers written to ``region``, the worker's result memory), releases slots.
-    Exits with code 0 when the pass ends, on close, or with its owner. Anything else that ends
+    Exits with code 0 when the pass ends (``persistent``: waits for the next pass instead), on
+    close, or with its owner. Anything else that ends
     it early (a parent that is not the owner, ``worker_init_fn`` raised, a protocol error) is
     sent to the training loop as ``("fatal", index, (stage, traceback))`` before it exits with
     code 1."""
@@ -179,7 +181,8 @@ def _consumer_main(
             stage = "worker_init_fn"
             worker_init_fn(index)
             stage = "loader"
-        _consume(ring, fd, transform, collate_fn, conn, writer)
+        while _consume(ring, fd, transform, collate_fn, conn, writer) and persistent:
+            ring.wait_next_pass()  # RingClosed once stopped or orphaned
         os.close(fd)
         ring.retire()
     except RingClosed:
@@ -197,7 +200,8 @@ def _consume(
     collate_fn: Callable[[list[Any]], Any] | None,
     conn: multiprocessing.connection.Connection,
     writer: _regions.RegionWriter | None,
-) -> None:
+) -> bool:
+    """Processes the pass's tickets; says whether the pass ended (``False``: stop now)."""
     while (seq := ring.take_ticket()) is not None:
         entries = None
         while entries is None:
@@ -225,12 +229,13 @@ def _consume(
             views.release()
         except LoaderError:
             conn.send_bytes(_dumps(("err", seq, traceback.format_exc())))
-            return
+            return False
         ring.release(seq)
         try:
             conn.send_bytes(message)
         except OSError:  # the training loop closed its end: it is shutting down
-            return
+            return False
+    return True
 
 
 def _describe_exit(code: int | None) -> str:
@@ -242,7 +247,8 @@ def _describe_exit(code: int | None) -> str:
 
 
 class _LoaderIterator(Iterator[Any]):
-    """One pass (one epoch) of a :class:`DataLoader`."""
+    """One pass (one epoch) of a :class:`DataLoader`; with ``persistent_workers``, every pass
+    until the loader is closed (see :meth:`_restart`)."""
 
     def __init__(self, loader: DataLoader) -> None:
         # What the pass needs of its loader, copied: the iterator holds no reference to the
@@ -260,8 +266,11 @@ class _LoaderIterator(Iterator[Any]):
         self._result_bytes = loader.result_bytes
         self._timeout = loader.timeout
         self._heartbeat_timeout = loader.heartbeat_timeout
+        self._persistent = loader.persistent_workers
         self._owner = os.getpid()
         self._closed = False
+        # Persistent pipeline between passes: the pass was fully received and ended.
+        self._idle = False
         self._next = 0
         self._ring: _native.RingHandle | None = None
         self._producer: subprocess.Popen[bytes] | None = None
@@ -296,7 +305,9 @@ class _LoaderIterator(Iterator[Any]):
         # the loop asks for the next one (see _release_held).
         num_slots = max(2, max(1, workers) * self._prefetch_factor) + (workers == 0)
         # The segments and the producer's private directory, all locked by this process.
-        self._ring = ring = self._plan.start_pass(num_slots, self._slot_size_bytes, workers)
+        self._ring = ring = self._plan.start_pass(
+            num_slots, self._slot_size_bytes, workers, self._persistent
+        )
         self._total = ring.total_batches
         self._slot_size = ring.slot_size
         if workers == 0:
@@ -320,6 +331,7 @@ class _LoaderIterator(Iterator[Any]):
                     self._worker_init_fn,
                     sender,
                     None if region is None else region.worker_args(),
+                    self._persistent,
                 ),
                 name=f"dataset-rt-worker-{i}",
                 daemon=True,
@@ -339,11 +351,59 @@ class _LoaderIterator(Iterator[Any]):
         # Every process runs: only now does the pass use up a loaded state or the epoch.
         self._plan.commit_pass(ring)
 
+    def _restart(self) -> bool:
+        """Starts the next pass on this persistent pipeline (its segments, producer and
+        workers), as the plan decides it (the next epoch, a loaded state, ``set_epoch``). Says
+        ``False``, changing nothing, when this pipeline cannot take it (the last pass was not
+        received to its end, or the dataset's weights or reading options changed): the loader
+        then starts a fresh one. A process that died since the last pass raises ``LoaderError``
+        after closing the pipeline: the next ``iter()`` starts a fresh one."""
+        if self._closed or not self._idle or os.getpid() != self._owner:
+            return False
+        ring = self._ring
+        assert ring is not None and self._producer is not None
+        try:
+            code = self._producer.poll()
+            if code is not None:
+                raise LoaderError(
+                    f"the loader's producer process (pid {self._producer.pid}) "
+                    f"{_describe_exit(code)} between passes"
+                    + (f"; its error: {ring.error_text()}" if ring.error_text() else "")
+                    + ": the persistent pipeline is closed, the next iter() starts a new one"
+                )
+            for i, process in enumerate(self._workers):
+                if not process.is_alive():
+                    self._receive(i)  # raises the worker's own report when it sent one
+                    raise LoaderError(
+                        f"loader worker {i} (pid {process.pid}) "
+                        f"{_describe_exit(process.exitcode)} between passes: the persistent "
+                        "pipeline is closed, the next iter() starts a new one"
+                    )
+            handle = self._plan.restart_pass(ring)
+            if handle is None:
+                return False
+            self._ring = handle
+            self._total = handle.total_batches
+            self._next = 0
+            self._buffer.clear()
+            self._warned_fallback = False
+            self._idle = False
+            self._plan.commit_pass(handle)
+        except BaseException:
+            self.close()
+            raise
+        return True
+
     def __iter__(self) -> _LoaderIterator:
         return self
 
     def __len__(self) -> int:
         return max(0, self._total - self._next) if not self._closed else 0
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the pipeline lives on between passes (``persistent_workers=True``)."""
+        return self._persistent
 
     @property
     def pids(self) -> dict[str, Any]:
@@ -370,7 +430,13 @@ class _LoaderIterator(Iterator[Any]):
             self._release_held()
             seq = self._next
             if seq >= self._total:
-                self.close()
+                if not self._persistent:
+                    self.close()
+                elif not self._idle:
+                    # Everything received: the pipeline waits for the next pass.
+                    assert self._ring is not None
+                    self._plan.end_pass(self._ring)
+                    self._idle = True
                 raise StopIteration
             batch = self._inline(seq) if not self._workers else self._from_workers(seq)
             self._await_attach(seq)
@@ -441,7 +507,9 @@ class _LoaderIterator(Iterator[Any]):
                 if not process.is_alive() and process.exitcode != 0:
                     raise self._worker_died(i, "while starting")
             if not self._unlinked:
-                time.sleep(0.005)
+                assert self._ring is not None
+                # Woken by each attach (a futex), else back to the checks within _POLL_S.
+                self._ring.wait_attached(_POLL_S)
 
     def _inline(self, seq: int) -> Any:
         ring, fd = self._ring, self._fd
@@ -688,6 +756,10 @@ class DataLoader:
     - ``result_bytes``: shared memory for the workers' results, split evenly among them
       (``None`` = 1 GiB; ``0`` pickles every result instead). Buffers in results travel through
       it without copies in the training process; see the module's notes on their lifetime.
+    - ``persistent_workers``: keep the producer, the workers, the ring and the result memory
+      between epochs (needs ``num_workers > 0``, as torch's); they stop with :meth:`close`,
+      ``with``, the loader's deletion or the interpreter's exit. A pass left before its end
+      (``break``) is closed at the next ``iter(loader)``, which starts a fresh pipeline.
 
     Each ``iter(loader)`` is one epoch (the next one, or the one a loaded state resumes).
     :meth:`state_dict` reflects the batches the training loop has received.
@@ -710,6 +782,7 @@ class DataLoader:
         worker_init_fn: Callable[[int], None] | None = None,
         producer_threads: int | None = None,
         result_bytes: int | None = None,
+        persistent_workers: bool = False,
     ) -> None:
         # /dev/shm, futexes and prctl: checked first, before anything else could fail oddly.
         if not sys.platform.startswith("linux"):
@@ -729,6 +802,13 @@ class DataLoader:
         for name, value, low in checks:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"invalid DataLoader.{name}: {value!r} is not an int >= {low}")
+        if not isinstance(persistent_workers, bool):
+            raise ConfigError(
+                f"invalid DataLoader.persistent_workers: {persistent_workers!r} is not a bool"
+            )
+        if persistent_workers and num_workers == 0:
+            # torch's own check and words.
+            raise ConfigError("persistent_workers option needs num_workers > 0")
         if timeout < 0:
             raise ConfigError(f"invalid DataLoader.timeout: {timeout!r} is negative")
         if (
@@ -750,6 +830,7 @@ class DataLoader:
         self.timeout = timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.worker_init_fn = worker_init_fn
+        self.persistent_workers = persistent_workers
         self.result_bytes = _regions.DEFAULT_RESULT_BYTES if result_bytes is None else result_bytes
         self._context = _context(multiprocessing_context)
         self._plan = _native.LoaderPlan(dataset._native, batch_size, drop_last, producer_threads)
@@ -757,6 +838,9 @@ class DataLoader:
         self._iterator: _LoaderIterator | None = None
 
     def __iter__(self) -> _LoaderIterator:
+        iterator = self._iterator
+        if iterator is not None and iterator.persistent and iterator._restart():
+            return iterator
         self.close()
         self._iterator = _LoaderIterator(self)
         return self._iterator
@@ -781,7 +865,8 @@ class DataLoader:
         self._plan.load_state_json(json.dumps(state))
 
     def close(self) -> None:
-        """Stops the current pass's processes and removes its segments."""
+        """Stops the current pass's processes (with ``persistent_workers``, the pipeline's)
+        and removes its segments."""
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None

@@ -17,13 +17,16 @@ from dataset_rt import _native, _signals
 
 # The producer runs `python -I -S -c LAUNCHER`: isolated (no working directory, no PYTHONPATH or
 # other PYTHON* variables, no user site) and without `site` (no site-packages, no .pth files).
-# Its `sys.path` is the standard library alone until the launcher appends PACKAGE_ROOT, the
-# directory the training process imported `dataset_rt` from: the same package, found after the
-# standard library, and nothing else of that directory can shadow a standard module. The
-# launcher imports nothing before that (`sys` is built in).
+# Its `sys.path` is the standard library alone and stays so. The launcher registers a bare
+# `dataset_rt` package whose only path is PACKAGE_ROOT/dataset_rt, the directory the training
+# process imported `dataset_rt` from: the same package's modules, and nothing else of
+# PACKAGE_ROOT, can be found. Its `__init__` does not run: the producer imports this module,
+# `_signals` and the native module, and nothing of the facade (`sys` is built in).
 LAUNCHER = (
     "import sys\n"
-    "sys.path.append(sys.argv[1])\n"
+    "package = type(sys)('dataset_rt')\n"
+    "package.__path__ = [sys.argv[1] + '/dataset_rt']\n"
+    "sys.modules['dataset_rt'] = package\n"
     "from dataset_rt._producer import main\n"
     "sys.exit(main(sys.argv[2:]))\n"
 )

@@ -42,7 +42,6 @@ _WORKERS_REFUSED = (
 # warns once per process, as torch's own warnings do; drop an entry once it is honoured.
 _IGNORED_ARGUMENTS = {
     "generator": "the order is the dataset's own (ReaderConfig seed and shuffle)",
-    "persistent_workers": "the producer and workers are started again for each pass",
 }
 _warned_ignored: set[str] = set()
 
@@ -195,9 +194,9 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     ``result_bytes``; collates with
     :func:`default_collate` (torch's, plus ``CachedSample``) unless given ``collate_fn``. The
     order is the dataset's (``ReaderConfig(seed=, shuffle=)``), so ``shuffle``, ``sampler`` and
-    ``batch_sampler`` are refused. ``persistent_workers`` is accepted, but workers are started
-    for each epoch; ``generator`` is not used: each warns once per process when given.
-    ``pin_memory`` pins on CUDA; without it, a warning (as torch gives) and no pinning.
+    ``batch_sampler`` are refused. ``persistent_workers=True`` keeps the producer, the workers
+    and the ring between epochs. ``generator`` is not used. ``pin_memory`` pins on CUDA;
+    without it, a warning (as torch gives) and no pinning.
     """
 
     def __init__(
@@ -235,8 +234,6 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             )
         if generator is not None:
             _warn_ignored("generator")
-        if persistent_workers:
-            _warn_ignored("persistent_workers")
         collate_batch = default_collate if collate_fn is None else collate_fn
         self._shm = _loader.DataLoader(
             dataset,
@@ -253,6 +250,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             worker_init_fn=_WorkerInit(worker_init_fn),
             producer_threads=producer_threads,
             result_bytes=result_bytes,
+            persistent_workers=persistent_workers,
         )
         # torch's own constructor validates its arguments and sets the attributes frameworks
         # read (batch_size, num_workers, pin_memory, ...); its sampler is never iterated.

@@ -83,8 +83,8 @@ steps: list[Any] = []
 _checkpoints: list[dict[str, Any]] = []
 
 
-def train_step(batch: Any) -> None:
-    steps.append(batch)
+def train_step(*batch: Any) -> None:
+    steps.append(batch[0] if len(batch) == 1 else batch)
 
 
 def save(checkpoint: dict[str, Any]) -> None:

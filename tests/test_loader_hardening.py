@@ -306,3 +306,27 @@ def test_the_largest_record_is_verified_before_the_ring_is_sized(tmp_path):
         with pytest.raises(CorruptRecordError, match="sample 11"):
             iter(loader)
         assert own_segments() == []
+
+
+def test_the_producer_imports_only_the_native_module_of_the_package():
+    """A lean cold start: the producer's entry runs no part of the facade (its `__init__`,
+    polars, numpy...), only `_producer`, `_signals` and `_native`."""
+    from dataset_rt import _producer
+
+    spec = "/nonexistent/dataset-rt-spec.json"
+    command = _producer.command(os.getpid(), spec)
+    run = subprocess.run(
+        [*command[:3], "-X", "importtime", *command[3:]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1 and spec in run.stderr, run.stderr
+    imported = {
+        line.rsplit("|", 1)[1].strip()
+        for line in run.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    ours = sorted(m for m in imported if m.split(".")[0] == "dataset_rt")
+    assert ours == ["dataset_rt._native", "dataset_rt._producer", "dataset_rt._signals"]
+    assert not {"numpy", "polars", "pyarrow", "json"} & imported

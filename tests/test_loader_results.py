@@ -288,9 +288,7 @@ def test_pin_memory_without_an_accelerator_warns_like_torch(dataset):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize(
-    ("argument", "value"), [("generator", "a torch.Generator"), ("persistent_workers", True)]
-)
+@pytest.mark.parametrize(("argument", "value"), [("generator", "a torch.Generator")])
 def test_ignored_torch_arguments_warn_once_per_process(dataset, monkeypatch, argument, value):
     torch = pytest.importorskip("torch")
     import dataset_rt.torch as dataset_rt_torch
@@ -309,3 +307,18 @@ def test_ignored_torch_arguments_warn_once_per_process(dataset, monkeypatch, arg
         + (dataset_rt_torch._IGNORED_ARGUMENTS[argument])
     ]
     assert caught[0].filename == __file__  # points at the caller, as torch's warnings do
+
+
+@pytest.mark.torch
+def test_persistent_workers_is_honoured_without_a_warning(dataset):
+    pytest.importorskip("torch")
+    import dataset_rt.torch as dataset_rt_torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = dataset_rt_torch.DataLoader(
+            dataset, batch_size=4, num_workers=1, persistent_workers=True
+        )
+    with loader:
+        assert loader.persistent_workers is True
+        assert "persistent_workers" not in dataset_rt_torch._IGNORED_ARGUMENTS

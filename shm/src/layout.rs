@@ -4,7 +4,7 @@
 
 pub const CTL_MAGIC: &[u8; 8] = b"DRTCTL\0\0";
 pub const SLOT_MAGIC: &[u8; 8] = b"DRTBATCH";
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 
 /// Prefix of every segment name in /dev/shm: `dataset-rt-<owner pid>-<nonce>-{ctl,ring}`.
 pub const NAME_PREFIX: &str = "dataset-rt-";
@@ -42,9 +42,11 @@ pub const C_RANK: usize = 136; // u64
 pub const C_WORLD_SIZE: usize = 144; // u64
 pub const C_POLICY: usize = 152; // u32: 0 pad, 1 drop
 pub const C_PRODUCED: usize = 160; // u64 atomic: batches published
-pub const C_NEXT_TICKET: usize = 168; // u64 atomic: next batch a consumer takes
+pub const C_NEXT_TICKET: usize = 168; // u64 atomic: (generation << 32) | next batch a consumer takes
 pub const C_DELIVERED: usize = 176; // u64 atomic: batches the training loop received
 pub const C_POSITION: usize = 184; // u64 atomic: global position after the delivered batches
+pub const C_GENERATION: usize = 192; // u32 futex word: passes started before the current one
+pub const C_PASS_TICKETS: usize = 200; // u64 atomic: (generation << 32) | total batches
 pub const C_ERROR_LEN: usize = 256; // u32
 pub const C_ERROR_TEXT: usize = 260; // [u8; ERROR_TEXT_MAX], UTF-8
 pub const ERROR_TEXT_MAX: usize = 1020;
@@ -189,6 +191,8 @@ mod tests {
                 ("next ticket", "u64", C_NEXT_TICKET),
                 ("delivered", "u64", C_DELIVERED),
                 ("position", "u64", C_POSITION),
+                ("generation", "u32", C_GENERATION),
+                ("pass tickets", "u64", C_PASS_TICKETS),
                 ("error text length", "u32", C_ERROR_LEN),
                 ("error text", &error_text, C_ERROR_TEXT),
                 ("slot table", "64 × num_slots", C_SLOTS),

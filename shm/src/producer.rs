@@ -45,6 +45,10 @@ pub struct ProducerSpec {
     pub verify: VerifyPolicy,
     /// Threads that read, verify and decompress (`DataLoader(producer_threads=)`).
     pub threads: usize,
+    /// After a pass, wait for the owner's next one on the same segments instead of exiting
+    /// (`DataLoader(persistent_workers=True)`).
+    #[serde(default)]
+    pub persistent: bool,
 }
 
 /// Samples per pool job: about two jobs per thread within the read-ahead window, so that every
@@ -127,30 +131,52 @@ pub fn run_file(spec_path: &Path, owner_pid: u64) -> Result<()> {
 
 /// Runs the producer of the pass `spec` names, with the weight table (little-endian f64 per
 /// sample; `None`: uniform), until it has written every batch and every party has attached,
-/// was stopped, or its owner is gone. Errors are also written into the control segment for the
-/// training loop.
+/// was stopped, or its owner is gone. With `spec.persistent` it then waits for the owner's next
+/// pass on the same segments and fills it, until stopped or the owner is gone; the caches and
+/// the weight table are opened once. Errors are also written into the control segment for the
+/// training loop, and end the producer.
 pub fn run(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
     let ring = Arc::new(Ring::attach(&spec.ctl_name)?);
     ring.set_producer(u64::from(std::process::id()));
     ring.mark_attached();
-    let filled = fill(&ring, spec, weights);
-    if let Err(e) = &filled {
-        if !matches!(e, ShmError::Stopped | ShmError::OwnerGone(_)) {
-            ring.set_error(error_kind(e), ring.produced(), &e.to_string());
+    let mut source = None;
+    let mut weights = Some(weights);
+    let mut first = true;
+    loop {
+        let generation = ring.generation();
+        let filled = fill(&ring, spec, &mut source, &mut weights);
+        if let Err(e) = &filled {
+            if !matches!(e, ShmError::Stopped | ShmError::OwnerGone(_)) {
+                ring.set_error(error_kind(e), ring.produced(), &e.to_string());
+            }
+        }
+        // Nothing more to write: the owner stops watching this process's heartbeat.
+        ring.finished(Party::Producer);
+        // Staying until every party attached lets `run_file` remove the names should the owner
+        // die before the last party attached (which removes them).
+        let waited = match &filled {
+            Err(ShmError::Stopped | ShmError::OwnerGone(_)) => Ok(()),
+            _ if first => ring.wait_all_attached(),
+            _ => Ok(()),
+        };
+        first = false;
+        match (filled, waited) {
+            (Err(ShmError::Stopped), _) | (Ok(()), Err(ShmError::Stopped)) => return Ok(()),
+            (Err(e), _) | (Ok(()), Err(e)) => return Err(e),
+            (Ok(()), Ok(())) if !spec.persistent => return Ok(()),
+            (Ok(()), Ok(())) => match ring.wait_next_pass(generation) {
+                Ok(_) => {}
+                Err(ShmError::Stopped) => return Ok(()),
+                Err(e) => return Err(e),
+            },
         }
     }
-    // Nothing more to write: the owner stops watching this process's heartbeat.
-    ring.finished(Party::Producer);
-    // Staying until every party attached lets `run_file` remove the names should the owner die
-    // before the last party attached (which removes them).
-    let waited = match &filled {
-        Err(ShmError::Stopped | ShmError::OwnerGone(_)) => Ok(()),
-        _ => ring.wait_all_attached(),
-    };
-    match (filled, waited) {
-        (Err(ShmError::Stopped), _) | (Ok(()), Ok(()) | Err(ShmError::Stopped)) => Ok(()),
-        (Err(e), _) | (Ok(()), Err(e)) => Err(e),
-    }
+}
+
+/// What the producer opens once for all its passes: the caches and the weight table.
+struct Source {
+    ds: Arc<Dataset>,
+    weights: WeightTable,
 }
 
 fn parent_pid() -> u64 {
@@ -158,9 +184,15 @@ fn parent_pid() -> u64 {
     unsafe { libc::getppid() as u64 }
 }
 
-fn fill(ring: &Arc<Ring>, spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
-    let (ds, opts, order) = prepare(ring, spec, weights)?;
-    let ds = Arc::new(ds);
+/// Fills the current pass; opens the caches on the first (`source`, then kept for the next).
+fn fill(
+    ring: &Arc<Ring>,
+    spec: &ProducerSpec,
+    source: &mut Option<Source>,
+    weights: &mut Option<Option<Vec<f64>>>,
+) -> Result<()> {
+    let (opts, order) = prepare(ring, spec, source, weights)?;
+    let ds = source.as_ref().expect("opened by prepare").ds.clone();
     let pass = ring.pass();
     let slot_size = ring.geometry().slot_size;
     let beat = ring.clone();
@@ -219,14 +251,49 @@ fn fill(ring: &Arc<Ring>, spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Res
     Ok(())
 }
 
-/// Opens the caches and computes the epoch order: seconds for large datasets, during which a
-/// thread keeps the heartbeat going (the fill loop beats by itself).
+/// Opens the caches (first pass only) and computes the pass's epoch order: seconds for large
+/// datasets, during which a thread keeps the heartbeat going (the fill loop beats by itself).
 fn prepare(
     ring: &Arc<Ring>,
     spec: &ProducerSpec,
-    weights: Option<Vec<f64>>,
-) -> Result<(Dataset, ReadOptions, EpochOrder)> {
+    source: &mut Option<Source>,
+    weights: &mut Option<Option<Vec<f64>>>,
+) -> Result<(ReadOptions, EpochOrder)> {
     let _alive = ring.keep_alive(Party::Producer)?;
+    if source.is_none() {
+        *source = Some(open(spec, weights.take().flatten())?);
+    }
+    let Source { ds, weights } = source.as_ref().expect("opened above");
+    let pass = ring.pass();
+    let opts = ReadOptions {
+        seed: spec.seed,
+        shuffle: spec.shuffle,
+        prefetch_size: spec.prefetch_size,
+        epoch_len: spec.epoch_len,
+        rank: pass.rank,
+        world_size: pass.world_size,
+        policy: pass.policy,
+    };
+    opts.validate()?;
+    if spec.threads == 0 {
+        return Err(ShmError::Protocol(
+            "the producer spec asks for 0 threads; DataLoader.producer_threads is at least 1"
+                .into(),
+        ));
+    }
+    if ds.epoch_len(&opts) != pass.epoch_len {
+        return Err(ShmError::Protocol(format!(
+            "epoch length {} is not the pass's {}",
+            ds.epoch_len(&opts),
+            pass.epoch_len
+        )));
+    }
+    let order = ds.try_order(&opts, weights, pass.epoch)?;
+    Ok((opts, order))
+}
+
+/// Opens the caches and checks them and the weight table against the spec.
+fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
     let caches = spec
         .cache_dirs
         .iter()
@@ -260,30 +327,8 @@ fn prepare(
             weights.fingerprint, spec.weights_fingerprint
         )));
     }
-    let pass = ring.pass();
-    let opts = ReadOptions {
-        seed: spec.seed,
-        shuffle: spec.shuffle,
-        prefetch_size: spec.prefetch_size,
-        epoch_len: spec.epoch_len,
-        rank: pass.rank,
-        world_size: pass.world_size,
-        policy: pass.policy,
-    };
-    opts.validate()?;
-    if spec.threads == 0 {
-        return Err(ShmError::Protocol(
-            "the producer spec asks for 0 threads; DataLoader.producer_threads is at least 1"
-                .into(),
-        ));
-    }
-    if ds.epoch_len(&opts) != pass.epoch_len {
-        return Err(ShmError::Protocol(format!(
-            "epoch length {} is not the pass's {}",
-            ds.epoch_len(&opts),
-            pass.epoch_len
-        )));
-    }
-    let order = ds.try_order(&opts, &weights, pass.epoch)?;
-    Ok((ds, opts, order))
+    Ok(Source {
+        ds: Arc::new(ds),
+        weights,
+    })
 }

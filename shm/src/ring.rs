@@ -81,8 +81,26 @@ impl Pass {
                 self.total_batches, self.batch_size, self.rank_samples
             ));
         }
+        // Tickets share a word with the pass generation (see `Ring::take_ticket`).
+        if self.total_batches > u64::from(u32::MAX) {
+            return Err(format!(
+                "{} batches in one pass is more than the ring counts ({}): raise batch_size",
+                self.total_batches,
+                u32::MAX
+            ));
+        }
         Ok(())
     }
+}
+
+/// What `take_ticket` gives a consumer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ticket {
+    /// Batch `t` of the current pass is this consumer's to process.
+    Batch(u64),
+    /// The pass of this generation has no batch left: wait for the next with
+    /// [`Ring::wait_next_pass`].
+    PassOver(u32),
 }
 
 /// Who is waiting: a child exits when its owner is gone; the owner checks its children itself.
@@ -250,6 +268,9 @@ impl Ring {
             Ordering::Relaxed,
         );
         r.a64(C_POSITION).store(pass.start, Ordering::Relaxed);
+        // Generation 0; `check` below bounds the total to 32 bits.
+        r.a64(C_PASS_TICKETS)
+            .store(pass.total_batches, Ordering::Relaxed);
         for i in 0..geometry.max_consumers as usize {
             r.a64(r.consumer_base(i) + P_TICKET)
                 .store(u64::MAX, Ordering::Relaxed);
@@ -259,6 +280,100 @@ impl Ring {
         unsafe { std::ptr::copy_nonoverlapping(CTL_MAGIC.as_ptr(), r.ctl.ptr().add(C_MAGIC), 8) };
         std::sync::atomic::fence(Ordering::SeqCst);
         Ok(r)
+    }
+
+    /// Starts the next pass on segments whose previous pass is complete (the owner of a
+    /// persistent pipeline): writes the pass's parameters, resets the per-pass counters (the
+    /// slots are all FREE and keep their bytes), and wakes the producer and consumers that wait
+    /// in [`Ring::wait_next_pass`]. Refused, changing nothing, while the previous pass is not
+    /// fully delivered, after an error or a stop, or for a pass no attach would accept.
+    pub fn begin_next_pass(&self, pass: Pass) -> Result<u32> {
+        let refuse = |why: String| {
+            Err(ShmError::Protocol(format!(
+                "cannot start the next pass on {}: {why}",
+                self.ctl.name
+            )))
+        };
+        if self.stopped() {
+            return Err(ShmError::Stopped);
+        }
+        if let Some((_, batch, text)) = self.error() {
+            return refuse(format!("the producer failed at batch {batch}: {text}"));
+        }
+        if let Err(why) = pass.check() {
+            return refuse(why);
+        }
+        let expected = self.a32(C_EXPECTED_ATTACH).load(Ordering::Relaxed);
+        if pass.expected_attach != expected {
+            return refuse(format!(
+                "{} parties expected, the segments were made for {expected}",
+                pass.expected_attach
+            ));
+        }
+        let (total, produced, delivered) =
+            (self.total_batches(), self.produced(), self.delivered());
+        if delivered != total || produced != total {
+            return refuse(format!(
+                "the current pass is not over ({produced} of {total} batches produced, \
+                 {delivered} delivered)"
+            ));
+        }
+        if let Some(s) = (0..self.geometry.num_slots as usize).find(|&s| {
+            word_state(self.a32(self.slot_base(s) + S_WORD).load(Ordering::Acquire)) != FREE
+        }) {
+            return refuse(format!("slot {s} is still in use"));
+        }
+        let generation = self.generation().wrapping_add(1);
+        self.a64(C_TOTAL_BATCHES)
+            .store(pass.total_batches, Ordering::Relaxed);
+        self.a64(C_BATCH_SIZE)
+            .store(pass.batch_size, Ordering::Relaxed);
+        self.a64(C_RANK_SAMPLES)
+            .store(pass.rank_samples, Ordering::Relaxed);
+        self.a64(C_EPOCH).store(pass.epoch, Ordering::Relaxed);
+        self.a64(C_START).store(pass.start, Ordering::Relaxed);
+        self.a64(C_EPOCH_LEN)
+            .store(pass.epoch_len, Ordering::Relaxed);
+        self.a64(C_RANK).store(pass.rank, Ordering::Relaxed);
+        self.a64(C_WORLD_SIZE)
+            .store(pass.world_size, Ordering::Relaxed);
+        self.a32(C_POLICY).store(
+            u32::from(pass.policy == RankPolicy::Drop),
+            Ordering::Relaxed,
+        );
+        self.a64(C_PRODUCED).store(0, Ordering::Relaxed);
+        self.a64(C_POSITION).store(pass.start, Ordering::Relaxed);
+        self.a64(C_DELIVERED).store(0, Ordering::Release);
+        // The producer is watched again from now on (it wrote `finished` after the last pass).
+        self.heartbeat(Party::Producer);
+        let tagged = u64::from(generation) << 32;
+        // The pass's tickets before the counter: a ticket of this generation always finds them.
+        self.a64(C_PASS_TICKETS)
+            .store(tagged | pass.total_batches, Ordering::Release);
+        self.a64(C_NEXT_TICKET).store(tagged, Ordering::Release);
+        let word = self.a32(C_GENERATION);
+        word.store(generation, Ordering::Release);
+        futex::wake_all(word);
+        Ok(generation)
+    }
+
+    /// The current pass's generation: 0 for the segments' first pass, one more for each next.
+    pub fn generation(&self) -> u32 {
+        self.a32(C_GENERATION).load(Ordering::Acquire)
+    }
+
+    /// Waits (a producer or consumer done with the pass of generation `after`) until the owner
+    /// starts another pass, and returns its generation. Errors: stopped or the owner gone.
+    pub fn wait_next_pass(&self, after: u32) -> Result<u32> {
+        let word = self.a32(C_GENERATION);
+        loop {
+            let seen = word.load(Ordering::Acquire);
+            if seen != after {
+                return Ok(seen);
+            }
+            self.check_live(Role::Child)?;
+            futex::wait(word, seen, POLL);
+        }
     }
 
     /// Opens a pass's segments by the control segment's name and checks magic, version and
@@ -320,6 +435,13 @@ impl Ring {
             )));
         }
         probe.pass().check().map_err(bad)?;
+        let tickets = probe.a64(C_PASS_TICKETS).load(Ordering::Acquire);
+        if tickets & u64::from(u32::MAX) != probe.total_batches() {
+            return Err(bad(format!(
+                "pass tickets {tickets:#x} do not match the pass's {} batches",
+                probe.total_batches()
+            )));
+        }
         Ok(Ring { geometry, ..probe })
     }
 
@@ -436,6 +558,18 @@ impl Ring {
         }
     }
 
+    /// Sleeps until the attach count changes (or `timeout`, at most [`POLL`], passes, or the
+    /// ring is stopped); says whether every party has attached. The owner's wait: it checks its
+    /// children itself between two calls.
+    pub fn wait_attached(&self, timeout: Duration) -> bool {
+        let attached = self.a32(C_ATTACHED);
+        let seen = attached.load(Ordering::Acquire);
+        if !self.all_attached() && !self.stopped() {
+            futex::wait(attached, seen, timeout.min(POLL));
+        }
+        self.all_attached()
+    }
+
     /// The owner's private directory for the producer's parameters, `<stem>-spec`.
     pub fn private_dir(&self) -> std::path::PathBuf {
         segment::path_of(&private_dir_name(&self.ctl.name))
@@ -453,6 +587,7 @@ impl Ring {
     fn wake_everyone(&self) {
         futex::wake_all(self.a32(C_PRODUCER_WAKE));
         futex::wake_all(self.a32(C_ATTACHED));
+        futex::wake_all(self.a32(C_GENERATION));
         for s in 0..self.geometry.num_slots as usize {
             futex::wake_all(self.a32(self.slot_base(s) + S_WORD));
         }
@@ -681,10 +816,19 @@ impl Ring {
 
     // ---- consumers ----
 
-    /// The next batch to process, or `None` when the pass has no more.
-    pub fn take_ticket(&self) -> Option<u64> {
-        let t = self.a64(C_NEXT_TICKET).fetch_add(1, Ordering::AcqRel);
-        (t < self.total_batches()).then_some(t)
+    /// The next batch to process, or that the pass is over. The counter carries the pass's
+    /// generation in its high half, and the pass's batch count is read with the generation in
+    /// one word: a consumer still taking tickets of an ended pass (after the owner started the
+    /// next) gets `PassOver` for it, never a batch of the new pass that another also takes.
+    pub fn take_ticket(&self) -> Ticket {
+        let word = self.a64(C_NEXT_TICKET).fetch_add(1, Ordering::AcqRel);
+        let (generation, t) = ((word >> 32) as u32, word & u64::from(u32::MAX));
+        let tickets = self.a64(C_PASS_TICKETS).load(Ordering::Acquire);
+        if (tickets >> 32) as u32 == generation && t < tickets & u64::from(u32::MAX) {
+            Ticket::Batch(t)
+        } else {
+            Ticket::PassOver(generation)
+        }
     }
 
     /// Waits up to `timeout` for batch `t` to be READY and takes it (TAKEN). `Ok(false)`: not yet.
@@ -865,7 +1009,7 @@ mod tests {
         assert_eq!(r.word(0).load(Ordering::Acquire), slot_word(0, READY));
         assert_eq!(r.produced(), 1);
 
-        assert_eq!(r.take_ticket(), Some(0));
+        assert_eq!(r.take_ticket(), Ticket::Batch(0));
         assert!(r.wait_ready(0, POLL, Role::Owner, Some(0)).unwrap());
         assert_eq!(r.word(0).load(Ordering::Acquire), slot_word(0, TAKEN));
         assert_eq!(&r.slot(0)[..8], &[0xA0; 8]);
@@ -906,6 +1050,143 @@ mod tests {
             .to_string()
             .contains("out of order"));
         assert_eq!(r.progress(), (3, 2, false));
+    }
+
+    /// Takes, fills and delivers every batch of the current pass as producer, consumer and owner
+    /// at once; returns the consumer's `PassOver` generation.
+    fn run_whole_pass(r: &Ring) -> u32 {
+        let pass = r.pass();
+        for b in 0..pass.total_batches {
+            fill(r, b, b as u8);
+            assert_eq!(r.take_ticket(), Ticket::Batch(b));
+            assert!(r.wait_ready(b, POLL, Role::Owner, Some(0)).unwrap());
+            r.release(b, Some(0)).unwrap();
+            r.mark_delivered(b).unwrap();
+        }
+        match r.take_ticket() {
+            Ticket::PassOver(generation) => generation,
+            other => panic!("a ticket past the pass: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_pass_after_a_pass_reuses_the_segments() {
+        let r = ring(2, 3, 1, true);
+        assert_eq!((r.generation(), run_whole_pass(&r)), (0, 0));
+        assert_eq!(r.progress(), (3, 6, true));
+        let mut next = pass(5, 1);
+        next.epoch = 4;
+        assert_eq!(r.begin_next_pass(next).unwrap(), 1);
+        assert_eq!(r.pass(), next);
+        assert_eq!((r.produced(), r.delivered()), (0, 0));
+        assert_eq!(r.progress(), (4, 0, false));
+        // A waiter done with generation 0 goes on at once; one done with 1 waits.
+        assert_eq!(r.wait_next_pass(0).unwrap(), 1);
+        assert_eq!(run_whole_pass(&r), 1);
+        assert_eq!(r.progress(), (4, 10, true));
+        // Another party attaching now sees the current pass and accepts it.
+        let attached = Ring::attach(r.ctl_name()).map(|other| other.pass());
+        r.unlink();
+        assert_eq!(attached.unwrap(), next);
+    }
+
+    #[test]
+    fn a_stale_ticket_of_an_ended_pass_is_never_a_batch_of_the_next() {
+        let r = ring(2, 1, 1, false);
+        run_whole_pass(&r);
+        r.begin_next_pass(pass(4, 1)).unwrap();
+        // A consumer whose increment of the old pass lands after the restart takes a real
+        // ticket of the new pass (it counted), and every ticket goes to exactly one taker.
+        let taken: Vec<Ticket> = (0..6).map(|_| r.take_ticket()).collect();
+        assert_eq!(
+            taken,
+            [0, 1, 2, 3]
+                .map(Ticket::Batch)
+                .into_iter()
+                .chain([Ticket::PassOver(1), Ticket::PassOver(1)])
+                .collect::<Vec<_>>()
+        );
+        // Emulate a fetch_add of generation 0 that a slow consumer made before the restart and
+        // read after it: its word carries generation 0, so it is over, whatever the new total.
+        let tickets = r.a64(C_PASS_TICKETS).load(Ordering::Acquire);
+        assert_eq!(tickets, (1 << 32) | 4);
+        r.a64(C_NEXT_TICKET).store(1, Ordering::Release);
+        assert_eq!(r.take_ticket(), Ticket::PassOver(0));
+    }
+
+    #[test]
+    fn a_next_pass_waits_for_the_current_one_to_be_over() {
+        let r = ring(2, 2, 1, false);
+        let refused = |r: &Ring, p: Pass| r.begin_next_pass(p).unwrap_err().to_string();
+        assert!(refused(&r, pass(2, 1)).contains("not over (0 of 2 batches produced"));
+        fill(&r, 0, 1);
+        fill(&r, 1, 2);
+        assert_eq!(r.take_ticket(), Ticket::Batch(0));
+        assert!(r.wait_ready(0, POLL, Role::Owner, Some(0)).unwrap());
+        r.release(0, Some(0)).unwrap();
+        r.mark_delivered(0).unwrap();
+        assert_eq!(r.take_ticket(), Ticket::Batch(1));
+        assert!(r.wait_ready(1, POLL, Role::Owner, Some(0)).unwrap());
+        r.mark_delivered(1).unwrap();
+        // Everything delivered, but batch 1's slot is still held.
+        assert!(refused(&r, pass(2, 1)).contains("slot 1 is still in use"));
+        r.release(1, Some(0)).unwrap();
+        assert!(refused(&r, pass(2, 2)).contains("3 parties expected"));
+        let mut forged = pass(2, 1);
+        forged.rank = 1;
+        assert!(refused(&r, forged).contains("rank 1 is not below world size 1"));
+        assert_eq!(r.generation(), 0, "a refused pass changes nothing");
+        r.begin_next_pass(pass(2, 1)).unwrap();
+
+        let r = ring(2, 1, 1, false);
+        run_whole_pass(&r);
+        r.set_error(ERR_IO, 1, "disk gone");
+        assert!(refused(&r, pass(1, 1)).contains("the producer failed at batch 1: disk gone"));
+        r.stop();
+        assert!(matches!(
+            r.begin_next_pass(pass(1, 1)),
+            Err(ShmError::Stopped)
+        ));
+    }
+
+    #[test]
+    fn a_party_waiting_for_the_next_pass_wakes_at_once_for_it_and_for_a_stop() {
+        let r = ring(2, 1, 1, false);
+        run_whole_pass(&r);
+        let late = Duration::from_millis(60);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let generation = r.wait_next_pass(0);
+                (Instant::now(), generation.map_err(|e| e.to_string()))
+            });
+            std::thread::sleep(Duration::from_millis(30));
+            let started = Instant::now();
+            r.begin_next_pass(pass(1, 1)).unwrap();
+            let (woke, generation) = waiter.join().unwrap();
+            assert_eq!(generation, Ok(1));
+            assert!(woke.saturating_duration_since(started) < late);
+        });
+        run_whole_pass(&r);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| (Instant::now(), r.wait_next_pass(1)));
+            std::thread::sleep(Duration::from_millis(30));
+            let stopped_at = Instant::now();
+            r.stop();
+            let (woke, waited) = waiter.join().unwrap();
+            assert!(matches!(waited, Err(ShmError::Stopped)), "{waited:?}");
+            assert!(woke.saturating_duration_since(stopped_at) < late);
+        });
+    }
+
+    #[test]
+    fn a_party_waiting_for_the_next_pass_leaves_when_its_owner_is_gone() {
+        let mut r = ring(2, 1, 1, false);
+        run_whole_pass(&r);
+        // This process's parent is no longer the owner: as for a child whose owner died.
+        r.owner_pid = 1;
+        let started = Instant::now();
+        assert!(matches!(r.wait_next_pass(0), Err(ShmError::OwnerGone(_))));
+        assert!(started.elapsed() < POLL * 2);
     }
 
     #[test]
@@ -1006,6 +1287,27 @@ mod tests {
         assert!(r.all_attached());
         assert!(names.iter().all(|n| !segment::path_of(n).exists()));
         r.wait_all_attached().unwrap();
+        assert!(r.wait_attached(Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn the_owner_sleeps_until_a_party_attaches() {
+        let r = ring(2, 1, 0, false); // the producer is the one party to attach
+        let started = Instant::now();
+        assert!(!r.wait_attached(Duration::from_millis(30)));
+        assert!(started.elapsed() >= Duration::from_millis(25));
+        std::thread::scope(|s| {
+            let owner = s.spawn(|| {
+                let attached = r.wait_attached(Duration::from_secs(5));
+                (Instant::now(), attached)
+            });
+            std::thread::sleep(Duration::from_millis(30));
+            let at = Instant::now();
+            r.mark_attached(); // the one expected party: wakes the owner at once
+            let (woke, attached) = owner.join().unwrap();
+            assert!(attached);
+            assert!(woke.saturating_duration_since(at) < Duration::from_millis(60));
+        });
     }
 
     #[test]

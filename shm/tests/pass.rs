@@ -18,7 +18,7 @@ use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions
 use dataset_rt_shm::batch::{encode_metadata, max_sample_bytes, read_batch, slot_size_for};
 use dataset_rt_shm::layout::B_USED;
 use dataset_rt_shm::producer::{self, ProducerSpec};
-use dataset_rt_shm::ring::{Geometry, Pass, Ring, Role, POLL};
+use dataset_rt_shm::ring::{Geometry, Pass, Ring, Role, Ticket, POLL};
 use dataset_rt_shm::{segment, ShmError};
 
 const BATCH: u64 = 3;
@@ -111,6 +111,7 @@ fn setup_sized(raw: u64, lz4: u64) -> Setup {
         prefetch_size: 1,
         verify: VerifyPolicy::Once,
         threads: 1,
+        persistent: false,
     };
     Setup {
         _dir: dir,
@@ -160,7 +161,7 @@ fn consume(ctl_name: &str) -> (Received, Vec<Vec<u8>>, Option<ShmError>) {
     ring.mark_attached();
     let mut got = Vec::new();
     let mut slots = Vec::new();
-    while let Some(t) = ring.take_ticket() {
+    while let Ticket::Batch(t) = ring.take_ticket() {
         loop {
             match ring.wait_ready(t, POLL, Role::Child, Some(0)) {
                 Ok(true) => break,
@@ -346,4 +347,75 @@ fn a_spec_without_threads_is_refused() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// Takes, receives and delivers every batch of the current pass on `ring`: the global indices
+/// in the order received.
+fn receive_pass(ring: &Ring) -> Vec<u64> {
+    let mut got = Vec::new();
+    while let Ticket::Batch(t) = ring.take_ticket() {
+        while !ring.wait_ready(t, POLL, Role::Child, Some(0)).unwrap() {}
+        got.extend(
+            read_batch(ring.slot(t), t)
+                .unwrap()
+                .iter()
+                .map(|e| e.global),
+        );
+        ring.release(t, Some(0)).unwrap();
+        ring.mark_delivered(t).unwrap();
+    }
+    got
+}
+
+#[test]
+fn a_persistent_producer_fills_pass_after_pass_until_stopped() {
+    let mut s = setup();
+    s.spec.persistent = true;
+    let slot_size = slot_size_for(max_sample_bytes(&s.ds).unwrap(), BATCH);
+    let ring = create_ring(&s, slot_size);
+    s.spec.ctl_name = ring.ctl_name().to_owned();
+    let first = ring.pass();
+    let order = |epoch| {
+        s.ds.try_order(&s.opts, &WeightTable::uniform(), epoch)
+            .unwrap()
+            .iter()
+            .collect::<Vec<_>>()
+    };
+    std::thread::scope(|scope| {
+        let producer = scope.spawn(|| producer::run(&s.spec, None));
+        let consumer = Ring::attach(ring.ctl_name()).unwrap();
+        consumer
+            .register_consumer(0, u64::from(std::process::id()))
+            .unwrap();
+        consumer.mark_attached();
+        assert_eq!(receive_pass(&consumer), order(EPOCH));
+        // The next epoch, then a resume in the middle of a later one, on the same segments.
+        let full = order(EPOCH + 1);
+        ring.begin_next_pass(Pass {
+            epoch: EPOCH + 1,
+            ..first
+        })
+        .unwrap();
+        assert_eq!(receive_pass(&consumer), full);
+        let start = 7;
+        let rank_samples = first.epoch_len - start;
+        ring.begin_next_pass(Pass {
+            epoch: EPOCH + 5,
+            start,
+            rank_samples,
+            total_batches: rank_samples.div_ceil(BATCH),
+            ..first
+        })
+        .unwrap();
+        assert_eq!(receive_pass(&consumer), order(EPOCH + 5)[start as usize..]);
+        assert_eq!(ring.progress(), (EPOCH + 5, first.epoch_len, true));
+        // Idle between passes, the producer leaves at once when stopped.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            !producer.is_finished(),
+            "the producer waits for the next pass"
+        );
+        ring.stop();
+        producer.join().unwrap().unwrap();
+    });
 }

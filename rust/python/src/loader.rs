@@ -3,6 +3,7 @@
 //! entry points of the producer and consumer processes. The protocol lives in `dataset-rt-shm`.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use dataset_rt_shm::layout::*;
 use dataset_rt_shm::private_copy::replace_with_private_copy;
 use dataset_rt_shm::producer::{self, ProducerSpec};
 use dataset_rt_shm::results;
-use dataset_rt_shm::ring::{Geometry, Heartbeat, Party, Pass, Ring, Role};
+use dataset_rt_shm::ring::{Geometry, Heartbeat, Party, Pass, Ring, Role, Ticket};
 use dataset_rt_shm::{segment, ShmError};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyFileNotFoundError, PyMemoryError, PyOSError, PyPermissionError};
@@ -203,6 +204,56 @@ impl LoaderPlan {
             samples.div_ceil(self.batch_size)
         }
     }
+
+    /// The pass that reads `epoch` from global position `start` with `consumers` workers.
+    fn pass_at(
+        &self,
+        inner: &dataset_rt_core::dataset::Dataset,
+        opts: &dataset_rt_core::dataset::ReadOptions,
+        epoch: u64,
+        start: u64,
+        consumers: u32,
+    ) -> Pass {
+        let epoch_len = inner.epoch_len(opts);
+        let rank_samples = opts.split().rank_len(epoch_len, start);
+        Pass {
+            total_batches: self.batches(rank_samples),
+            batch_size: self.batch_size,
+            rank_samples,
+            epoch,
+            start,
+            epoch_len,
+            rank: opts.rank,
+            world_size: opts.world_size,
+            policy: opts.policy,
+            expected_attach: 1 + consumers,
+        }
+    }
+
+    /// The producer's parameters for the dataset as it reads now (no segment name, no weights
+    /// file yet).
+    fn spec(
+        &self,
+        inner: &dataset_rt_core::dataset::Dataset,
+        opts: &dataset_rt_core::dataset::ReadOptions,
+        weights: &dataset_rt_core::dataset::WeightTable,
+        persistent: bool,
+    ) -> ProducerSpec {
+        ProducerSpec {
+            ctl_name: String::new(),
+            cache_dirs: inner.caches.iter().map(|c| c.dir.clone()).collect(),
+            fingerprint: inner.fingerprint().to_owned(),
+            weights_fingerprint: weights.fingerprint.clone(),
+            weights_file: None,
+            seed: opts.seed,
+            shuffle: opts.shuffle,
+            epoch_len: opts.epoch_len,
+            prefetch_size: opts.prefetch_size,
+            verify: inner.verify_policy(),
+            threads: self.producer_threads,
+            persistent,
+        }
+    }
 }
 
 /// The most producer threads a loader takes: beyond it threads only contend for the disk.
@@ -315,13 +366,14 @@ impl LoaderPlan {
     /// into that directory; returns the owner's handle. `slot_size=None` sizes slots from the data:
     /// a batch of the largest samples fits. Nothing of the plan changes until `commit_pass`:
     /// a start that fails on the way consumes no loaded state and advances no epoch.
-    #[pyo3(signature = (num_slots, slot_size, num_consumers))]
+    #[pyo3(signature = (num_slots, slot_size, num_consumers, persistent=false))]
     fn start_pass(
         &self,
         py: Python<'_>,
         num_slots: u32,
         slot_size: Option<u64>,
         num_consumers: u32,
+        persistent: bool,
     ) -> PyResult<RingHandle> {
         let (inner, opts, weights) = self.dataset.get().reading();
         let (epoch, start, generation) = {
@@ -343,52 +395,25 @@ impl LoaderPlan {
                 slot_size_for(max_sample, self.batch_size)
             }
         };
-        let epoch_len = inner.epoch_len(&opts);
-        let rank_samples = opts.split().rank_len(epoch_len, start);
         let geometry = Geometry {
             num_slots,
             slot_size,
             max_consumers: num_consumers.max(1),
         };
-        let pass = Pass {
-            total_batches: self.batches(rank_samples),
-            batch_size: self.batch_size,
-            rank_samples,
-            epoch,
-            start,
-            epoch_len,
-            rank: opts.rank,
-            world_size: opts.world_size,
-            policy: opts.policy,
-            expected_attach: 1 + num_consumers,
-        };
+        let pass = self.pass_at(&inner, &opts, epoch, start, num_consumers);
         let ring = Arc::new(
             py.detach(|| Ring::create(own_pid(), geometry, pass))
                 .py_shm()?,
         );
         let private_dir = ring.private_dir();
+        let mut spec = self.spec(&inner, &opts, &weights, persistent);
+        spec.ctl_name = ring.ctl_name().to_owned();
         let written = py.detach(|| -> dataset_rt_shm::Result<()> {
-            let weights_file = match &weights.weights {
-                Some(w) => {
-                    let path = private_dir.join("weights.f64");
-                    producer::write_weights(&path, w)?;
-                    Some(path)
-                }
-                None => None,
-            };
-            let spec = ProducerSpec {
-                ctl_name: ring.ctl_name().to_owned(),
-                cache_dirs: inner.caches.iter().map(|c| c.dir.clone()).collect(),
-                fingerprint: inner.fingerprint().to_owned(),
-                weights_fingerprint: weights.fingerprint.clone(),
-                weights_file,
-                seed: opts.seed,
-                shuffle: opts.shuffle,
-                epoch_len: opts.epoch_len,
-                prefetch_size: opts.prefetch_size,
-                verify: inner.verify_policy(),
-                threads: self.producer_threads,
-            };
+            if let Some(w) = &weights.weights {
+                let path = private_dir.join("weights.f64");
+                producer::write_weights(&path, w)?;
+                spec.weights_file = Some(path);
+            }
             let path = private_dir.join("spec.json");
             std::fs::write(&path, serde_json::to_vec(&spec).expect("plain data")).map_err(
                 |source| ShmError::Io {
@@ -407,13 +432,58 @@ impl LoaderPlan {
             role: Role::Owner,
             consumer: None,
             heartbeat: Mutex::new(None),
+            last_generation: AtomicU32::new(0),
             owner: Some(OwnerPass {
                 generation,
                 epoch,
                 weights_fingerprint: weights.fingerprint,
                 samples: self.dataset.get().sample_maker(),
+                spec,
             }),
         })
+    }
+
+    /// Starts the next pass on the segments of `ring`, a persistent pipeline whose previous pass
+    /// was fully delivered and ended (`end_pass`): the producer and the consumers waiting on
+    /// them take it up. Returns the owner's handle of the new pass (commit it as `start_pass`'s),
+    /// or `None` when the pipeline cannot read it (the weight table or the reading options
+    /// changed since it started): the caller then starts a fresh pipeline. Raises `LoaderError`
+    /// when the segments refuse a next pass (an error, a stop, a pass not over).
+    fn restart_pass(&self, py: Python<'_>, ring: &RingHandle) -> PyResult<Option<RingHandle>> {
+        let Some(previous) = &ring.owner else {
+            return Err(LoaderError::new_err(
+                "restart_pass needs the owner's handle",
+            ));
+        };
+        let (inner, opts, weights) = self.dataset.get().reading();
+        let mut spec = self.spec(&inner, &opts, &weights, true);
+        spec.ctl_name = previous.spec.ctl_name.clone();
+        spec.weights_file = previous.spec.weights_file.clone();
+        if spec != previous.spec {
+            return Ok(None);
+        }
+        let (epoch, start, generation) = {
+            let control = self.control.lock().unwrap();
+            let (epoch, start) = control.next_pass().py_err()?;
+            (epoch, start, control.generation)
+        };
+        let consumers = ring.ring.pass().expected_attach.saturating_sub(1);
+        let pass = self.pass_at(&inner, &opts, epoch, start, consumers);
+        py.detach(|| ring.ring.begin_next_pass(pass)).py_shm()?;
+        Ok(Some(RingHandle {
+            ring: ring.ring.clone(),
+            role: Role::Owner,
+            consumer: None,
+            heartbeat: Mutex::new(None),
+            last_generation: AtomicU32::new(0),
+            owner: Some(OwnerPass {
+                generation,
+                epoch,
+                weights_fingerprint: weights.fingerprint,
+                samples: self.dataset.get().sample_maker(),
+                spec,
+            }),
+        }))
     }
 
     /// Makes a started pass the live one, once all its processes are running: the state reads
@@ -465,6 +535,8 @@ struct OwnerPass {
     weights_fingerprint: String,
     /// Makes the samples of the batches the training process takes itself (`num_workers=0`).
     samples: SampleMaker,
+    /// The producer's parameters: a persistent pipeline reads a next pass only with the same.
+    spec: ProducerSpec,
 }
 
 /// One party's view of a pass's segments.
@@ -475,6 +547,8 @@ pub struct RingHandle {
     consumer: Option<usize>,
     /// A consumer's heartbeat thread, from attach until `retire`.
     heartbeat: Mutex<Option<Heartbeat>>,
+    /// The generation of the last pass `take_ticket` found over (`wait_next_pass` waits past it).
+    last_generation: AtomicU32,
     /// The owner's handle: what `commit_pass` needs.
     owner: Option<OwnerPass>,
 }
@@ -494,6 +568,7 @@ impl RingHandle {
             role: Role::Child,
             consumer: Some(consumer),
             heartbeat: Mutex::new(Some(heartbeat)),
+            last_generation: AtomicU32::new(0),
             owner: None,
         })
     }
@@ -585,6 +660,13 @@ impl RingHandle {
         self.ring.all_attached()
     }
 
+    /// Sleeps (without the GIL) until a party attaches, at most `timeout` seconds (capped at
+    /// 0.1); says whether every party has attached.
+    fn wait_attached(&self, py: Python<'_>, timeout: f64) -> bool {
+        let timeout = Duration::from_secs_f64(timeout.max(0.0));
+        py.detach(|| self.ring.wait_attached(timeout))
+    }
+
     /// Removes both names from /dev/shm; every mapping stays valid.
     fn unlink(&self) {
         self.ring.unlink();
@@ -595,8 +677,23 @@ impl RingHandle {
         self.ring.stop();
     }
 
+    /// The next batch of the current pass to process, or `None` when the pass has no more.
     fn take_ticket(&self) -> Option<u64> {
-        self.ring.take_ticket()
+        match self.ring.take_ticket() {
+            Ticket::Batch(t) => Some(t),
+            Ticket::PassOver(generation) => {
+                self.last_generation.store(generation, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// A persistent party whose `take_ticket` found the pass over: waits until the owner starts
+    /// the next pass. Raises `RingClosed` when stopped or when the owner is gone.
+    fn wait_next_pass(&self, py: Python<'_>) -> PyResult<()> {
+        let after = self.last_generation.load(Ordering::Relaxed);
+        py.detach(|| self.ring.wait_next_pass(after)).py_shm()?;
+        Ok(())
     }
 
     /// Waits up to `timeout` seconds for batch `ticket` and takes it: (slot offset in the ring
