@@ -72,7 +72,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -81,6 +80,8 @@ from typing import Any
 
 import common
 import numpy as np
+import peers
+import procs
 
 BATCH = 64
 WORKLOADS = {
@@ -216,9 +217,7 @@ COPIES_ARRAYS = {
         "the stacked array -> its result memory; trainer: a view of it, 0 copies",
     ),
 }
-SAMPLE_PERIOD_S = 0.05
 CHILD_TIMEOUT_S = 300
-PAGE = os.sysconf("SC_PAGE_SIZE")
 FLAG_LZ4 = 1  # index.bin entry flag: the record's payload is an LZ4 block (storage-format.md)
 CHART = common.REPO_ROOT / "docs" / "benchmarks-loader.png"
 STAMP_VERSION = 1
@@ -300,14 +299,6 @@ def make_png(i: int) -> bytes:
     return out.getvalue()
 
 
-def litdata_sample(item: tuple[str, int, int]) -> dict[str, bytes]:
-    """LitData's ``optimize`` worker function: one payload read from the flat file."""
-    path, start, size = item
-    with open(path, "rb") as f:
-        f.seek(start)
-        return {"data": f.read(size)}
-
-
 def prepare(lay: Layout, kind: str) -> None:
     """Writes one contender's copy of the data (run in a subprocess)."""
     if kind == "flat":
@@ -354,27 +345,11 @@ def prepare(lay: Layout, kind: str) -> None:
                 path.parent.mkdir()
             path.write_bytes(p)
     elif kind == "mds":
-        from streaming import MDSWriter
-
-        out = common.reset_dir(lay.store("mds"))
-        with MDSWriter(out=str(out), columns={"data": "bytes"}, compression=None) as w:
-            for p in lay.payloads():
-                w.write({"data": p})
+        peers.write_mds(lay.store("mds"), lay.payloads())
     elif kind == "litdata":
-        from litdata import optimize
-
-        out = common.reset_dir(lay.store("litdata"))
         starts, ends = lay.spans()
-        inputs = [(str(lay.flat), s, e - s) for s, e in zip(starts, ends, strict=True)]
-        optimize(
-            fn=litdata_sample,
-            inputs=inputs,
-            output_dir=str(out),
-            chunk_bytes="64MB",
-            num_workers=2,
-            reorder_files=False,
-            verbose=False,
-        )
+        spans = [(s, e - s) for s, e in zip(starts, ends, strict=True)]
+        peers.write_litdata(lay.store("litdata"), lay.flat, spans)
     else:
         raise ValueError(kind)
     lay.mark(kind)
@@ -840,116 +815,7 @@ def child(
 
 
 # --------------------------------------------------------------------------------------------
-# The orchestrator: fresh interpreters, and a thread summing the process tree's memory
-
-
-def tree(root: int, all_threads: bool) -> list[int]:
-    """``root`` and its descendants. Processes are started by their parent's main thread (torch,
-    multiprocessing, subprocess); every thread's children are read when ``all_threads``."""
-    pids, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        pids.append(pid)
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task") if all_threads else [str(pid)]
-            for task in tasks:
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return pids
-
-
-def rss_of(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def pss_of(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-class TreeSampler(threading.Thread):
-    """Every 50 ms: the tree's summed RSS (cheap: ``statm``). Every 20th time (1 s) also its
-    summed PSS: ``smaps_rollup`` makes the kernel walk every mapping, ~13 ms for a process that
-    imported torch, so reading it more often would take a visible share of a core."""
-
-    def __init__(self, root: int) -> None:
-        super().__init__(daemon=True)
-        self.root = root
-        self.stop = threading.Event()
-        self.peak_rss = self.peak_pss = 0
-        self.max_procs = 0
-        self.samples = 0
-        self.cpu_s = 0.0
-        self.seen: set[int] = set()
-
-    def run(self) -> None:
-        while not self.stop.wait(SAMPLE_PERIOD_S):
-            pss = self.samples % 20 == 10
-            pids = tree(self.root, all_threads=self.samples % 10 == 0)
-            self.seen.update(pids)
-            rss = [rss_of(p) for p in pids]
-            self.peak_rss = max(self.peak_rss, sum(rss))
-            self.max_procs = max(self.max_procs, sum(1 for m in rss if m))
-            if pss:
-                self.peak_pss = max(self.peak_pss, sum(pss_of(p) for p in pids))
-            self.samples += 1
-        self.cpu_s = time.thread_time()
-
-
-def shm_names() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
-
-
-def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
-    """Runs this script in a fresh interpreter, sampling its process tree's memory."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
-    before = shm_names()
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sampler = TreeSampler(proc.pid)
-    sampler.start()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        err = f"timed out after {timeout:.0f} s\n{err}"
-    sampler.stop.set()
-    sampler.join()
-    wall = time.perf_counter() - started
-    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = " | ".join(err.strip().splitlines()[-4:])[-600:]
-        return {"error": f"exit {proc.returncode}: {tail}"}
-    res: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    res["peak_tree_rss_mib"] = sampler.peak_rss / common.MIB
-    res["peak_tree_pss_mib"] = sampler.peak_pss / common.MIB
-    res["max_processes"] = sampler.max_procs
-    res["memory_samples"] = sampler.samples
-    res["sampler_cpu_s"] = sampler.cpu_s
-    res["child_wall_s"] = wall
-    # /dev/shm names this contender's processes left (DatasetRT's carry the owner's pid);
-    # other jobs on the machine may create and leave their own meanwhile.
-    owners = {f"dataset-rt-{p}-" for p in sampler.seen | {proc.pid}}
-    res["shm_left"] = sorted(
-        n for n in shm_names() - before if any(n.startswith(o) for o in owners)
-    )
-    return res
+# The orchestrator: fresh interpreters (procs.run_child samples their process trees)
 
 
 def prepare_all(args: argparse.Namespace) -> dict[str, str]:
@@ -1308,7 +1174,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                 if store and not Layout(args.data_dir, wl).ready(store):
                     continue
                 t = time.perf_counter()
-                res = run_child(
+                res = procs.run_child(
+                    Path(__file__).resolve(),
                     [
                         "--child",
                         c,

@@ -58,6 +58,7 @@ from typing import Any
 
 import common
 import numpy as np
+import peers
 
 CONTENDERS = [
     "floor",
@@ -145,14 +146,6 @@ def flat_payloads(lay: Layout) -> Iterable[tuple[int, memoryview]]:
         yield i, mv[s:e]
 
 
-def litdata_sample(item: tuple[str, int, int]) -> dict[str, bytes]:
-    """LitData's ``optimize`` worker function: one payload read from the flat file."""
-    path, start, size = item
-    with open(path, "rb") as f:
-        f.seek(start)
-        return {"data": f.read(size)}
-
-
 def prepare(lay: Layout, kind: str) -> None:
     """Writes one contender's copy of the data (in a subprocess for the peers)."""
     if kind == "flat":
@@ -185,28 +178,10 @@ def prepare(lay: Layout, kind: str) -> None:
             if not isinstance(result, drt.CacheSourcesDatasetSuccess):
                 raise RuntimeError(result.message)
     elif kind == "mds":
-        from streaming import MDSWriter
-
-        out = lay.store("mds")
-        common.reset_dir(out)
-        with MDSWriter(out=str(out), columns={"data": "bytes"}, compression=None) as w:
-            for _, p in flat_payloads(lay):
-                w.write({"data": bytes(p)})
+        peers.write_mds(lay.store("mds"), (p for _, p in flat_payloads(lay)))
     elif kind == "litdata":
-        from litdata import optimize
-
-        out = lay.store("litdata")
-        common.reset_dir(out)
-        inputs = [(str(lay.flat), i * lay.size, lay.size) for i in range(lay.count)]
-        optimize(
-            fn=litdata_sample,
-            inputs=inputs,
-            output_dir=str(out),
-            chunk_bytes="64MB",
-            num_workers=2,
-            reorder_files=False,
-            verbose=False,
-        )
+        spans = [(i * lay.size, lay.size) for i in range(lay.count)]
+        peers.write_litdata(lay.store("litdata"), lay.flat, spans)
     else:
         raise ValueError(kind)
     lay.mark(kind)
