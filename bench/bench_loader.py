@@ -1017,11 +1017,7 @@ def print_tables(tables: list[dict[str, Any]]) -> None:
 
 
 def draw_chart(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     tables = data["tables"]
     fig, axes = plt.subplots(
         2, len(tables), figsize=(6.5 * len(tables), 9), squeeze=False, height_ratios=[3, 2]
@@ -1030,21 +1026,18 @@ def draw_chart(data: dict[str, Any], path: Path) -> None:
         rows = [r for r in t["rows"] if "samples_per_s" in r]
         names = [r["contender"] for r in rows]
         colors = [
-            "#d62728"
+            common.RED
             if n.startswith("drt")
-            else "#7f7f7f"
+            else common.GREY
             if n.startswith("floor")
-            else "#1f77b4"
+            else common.BLUE
             if n.startswith("torch")
-            else "#2ca02c"
+            else common.GREEN
             for n in names
         ]
-        y = list(range(len(rows)))
         ax = axes[0][col]
         rates = [r["samples_per_s"] for r in rows]
-        ax.barh(y, rates, color=colors)
-        ax.set_yticks(y, names, fontsize=8)
-        ax.invert_yaxis()
+        y = common.hbars(ax, names, rates, colors)
         for i, r in zip(y, rows, strict=True):
             x = r.get("x_torch_w2")
             extra = f"  {x:.2f}x" if x else ""
@@ -1083,20 +1076,13 @@ def draw_chart(data: dict[str, Any], path: Path) -> None:
                 )
                 ax.legend(fontsize=7, loc="lower right")
         ax2 = axes[1][col]
-        ax2.barh(y, [r["peak_tree_pss_mib"] for r in rows], color=colors)
-        ax2.set_yticks(y, names, fontsize=8)
-        ax2.invert_yaxis()
+        common.hbars(ax2, names, [r["peak_tree_pss_mib"] for r in rows], colors)
         ax2.set_xlabel("peak memory of the process tree, ΣPSS (MiB)")
-    m = data["machine"]
-    fig.suptitle(
-        f"DatasetRT shared-memory loader, {m['date'][:10]}, {m['cores']} cores ({m['cpu']}), "
-        f"batch {BATCH}, median of {data['repeats']} rounds",
-        fontsize=9,
+    title = (
+        f"DatasetRT shared-memory loader, {common.machine_line(data['machine'])}, "
+        f"batch {BATCH}, median of {data['repeats']} rounds"
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    print(f"# wrote {path}", file=sys.stderr)
+    common.save_chart(fig, path, title, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:

@@ -294,3 +294,43 @@ def write_results(name: str, data: dict[str, Any]) -> Path:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     print(f"# wrote {path}", file=sys.stderr)
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# Charts (matplotlib is imported only when one is drawn: ``pip install '.[bench]'``)
+
+RED, GREY, BLUE, GREEN = "#d62728", "#7f7f7f", "#1f77b4", "#2ca02c"
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend (raises ImportError without it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def hbars(
+    ax: Any, names: Sequence[str], values: Sequence[float], colors: Sequence[str]
+) -> list[int]:
+    """One horizontal bar per name, the first on top; returns the bars' y positions."""
+    y = list(range(len(names)))
+    ax.barh(y, values, color=colors)
+    ax.set_yticks(y, names, fontsize=8)
+    ax.invert_yaxis()
+    return y
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    """``date, N cores (cpu)`` of a result's ``machine`` for a chart's title."""
+    return f"{machine['date'][:10]}, {machine['cores']} cores ({machine['cpu']})"
+
+
+def save_chart(fig: Any, path: Path, title: str, dpi: int) -> None:
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    print(f"# wrote {path}", file=sys.stderr)

@@ -28,30 +28,16 @@ def run(script: str, extra: list[str]) -> None:
 
 
 def draw_chart(read: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     tables = read["tables"]
     fig, axes = plt.subplots(1, len(tables), figsize=(7 * len(tables), 5.5), squeeze=False)
     ceil = read["ceiling"]
+    colors_of = {"dataset_rt": common.RED, "floor": common.GREY}
     for ax, table in zip(axes[0], tables, strict=True):
         rows = [r for r in table["rows"] if "samples_per_s" in r]
-        names = [r["label"] for r in rows]
         values = [r["samples_per_s"] for r in rows]
-        colors = [
-            "#d62728"
-            if r["contender"] == "dataset_rt"
-            else "#7f7f7f"
-            if r["contender"] == "floor"
-            else "#1f77b4"
-            for r in rows
-        ]
-        y = range(len(rows))
-        ax.barh(list(y), values, color=colors)
-        ax.set_yticks(list(y), names, fontsize=8)
-        ax.invert_yaxis()
+        colors = [colors_of.get(r["contender"], common.BLUE) for r in rows]
+        y = common.hbars(ax, [r["label"] for r in rows], values, colors)
         ax.set_xscale("log")
         size = common.SIZES[table["size"]]
         for key, style, what in (
@@ -73,16 +59,11 @@ def draw_chart(read: dict[str, Any], path: Path) -> None:
                 xycoords="axes fraction",
                 fontsize=7,
             )
-    machine = read["machine"]
-    fig.suptitle(
-        f"DatasetRT read benchmark, {machine['date'][:10]}, {machine['cores']} cores "
-        f"({machine['cpu']}), median of {read['repeats']} rounds",
-        fontsize=9,
+    title = (
+        f"DatasetRT read benchmark, {common.machine_line(read['machine'])}, "
+        f"median of {read['repeats']} rounds"
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"# wrote {path}", file=sys.stderr)
+    common.save_chart(fig, path, title, dpi=110)
 
 
 def main() -> None:
