@@ -38,12 +38,14 @@ WHEEL_TEST_PYTHONS ?= 3.10 3.11 3.12 3.13
 install:
 	@command -v cargo >/dev/null || { echo "error: no Rust toolchain; install it from https://rustup.rs" >&2; exit 1; }
 	command -v cc >/dev/null || { apt-get update && apt-get install -y --no-install-recommends build-essential; }
+	@# Chromium renders the `dataset-rt view` page in the browser test (tests/test_viewer.py).
+	command -v chromium >/dev/null || { apt-get update && apt-get install -y --no-install-recommends chromium; }
 	cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1 || rustup component add rustfmt clippy
 	cargo nextest --version >/dev/null 2>&1 || cargo install --locked cargo-nextest
 	$(PIP) install 'maturin>=1.7,<2'
 	@# The `torch` extra is a CUDA build of several GB: install it once per machine.
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install 'torch>=2.1'
-	$(BUILD_EXTENSION) '.[test,dev,examples]'
+	$(BUILD_EXTENSION) '.[test,dev,examples,view]'
 
 ## build: rebuild the extension in place after a Rust change (same build as `install`)
 build:

@@ -1,9 +1,9 @@
 """The ``dataset-rt`` command line (also ``python -m dataset_rt``).
 
 Commands: ``inspect`` (manifest summary), ``verify`` (every checksum), ``head`` (raw records with
-their embedded metadata), ``pack`` (a directory tree into a cache) and ``demo`` (the quickstart on
-an embedded synthetic dataset). Reading, validating and decoding caches happens in Rust; this
-module parses arguments and prints.
+their embedded metadata), ``view`` (an HTML page or PNG contact sheet of the samples), ``pack`` (a
+directory tree into a cache) and ``demo`` (the quickstart on an embedded synthetic dataset).
+Reading, validating and decoding caches happens in Rust; this module parses arguments and prints.
 
 Exit status: 0 success; 1 a cache failed validation or an operation failed; 2 a usage error or a
 path that is not a cache.
@@ -160,6 +160,32 @@ def _cmd_head(args: argparse.Namespace) -> int:
         print(f"  metadata: {metadata}")
         more = "..." if raw_len > len(preview) else ""
         print(f"  payload:  {raw_len} bytes: {preview.hex()}{more}")
+    return EXIT_OK
+
+
+# --- view ------------------------------------------------------------------------------------
+
+
+def _cmd_view(args: argparse.Namespace) -> int:
+    from dataset_rt._viewer import FilterError, parse_filters, read_samples, render_html, render_png
+
+    try:
+        filters = parse_filters(args.filter)
+        samples = read_samples(args.cache, filters, args.limit)
+    except FilterError as error:
+        _error(str(error))
+        return EXIT_USAGE
+    try:
+        if args.png is not None:
+            args.png.write_bytes(render_png(samples))
+            print(f"wrote {args.png}: contact sheet of {len(samples)} sample(s)")
+        if args.out is not None or args.png is None:
+            out = args.out if args.out is not None else Path("view.html")
+            out.write_text(render_html(str(args.cache), samples, args.filter), encoding="utf-8")
+            print(f"wrote {out}: {len(samples)} sample(s)")
+    except ImportError as error:
+        _error(str(error))
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -401,6 +427,39 @@ def _parser() -> argparse.ArgumentParser:
         "-n", type=_non_negative_int, default=5, metavar="K", help="records to show (default 5)"
     )
     p.set_defaults(handler=_cmd_head)
+
+    p = commands.add_parser(
+        "view",
+        help="write an HTML page (or a PNG contact sheet) of the samples",
+        description="Writes one self-contained HTML page showing, for each sample in storage "
+        "order, its payload as a thumbnail when Pillow decodes it as an image (else a hex and "
+        "text preview), its metadata and its weight. Needs Pillow (the 'view' extra). "
+        "--filter COLUMN=VALUE or COLUMN!=VALUE keeps the samples whose metadata column, in its "
+        "text form (true/false for booleans), equals (or differs from) VALUE; repeat it to "
+        "combine filters with AND. Columns are those of samples_metadata().",
+    )
+    p.add_argument("cache", metavar="CACHE", help="cache directory (base/name)")
+    p.add_argument(
+        "--out", type=Path, default=None, metavar="FILE", help="HTML page (default view.html)"
+    )
+    p.add_argument(
+        "--png",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write a PNG contact sheet (without --out, no HTML page is written)",
+    )
+    p.add_argument(
+        "--filter",
+        action="append",
+        default=[],
+        metavar="EXPR",
+        help="COLUMN=VALUE or COLUMN!=VALUE",
+    )
+    p.add_argument(
+        "--limit", type=_positive_int, default=100, metavar="N", help="samples shown (default 100)"
+    )
+    p.set_defaults(handler=_cmd_view)
 
     p = commands.add_parser(
         "pack",
