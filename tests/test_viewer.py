@@ -4,6 +4,7 @@ contact sheet, and the page as a headless Chromium renders it."""
 from __future__ import annotations
 
 import io
+import os
 import re
 import shutil
 import subprocess
@@ -108,6 +109,8 @@ def test_png_contact_sheet(cache: Path, tmp_path: Path) -> None:
 
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None and os.environ.get("DATASET_RT_REQUIRE_BROWSER") == "1":
+        pytest.fail("DATASET_RT_REQUIRE_BROWSER=1 (CI) but chromium is not installed")
     if found is None:
         pytest.skip(
             "!!! BROWSER TEST NOT RUN: chromium is not installed; `make install` installs it "
