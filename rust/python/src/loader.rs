@@ -427,20 +427,16 @@ impl LoaderPlan {
             ring.unlink();
             return Err(shm_err(e));
         }
-        Ok(RingHandle {
+        Ok(RingHandle::owner(
             ring,
-            role: Role::Owner,
-            consumer: None,
-            heartbeat: Mutex::new(None),
-            last_generation: AtomicU32::new(0),
-            owner: Some(OwnerPass {
+            OwnerPass {
                 generation,
                 epoch,
                 weights_fingerprint: weights.fingerprint,
                 samples: self.dataset.get().sample_maker(),
                 spec,
-            }),
-        })
+            },
+        ))
     }
 
     /// Starts the next pass on the segments of `ring`, a persistent pipeline whose previous pass
@@ -470,20 +466,16 @@ impl LoaderPlan {
         let consumers = ring.ring.pass().expected_attach.saturating_sub(1);
         let pass = self.pass_at(&inner, &opts, epoch, start, consumers);
         py.detach(|| ring.ring.begin_next_pass(pass)).py_shm()?;
-        Ok(Some(RingHandle {
-            ring: ring.ring.clone(),
-            role: Role::Owner,
-            consumer: None,
-            heartbeat: Mutex::new(None),
-            last_generation: AtomicU32::new(0),
-            owner: Some(OwnerPass {
+        Ok(Some(RingHandle::owner(
+            ring.ring.clone(),
+            OwnerPass {
                 generation,
                 epoch,
                 weights_fingerprint: weights.fingerprint,
                 samples: self.dataset.get().sample_maker(),
                 spec,
-            }),
-        }))
+            },
+        )))
     }
 
     /// Makes a started pass the live one, once all its processes are running: the state reads
@@ -551,6 +543,20 @@ pub struct RingHandle {
     last_generation: AtomicU32,
     /// The owner's handle: what `commit_pass` needs.
     owner: Option<OwnerPass>,
+}
+
+impl RingHandle {
+    /// The training process's handle of a pass it started on `ring`.
+    fn owner(ring: Arc<Ring>, owner: OwnerPass) -> Self {
+        RingHandle {
+            ring,
+            role: Role::Owner,
+            consumer: None,
+            heartbeat: Mutex::new(None),
+            last_generation: AtomicU32::new(0),
+            owner: Some(owner),
+        }
+    }
 }
 
 #[pymethods]
