@@ -189,10 +189,10 @@ def require_dataset(value: object, caller: str) -> Dataset:
         return value
     kind = type(value)
     got = f"{kind.__module__}.{kind.__qualname__}"
-    if kind.__module__ == "dataset_rt.torch" and kind.__qualname__ == "TorchIterableDataset":
-        hint = "pass the Dataset itself, not its to_torch_iterable_dataset()"
-    elif hasattr(value, "dataset") and hasattr(value, "results"):
+    if hasattr(value, "dataset") and hasattr(value, "results"):
         hint = "pass its .dataset"
+    elif isinstance(getattr(value, "dataset", None), Dataset):  # the torch adapter
+        hint = "pass the Dataset itself, not its to_torch_iterable_dataset()"
     else:
         hint = "pass result.dataset, from DatasetRuntime.from_cache_sources or open_caches"
     raise TypeError(f"{caller} takes a dataset_rt Dataset, got {got}: {hint}")
