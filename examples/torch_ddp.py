@@ -79,6 +79,10 @@ def main() -> int:
             batch_size=BATCH_SIZE,
             num_workers=args.num_workers,
             transform=to_example_with_id,
+            # The process group runs gloo's threads: forking then can copy a lock one of them
+            # holds into a worker, so the workers are spawned, once, and kept for every epoch.
+            multiprocessing_context="spawn",
+            persistent_workers=True,
         ) as loader:
             for epoch in range(epochs):
                 loader.set_epoch(epoch)
