@@ -21,7 +21,8 @@ import torch
 import torch.utils.data
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
-from dataset_rt import _loader, _regions
+from dataset_rt import _loader
+from dataset_rt._loader import results
 from dataset_rt._native import CachedSample, ConfigError
 
 if TYPE_CHECKING:
@@ -144,7 +145,7 @@ def _collate_tensors(
         and all(t.shape == elem.shape for t in batch)
     ):
         numel = elem.numel() * len(batch)
-        buffer = _regions.result_buffer(numel * elem.element_size())
+        buffer = results.result_buffer(numel * elem.element_size())
         if buffer is not None:
             out = torch.frombuffer(buffer, dtype=elem.dtype, count=numel)
             return torch.stack(batch, 0, out=out.view(len(batch), *elem.shape))

@@ -160,7 +160,7 @@ def processes_of(token: str, owners: set[int]) -> list[int]:
             continue
         args = cmdline(int(entry))
         ours = token in args or (
-            any("dataset_rt._producer" in a for a in args)
+            any("dataset_rt._loader.producer" in a for a in args)
             and len(args) >= 2
             and args[-2].isdigit()
             and int(args[-2]) in owners

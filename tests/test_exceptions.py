@@ -65,7 +65,7 @@ def test_config_error_is_a_value_error() -> None:
         # ... by the core's configuration check ...
         lambda: ReaderConfig(world_size=0),
         # ... and by the Python facade.
-        lambda: dataset_rt._loader._context("forkserver"),
+        lambda: dataset_rt._loader.plan._context("forkserver"),
     ],
     ids=["bindings", "core", "facade"],
 )

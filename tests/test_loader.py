@@ -26,8 +26,8 @@ from loader_helpers import (  # noqa: F401
 )
 
 import dataset_rt
-from dataset_rt import ConfigError, StateError, _loader
-from dataset_rt._loader import DataLoader
+from dataset_rt import ConfigError, StateError
+from dataset_rt._loader import DataLoader, slots
 from dataset_rt._native import LoaderError, WorkerError
 
 N = 60
@@ -182,14 +182,14 @@ def test_a_kept_batch_is_read_in_place_until_its_slot_is_reused_then_privately(t
 
 def test_batches_the_loop_drops_are_handed_back_without_a_copy(dataset, monkeypatch):
     unmapped: dict[int, list[bool]] = {}
-    release = _loader._SlotMap.release
+    release = slots.SlotMap.release
 
     def recording(self):
         done = release(self)
         unmapped.setdefault(self.seq, []).append(done)
         return done
 
-    monkeypatch.setattr(_loader._SlotMap, "release", recording)
+    monkeypatch.setattr(slots.SlotMap, "release", recording)
     with DataLoader(dataset, batch_size=4, num_workers=0) as loader:
         for batch in loader:
             assert len(bytes(batch[0].data)) > 0

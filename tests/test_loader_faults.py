@@ -262,12 +262,12 @@ def test_sigkill_of_the_trainer_before_the_first_batch_leaves_nothing(
 def test_a_worker_failing_outside_user_code_reports_its_traceback(base, monkeypatch):
     """A consumer that fails in the loader's own code (here: opening the ring) sends its
     traceback; the loop does not just see "exited with code 1"."""
-    from dataset_rt import _loader
+    from dataset_rt._loader import slots
 
     def refuse(name):
         raise PermissionError(f"refused to open {name}")
 
-    monkeypatch.setattr(_loader, "_open_ring", refuse)  # forked workers inherit it
+    monkeypatch.setattr(slots, "open_ring", refuse)  # forked workers inherit it
     dataset = load(base, N)
     loader = DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context="fork")
     with loader, pytest.raises(LoaderError) as caught:
@@ -275,23 +275,23 @@ def test_a_worker_failing_outside_user_code_reports_its_traceback(base, monkeypa
     message = str(caught.value)
     assert re.search(r"loader worker \d \(pid \d+\) failed:", message), message
     assert "PermissionError: refused to open dataset-rt-" in message
-    assert "Traceback" in message and "in _consumer_main" in message
+    assert "Traceback" in message and "in consumer_main" in message
 
 
 def test_a_worker_done_before_another_attached_is_no_failure(tmp_path, monkeypatch):
     """Worker 0 takes the whole (short) pass and exits while worker 1 is still starting."""
     import multiprocessing
 
-    from dataset_rt import _loader
+    from dataset_rt._loader import slots
 
-    open_ring = _loader._open_ring
+    open_ring = slots.open_ring
 
     def slow_for_worker_1(name):
         if multiprocessing.current_process().name == "dataset-rt-worker-1":
             time.sleep(1.0)
         return open_ring(name)
 
-    monkeypatch.setattr(_loader, "_open_ring", slow_for_worker_1)  # forked workers inherit it
+    monkeypatch.setattr(slots, "open_ring", slow_for_worker_1)  # forked workers inherit it
     dataset = load(tmp_path, 4)
     loader = DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context="fork")
     with loader:

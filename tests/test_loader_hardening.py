@@ -310,11 +310,12 @@ def test_the_largest_record_is_verified_before_the_ring_is_sized(tmp_path):
 
 def test_the_producer_imports_only_the_native_module_of_the_package():
     """A lean cold start: the producer's entry runs no part of the facade (its `__init__`,
-    polars, numpy...), only `_producer`, `_signals` and `_native`."""
-    from dataset_rt import _producer
+    polars, numpy...), only `_loader.producer`, `_loader.signals` and `_native` (the
+    `dataset_rt` and `dataset_rt._loader` packages are bare: their `__init__` does not run)."""
+    from dataset_rt._loader import producer
 
     spec = "/nonexistent/dataset-rt-spec.json"
-    command = _producer.command(os.getpid(), spec)
+    command = producer.command(os.getpid(), spec)
     run = subprocess.run(
         [*command[:3], "-X", "importtime", *command[3:]],
         capture_output=True,
@@ -328,5 +329,9 @@ def test_the_producer_imports_only_the_native_module_of_the_package():
         if line.startswith("import time:") and "|" in line
     }
     ours = sorted(m for m in imported if m.split(".")[0] == "dataset_rt")
-    assert ours == ["dataset_rt._native", "dataset_rt._producer", "dataset_rt._signals"]
+    assert ours == [
+        "dataset_rt._loader.producer",
+        "dataset_rt._loader.signals",
+        "dataset_rt._native",
+    ]
     assert not {"numpy", "polars", "pyarrow", "json"} & imported

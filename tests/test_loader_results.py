@@ -19,8 +19,7 @@ from loader_helpers import (  # noqa: F401
     result_mappings,
 )
 
-from dataset_rt import _regions
-from dataset_rt._loader import DataLoader
+from dataset_rt._loader import DataLoader, results
 from dataset_rt._native import CachedSample, ConfigError
 
 N = 60
@@ -237,9 +236,9 @@ def test_torch_default_collate_stacks_into_result_memory_once(dataset):
     from dataset_rt.torch import default_collate
 
     # In a worker: the stack lands in the region, and sending it copies nothing more.
-    owner = _regions.RegionOwner(1 << 20)
+    owner = results.RegionOwner(1 << 20)
     fd, capacity, frees = owner.worker_args()
-    writer = _regions.RegionWriter(_regions._SharedFd(os.dup(fd.fd)), capacity, frees)
+    writer = results.RegionWriter(results._SharedFd(os.dup(fd.fd)), capacity, frees)
     try:
         parts = [torch.full((4, 4), k, dtype=torch.float32) for k in range(8)]
         sizes: list[int] = []
@@ -250,7 +249,7 @@ def test_torch_default_collate_stacks_into_result_memory_once(dataset):
             return real_alloc(n)
 
         writer.alloc = counted  # type: ignore[method-assign]
-        with _regions.writing(writer):
+        with results.writing(writer):
             stacked = default_collate(parts)
             assert writer.owned(stacked.data_ptr(), stacked.nbytes) is not None
             message = writer.encode(0, stacked)

@@ -1,0 +1,471 @@
+"""One pass (one epoch) of the shared-memory loader in the training process, or every pass of
+a persistent pipeline: starts the producer and the workers, waits for batches with the checks
+that turn a dead, failed or hung party into an exception, puts worker results back in batch order
+and hands slots back. What a pass reads, its slot count and size and the state it leaves are the
+plan's (Rust, through ``_native.LoaderPlan``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from dataset_rt import _native
+from dataset_rt._loader import lifecycle, producer, results, slots, workers
+from dataset_rt._native import LoaderError, WorkerError
+
+if TYPE_CHECKING:
+    from dataset_rt._loader.plan import DataLoader
+
+# How often the training loop checks its producer and workers while it waits.
+_POLL_S = 0.1
+
+
+class LoaderIterator(Iterator[Any]):
+    """One pass (one epoch) of a :class:`DataLoader`; with ``persistent_workers``, every pass
+    until the loader is closed (see :meth:`_restart`)."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        # What the pass needs of its loader, copied: the iterator holds no reference to the
+        # loader, so neither keeps the other alive in a cycle. Whichever of the two goes last
+        # (`del loader` after `for batch in loader: break`, or `iter(DataLoader(...))` kept
+        # alone) ends the pass at once through reference counting, without the cycle collector.
+        self._plan = loader._plan
+        self._context = loader._context
+        self._num_workers = loader.num_workers
+        self._prefetch_factor = loader.prefetch_factor
+        self._slot_size_bytes = loader.slot_size_bytes
+        self._transform = loader.transform
+        self._collate_fn = loader.collate_fn
+        self._worker_init_fn = loader.worker_init_fn
+        self._result_bytes = loader.result_bytes
+        self._timeout = loader.timeout
+        self._heartbeat_timeout = loader.heartbeat_timeout
+        self._persistent = loader.persistent_workers
+        self._owner = os.getpid()
+        self._closed = False
+        # Persistent pipeline between passes: the pass was fully received and ended.
+        self._idle = False
+        self._next = 0
+        self._ring: _native.RingHandle | None = None
+        self._producer: subprocess.Popen[bytes] | None = None
+        self._workers: list[multiprocessing.process.BaseProcess] = []
+        self._conns: list[multiprocessing.connection.Connection] = []
+        # Each worker's result memory (None: results are pickled whole).
+        self._regions: list[results.RegionOwner | None] = []
+        self._warned_fallback = False
+        # Workers whose pipe is still open, and those that exited cleanly (pass done).
+        self._open: set[int] = set()
+        self._exited: set[int] = set()
+        self._buffer: dict[int, tuple[str, Any]] = {}
+        self._fd: int | None = None
+        # num_workers=0: the batch delivered last, and the one before it if it was still
+        # referenced when the next was asked for (see _release_held).
+        self._held: slots.SlotMap | None = None
+        self._kept: slots.SlotMap | None = None
+        self._unlinked = False
+        self._total = 0
+        self._slot_size = 0
+        lifecycle.open_passes.add(self)
+        _native.reap_shm_leftovers()
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        num_workers = self._num_workers
+        # num_workers=0: one more slot for the batch still bound to the loop's variable while
+        # the loop asks for the next one (see _release_held).
+        num_slots = max(2, max(1, num_workers) * self._prefetch_factor) + (num_workers == 0)
+        # The segments and the producer's private directory, all locked by this process.
+        self._ring = ring = self._plan.start_pass(
+            num_slots, self._slot_size_bytes, num_workers, self._persistent
+        )
+        self._total = ring.total_batches
+        self._slot_size = ring.slot_size
+        if num_workers == 0:
+            self._fd = slots.open_ring(ring.ring_name)
+        self._producer = subprocess.Popen(
+            producer.command(self._owner, ring.spec_path), stdin=subprocess.DEVNULL
+        )
+        arena = results.arena_bytes(self._result_bytes, num_workers)
+        for i in range(num_workers):
+            region = results.RegionOwner(arena) if arena else None
+            self._regions.append(region)
+            receiver, sender = self._context.Pipe(duplex=False)
+            process = self._context.Process(
+                target=workers.consumer_main,
+                args=(
+                    ring.ctl_name,
+                    i,
+                    self._owner,
+                    self._transform,
+                    self._collate_fn,
+                    self._worker_init_fn,
+                    sender,
+                    None if region is None else region.worker_args(),
+                    self._persistent,
+                ),
+                name=f"dataset-rt-worker-{i}",
+                daemon=True,
+            )
+            try:
+                process.start()
+            except BaseException:
+                receiver.close()
+                raise
+            finally:
+                sender.close()
+                if region is not None:
+                    region.started()
+            self._workers.append(process)
+            self._conns.append(receiver)
+            self._open.add(i)
+        # Every process runs: only now does the pass use up a loaded state or the epoch.
+        self._plan.commit_pass(ring)
+
+    def _restart(self) -> bool:
+        """Starts the next pass on this persistent pipeline (its segments, producer and
+        workers), as the plan decides it (the next epoch, a loaded state, ``set_epoch``). Says
+        ``False``, changing nothing, when this pipeline cannot take it (the last pass was not
+        received to its end, or the dataset's weights or reading options changed): the loader
+        then starts a fresh one. A process that died since the last pass raises ``LoaderError``
+        after closing the pipeline: the next ``iter()`` starts a fresh one."""
+        if self._closed or not self._idle or os.getpid() != self._owner:
+            return False
+        ring = self._ring
+        assert ring is not None and self._producer is not None
+        try:
+            code = self._producer.poll()
+            if code is not None:
+                raise LoaderError(
+                    f"the loader's producer process (pid {self._producer.pid}) "
+                    f"{lifecycle.describe_exit(code)} between passes"
+                    + (f"; its error: {ring.error_text()}" if ring.error_text() else "")
+                    + ": the persistent pipeline is closed, the next iter() starts a new one"
+                )
+            for i, process in enumerate(self._workers):
+                if not process.is_alive():
+                    self._receive(i)  # raises the worker's own report when it sent one
+                    raise LoaderError(
+                        f"loader worker {i} (pid {process.pid}) "
+                        f"{lifecycle.describe_exit(process.exitcode)} between passes: the "
+                        "persistent pipeline is closed, the next iter() starts a new one"
+                    )
+            handle = self._plan.restart_pass(ring)
+            if handle is None:
+                return False
+            self._ring = handle
+            self._total = handle.total_batches
+            self._next = 0
+            self._buffer.clear()
+            self._warned_fallback = False
+            self._idle = False
+            self._plan.commit_pass(handle)
+        except BaseException:
+            self.close()
+            raise
+        return True
+
+    def __iter__(self) -> LoaderIterator:
+        return self
+
+    def __len__(self) -> int:
+        return max(0, self._total - self._next) if not self._closed else 0
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the pipeline lives on between passes (``persistent_workers=True``)."""
+        return self._persistent
+
+    @property
+    def pids(self) -> dict[str, Any]:
+        """The pass's processes: ``{"producer": pid, "workers": [pid, ...]}``."""
+        return {
+            "producer": self._producer.pid if self._producer else None,
+            "workers": [p.pid for p in self._workers],
+        }
+
+    @property
+    def segment_names(self) -> list[str]:
+        """The pass's /dev/shm names (removed once every process has mapped them)."""
+        return [self._ring.ctl_name, self._ring.ring_name] if self._ring else []
+
+    @property
+    def slot_size(self) -> int:
+        """Bytes of one ring slot of this pass."""
+        return self._slot_size
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        try:
+            self._release_held()
+            seq = self._next
+            if seq >= self._total:
+                if not self._persistent:
+                    self.close()
+                elif not self._idle:
+                    # Everything received: the pipeline waits for the next pass.
+                    assert self._ring is not None
+                    self._plan.end_pass(self._ring)
+                    self._idle = True
+                raise StopIteration
+            batch = self._inline(seq) if not self._workers else self._from_workers(seq)
+            self._await_attach(seq)
+            assert self._ring is not None
+            self._ring.mark_delivered(seq)
+            self._next = seq + 1
+            return batch
+        except StopIteration:
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- waiting, with the checks that turn a dead, failed or hung party into an exception ----
+
+    def _check(self, seq: int, started: float) -> None:
+        ring = self._ring
+        assert ring is not None and self._producer is not None
+        if not self._unlinked and ring.all_attached():
+            # Every party has mapped the segments and the producer has read its spec: nothing
+            # of this loader stays in /dev/shm.
+            ring.unlink()
+            self._unlinked = True
+        ring.check_error(seq)
+        code = self._producer.poll()
+        if code is not None and seq >= ring.produced:
+            ring.check_error(seq)
+            raise LoaderError(
+                f"the loader's producer process (pid {self._producer.pid}) "
+                f"{lifecycle.describe_exit(code)} before writing batch {seq}"
+                + (f"; its error: {ring.error_text()}" if ring.error_text() else "")
+            )
+        for index, silent in ring.stalls(self._heartbeat_timeout):
+            self._check_stall(index, silent, seq)
+        timeout = self._timeout
+        if timeout > 0 and time.monotonic() - started > timeout:
+            raise LoaderError(f"batch {seq} did not arrive within timeout={timeout} s")
+
+    def _check_stall(self, index: int | None, silent: float, seq: int) -> None:
+        """A party wrote no heartbeat for longer than ``heartbeat_timeout``: raises unless it
+        already exited (the exit checks report a death in its own words)."""
+        bound = self._heartbeat_timeout
+        if index is None:
+            assert self._producer is not None
+            if self._producer.poll() is not None:
+                return
+            party = f"the loader's producer process (pid {self._producer.pid})"
+        else:
+            process = self._workers[index]
+            if not process.is_alive():
+                if process.exitcode != 0:
+                    raise self._worker_died(index, f"while batch {seq} was awaited")
+                return
+            party = f"loader worker {index} (pid {process.pid})"
+        raise LoaderError(
+            f"{party} showed no sign of life for {silent:.1f} s while batch {seq} was awaited "
+            f"(heartbeat_timeout={bound} s): it is stopped or hung"
+        )
+
+    def _await_attach(self, seq: int) -> None:
+        """Waits until every process mapped the segments, then removes their names: from the
+        first batch on, nothing of this loader is left in /dev/shm whatever gets killed."""
+        started = time.monotonic()
+        while not self._unlinked:
+            self._check(seq, started)
+            for i, process in enumerate(self._workers):
+                # Exit code 0: it attached and had no batch left (others are still starting).
+                if not process.is_alive() and process.exitcode != 0:
+                    raise self._worker_died(i, "while starting")
+            if not self._unlinked:
+                assert self._ring is not None
+                # Woken by each attach (a futex), else back to the checks within _POLL_S.
+                self._ring.wait_attached(_POLL_S)
+
+    def _inline(self, seq: int) -> Any:
+        ring, fd = self._ring, self._fd
+        assert ring is not None and fd is not None
+        started = time.monotonic()
+        # The training process is the only consumer: its tickets are the batches in order.
+        ticket = ring.take_ticket()
+        if ticket != seq:
+            raise LoaderError(f"took ticket {ticket} for batch {seq}")
+        # A batch already written needs no check of the other parties: only waiting does.
+        taken = ring.take_batch(seq, 0.0, fd)
+        while taken is None:
+            self._check(seq, started)
+            taken = ring.take_batch(seq, _POLL_S, fd)
+        slot_map, samples = taken
+        self._held = slots.SlotMap(seq, slot_map)
+        return workers.apply(samples, self._transform, self._collate_fn)
+
+    def _release_held(self) -> None:
+        """Hands back the slots of the batches the loop has moved past (``num_workers=0``).
+
+        A batch's slot goes back with no copy once nothing references its map. The batch
+        delivered last is usually still bound to the loop's variable when the next is asked
+        for, so if it is referenced it waits one more call; a batch still referenced then is
+        kept by the user: its map becomes a private copy in place (same address, same bytes)
+        before its slot goes back, so no kept view ever shows the slot's next batch."""
+        ring = self._ring
+        if ring is None:
+            return
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            if kept.release():
+                ring.release(kept.seq)
+            else:
+                ring.release_kept(kept.seq, kept.map)
+        held, self._held = self._held, None
+        if held is not None:
+            if held.release():
+                ring.release(held.seq)
+            else:
+                self._kept = held
+                # release_kept reads the map's address through numpy: have it imported now,
+                # before memory may run short, rather than by the first copy.
+                if "numpy" not in sys.modules:
+                    importlib.import_module("numpy")
+
+    def _receive(self, i: int) -> None:
+        """Reads everything worker ``i`` has sent: results go to the reorder buffer, a fatal
+        error of the worker is raised."""
+        conn = self._conns[i]
+        while i in self._open and conn.poll():
+            try:
+                stream = io.BytesIO(conn.recv_bytes())
+            except EOFError:
+                self._open.discard(i)
+                return
+            tag, t, payload = pickle.load(stream)
+            if tag == "fatal":
+                raise self._worker_failed(i, *payload)
+            if tag == "region":
+                ranges, fell_back = payload
+                region = self._regions[i]
+                assert region is not None
+                payload = region.load(ranges, stream)
+                tag = "ok"
+                if fell_back:
+                    self._warn_fallback()
+            self._buffer[t] = (tag, payload)
+
+    def _warn_fallback(self) -> None:
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            share = results.arena_bytes(self._result_bytes, self._num_workers)
+            warnings.warn(
+                f"the loader's result memory is full (result_bytes={self._result_bytes}, "
+                f"{share} bytes per worker): batches the training loop still holds use it, or "
+                "a result is larger than a worker's share; buffers that do not fit are pickled "
+                "(one more copy). Raise result_bytes or keep fewer batches (warned once per "
+                "pass)",
+                RuntimeWarning,
+                stacklevel=5,  # the loop that called next()
+            )
+
+    def _worker_failed(self, i: int, stage: str, report: str) -> LoaderError:
+        pid = self._workers[i].pid
+        if stage == "worker_init_fn":
+            return WorkerError(f"worker_init_fn raised in loader worker {i} (pid {pid}):\n{report}")
+        return LoaderError(f"loader worker {i} (pid {pid}) failed:\n{report}")
+
+    def _worker_died(self, i: int, when: str) -> LoaderError:
+        """The error for worker ``i`` having exited: the one it sent, if any."""
+        self._receive(i)  # raises the worker's own report when it sent one
+        process = self._workers[i]
+        return LoaderError(
+            f"loader worker {i} (pid {process.pid}) "
+            f"{lifecycle.describe_exit(process.exitcode)} {when}"
+        )
+
+    def _from_workers(self, seq: int) -> Any:
+        started = time.monotonic()
+        while seq not in self._buffer:
+            for region in self._regions:
+                if region is not None and region.pending:
+                    region.flush()
+            self._check(seq, started)
+            conns: dict[Any, int] = {self._conns[i]: i for i in self._open}
+            sentinels = {
+                p.sentinel: i for i, p in enumerate(self._workers) if i not in self._exited
+            }
+            if not conns and not sentinels:
+                raise LoaderError(f"every loader worker exited before batch {seq} arrived")
+            ready = multiprocessing.connection.wait([*conns, *sentinels], timeout=_POLL_S)
+            # Pipes before exits: a worker's last words arrive before its death is reported.
+            for obj in sorted(ready, key=lambda o: isinstance(o, int)):
+                if isinstance(obj, int):
+                    i = sentinels[obj]
+                    process = self._workers[i]
+                    process.join(1.0)  # the sentinel fires just before the exit is reapable
+                    if process.exitcode is None:
+                        continue
+                    if process.exitcode != 0:
+                        raise self._worker_died(i, f"while batch {seq} was awaited")
+                    self._exited.add(i)
+                else:
+                    self._receive(conns[obj])
+        tag, payload = self._buffer.pop(seq)
+        if tag == "err":
+            raise WorkerError(
+                f"transform or collate_fn raised in a loader worker on batch {seq}:\n{payload}"
+            )
+        return payload
+
+    # ---- shutdown ----
+
+    def close(self) -> None:
+        """Stops the producer and workers (killing those that do not exit within seconds),
+        removes the segments and keeps the state at what the loop received."""
+        self.shutdown(lifecycle.EXIT_GRACE_S)
+
+    def shutdown(self, grace: float) -> None:
+        """Sets the stop flag and wakes every party; waits up to ``grace`` seconds in all for
+        the children to exit, then SIGKILLs the rest. No wait is unbounded."""
+        if self._closed or os.getpid() != self._owner:
+            return
+        self._closed = True
+        lifecycle.open_passes.discard(self)
+        ring = self._ring
+        if ring is not None:
+            ring.stop()
+        if self._held is not None:
+            held, self._held = self._held, None
+            # Still exported: that mapping lives on with its user; the ring is done anyway.
+            with contextlib.suppress(LoaderError):
+                held.release()
+        for conn in self._conns:
+            conn.close()
+        lifecycle.stop_children(self._workers, self._producer, grace)
+        for region in self._regions:
+            if region is not None:
+                region.close()
+        self._regions = []
+        if ring is not None:
+            ring.unlink()
+            self._plan.end_pass(ring)
+        self._buffer.clear()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._ring = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,188 @@
+"""The loader's face: :class:`DataLoader` checks its options and holds the plan
+(``_native.LoaderPlan``, the Rust pass plan), which decides every pass, the epochs and the
+state; each ``iter(loader)`` runs a pass (:mod:`.passes`)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sys
+from collections.abc import Callable
+from multiprocessing.context import BaseContext
+from typing import TYPE_CHECKING, Any
+
+from dataset_rt import _native
+from dataset_rt._loader import results
+from dataset_rt._loader.passes import LoaderIterator
+from dataset_rt._native import CachedSample, ConfigError
+
+if TYPE_CHECKING:
+    from dataset_rt._dataset import Dataset
+
+__all__ = ["DataLoader"]
+
+# Seconds a live producer or worker may show no sign of life before the loop gives up on it.
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0
+
+
+def _context(value: str | BaseContext | None) -> Any:
+    # Any: typeshed's BaseContext lacks Process, which every concrete context has.
+    if value is None:
+        # Python's default; where that is forkserver (Linux from 3.14), spawn instead.
+        default = multiprocessing.get_start_method()
+        return multiprocessing.get_context(default if default in ("fork", "spawn") else "spawn")
+    method = value if isinstance(value, str) else value.get_start_method()
+    if method not in ("fork", "spawn"):
+        raise ConfigError(
+            f"invalid DataLoader.multiprocessing_context: {method!r}; use 'fork' or 'spawn'"
+        )
+    return multiprocessing.get_context(method) if isinstance(value, str) else value
+
+
+class DataLoader:
+    """Batches of a :class:`~dataset_rt.Dataset` through the shared-memory loader (Linux).
+
+    - ``batch_size``: samples per batch; the last may be short unless ``drop_last``. The only
+      argument besides ``dataset`` that may be given by position.
+    - ``num_workers``: processes running ``transform`` (per sample) and ``collate_fn`` (per
+      batch); ``0`` runs them in the training process on zero-copy views.
+    - ``collate_fn``: ``None`` yields each batch as a list.
+    - ``prefetch_factor``: ring slots per worker (at least 2 slots in all, plus one with
+      ``num_workers=0``): how far the producer may run ahead of the training loop.
+    - With ``num_workers=0``, ``sample.data`` views stay valid as long as they are referenced
+      (a batch kept past the next one is copied once when its slot is reused).
+    - ``slot_size_bytes``: bytes of one slot; ``None`` sizes slots from the data, so that a
+      batch of the dataset's largest samples fits. A batch that does not fit an explicit size
+      raises ``LoaderError`` naming both sizes (it is never truncated).
+    - ``multiprocessing_context``: ``"fork"``, ``"spawn"`` or a context; ``None`` = Python's.
+    - ``timeout``: seconds to wait for one batch (``0`` = no limit).
+    - ``heartbeat_timeout``: seconds the producer or a worker may show no sign of life (stopped,
+      hung) before ``LoaderError``; a slow ``transform`` is no such sign (see ``timeout``).
+    - ``worker_init_fn``: called with the worker index at the start of each worker.
+    - ``producer_threads``: threads of the producer process that read, verify and decompress
+      samples ahead of the batch being written (up to ``ReaderConfig.prefetch_size`` samples and
+      64 MiB of decompressed LZ4 payloads); ``None`` = ``min(4, available cores)``. Batches keep
+      the global order whatever the count.
+    - ``result_bytes``: shared memory for the workers' results, split evenly among them
+      (``None`` = 1 GiB; ``0`` pickles every result instead). Buffers in results travel through
+      it without copies in the training process; see the module's notes on their lifetime.
+    - ``persistent_workers``: keep the producer, the workers, the ring and the result memory
+      between epochs (needs ``num_workers > 0``, as torch's); they stop with :meth:`close`,
+      ``with``, the loader's deletion or the interpreter's exit. A pass left before its end
+      (``break``) is closed at the next ``iter(loader)``, which starts a fresh pipeline.
+
+    Each ``iter(loader)`` is one epoch (the next one, or the one a loaded state resumes).
+    :meth:`state_dict` reflects the batches the training loop has received.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int = 1,
+        *,
+        num_workers: int = 0,
+        transform: Callable[[CachedSample], Any] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        drop_last: bool = False,
+        prefetch_factor: int = 2,
+        slot_size_bytes: int | None = None,
+        multiprocessing_context: str | BaseContext | None = None,
+        timeout: float = 0.0,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        worker_init_fn: Callable[[int], None] | None = None,
+        producer_threads: int | None = None,
+        result_bytes: int | None = None,
+        persistent_workers: bool = False,
+    ) -> None:
+        # /dev/shm, futexes and prctl: checked first, before anything else could fail oddly.
+        if not sys.platform.startswith("linux"):
+            raise ConfigError("the shared-memory loader needs Linux")
+        from dataset_rt._dataset import require_dataset
+
+        require_dataset(dataset, "dataset_rt.DataLoader")
+        checks = [
+            ("batch_size", batch_size, 1),
+            ("num_workers", num_workers, 0),
+            ("prefetch_factor", prefetch_factor, 1),
+        ]
+        if slot_size_bytes is not None:
+            checks.append(("slot_size_bytes", slot_size_bytes, 1))
+        if result_bytes is not None:
+            checks.append(("result_bytes", result_bytes, 0))
+        for name, value, low in checks:
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"invalid DataLoader.{name}: {value!r} is not an int >= {low}")
+        if not isinstance(persistent_workers, bool):
+            raise ConfigError(
+                f"invalid DataLoader.persistent_workers: {persistent_workers!r} is not a bool"
+            )
+        if persistent_workers and num_workers == 0:
+            # torch's own check and words.
+            raise ConfigError("persistent_workers option needs num_workers > 0")
+        if timeout < 0:
+            raise ConfigError(f"invalid DataLoader.timeout: {timeout!r} is negative")
+        if (
+            isinstance(heartbeat_timeout, bool)
+            or not isinstance(heartbeat_timeout, (int, float))
+            or not heartbeat_timeout > 0  # NaN included
+        ):
+            raise ConfigError(
+                f"invalid DataLoader.heartbeat_timeout: {heartbeat_timeout!r} is not positive"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.transform = transform
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self.prefetch_factor = prefetch_factor
+        self.slot_size_bytes = slot_size_bytes
+        self.timeout = timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.worker_init_fn = worker_init_fn
+        self.persistent_workers = persistent_workers
+        self.result_bytes = results.DEFAULT_RESULT_BYTES if result_bytes is None else result_bytes
+        self._context = _context(multiprocessing_context)
+        self._plan = _native.LoaderPlan(dataset._native, batch_size, drop_last, producer_threads)
+        self.producer_threads = self._plan.producer_threads
+        self._iterator: LoaderIterator | None = None
+
+    def __iter__(self) -> LoaderIterator:
+        iterator = self._iterator
+        if iterator is not None and iterator.persistent and iterator._restart():
+            return iterator
+        self.close()
+        self._iterator = LoaderIterator(self)
+        return self._iterator
+
+    def __len__(self) -> int:
+        """Batches per epoch of this rank."""
+        return len(self._plan)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Makes the next ``iter(loader)`` read ``epoch`` from its start; the state describes
+        that start from now on (``ConfigError`` for a negative epoch)."""
+        self._plan.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dataset's state format at the batches the training loop has received: resume it
+        with another ``num_workers``, ``batch_size`` or world size."""
+        state: dict[str, Any] = json.loads(self._plan.state_json())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes the next ``iter(loader)`` continue at the exact next sample of ``state``."""
+        self._plan.load_state_json(json.dumps(state))
+
+    def close(self) -> None:
+        """Stops the current pass's processes (with ``persistent_workers``, the pipeline's)
+        and removes its segments."""
+        if self._iterator is not None:
+            self._iterator.close()
+            self._iterator = None
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,72 @@
+"""The slot side of the ring, as Python sees it (the Rust slot codec writes the slots): maps
+of one batch's slot, for a worker (:class:`BatchViews`) and for the training process at
+``num_workers=0`` (:class:`SlotMap`)."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+from typing import Any
+
+from dataset_rt._native import LoaderError
+
+SHM_DIR = "/dev/shm"
+
+
+def open_ring(name: str) -> int:
+    """A descriptor of the ring segment ``name``, whose slots are mapped one batch at a time."""
+    return os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+
+
+class BatchViews:
+    """One batch's zero-copy views: slices of a Python-owned ``mmap`` of just its slot (abi3
+    has no buffer protocol for Rust). Releasing unmaps it, so a kept view raises ValueError
+    and nothing can ever read the slot once it is reused."""
+
+    __slots__ = ("map", "seq", "views", "whole")
+
+    def __init__(self, fd: int, seq: int, slot_offset: int, used: int, entries: list[Any]) -> None:
+        self.seq = seq
+        self.map = mmap.mmap(fd, used, offset=slot_offset, access=mmap.ACCESS_READ)
+        self.whole = memoryview(self.map)
+        self.views = [self.whole[offset : offset + length] for offset, length, _ in entries]
+
+    def release(self) -> None:
+        """Raises LoaderError when something still exports the slot (numpy.frombuffer of a
+        view, say): the slot is then not handed back."""
+        for attempt in range(2):
+            try:
+                for view in self.views:
+                    view.release()
+                self.whole.release()
+                self.map.close()
+                return
+            except BufferError:
+                if attempt == 0:
+                    gc.collect()
+        raise LoaderError(
+            f"a view of batch {self.seq} is still exported (for example numpy.frombuffer of "
+            "sample.data is alive) when its ring slot must be reused: copy the bytes "
+            "(bytes(sample.data), numpy.array(...)) if they must outlive the batch"
+        )
+
+
+class SlotMap:
+    """The training process's map of one delivered batch's slot (``num_workers=0``): the batch's
+    ``sample.data`` views are slices of it, and it is Python's, so they keep it alive."""
+
+    __slots__ = ("map", "seq")
+
+    def __init__(self, seq: int, slot_map: mmap.mmap) -> None:
+        self.seq = seq
+        self.map = slot_map
+
+    def release(self) -> bool:
+        """Unmaps the slot unless something still references the map (a view, a buffer made
+        from one such as ``numpy.frombuffer``); says whether it did."""
+        try:
+            self.map.close()
+        except BufferError:
+            return False
+        return True

@@ -1,0 +1,120 @@
+"""The loader's worker processes (consumers): each takes tickets, runs the user's ``transform``
+and ``collate_fn`` on zero-copy views of a slot, writes the result's buffers into its result
+memory (:mod:`.results`), sends the skeleton and releases the slot."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.connection
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from dataset_rt import _native
+from dataset_rt._loader import results, signals, slots
+from dataset_rt._native import CachedSample, LoaderError, RingClosed
+
+
+def apply(
+    samples: list[CachedSample],
+    transform: Callable[[CachedSample], Any] | None,
+    collate_fn: Callable[[list[Any]], Any] | None,
+) -> Any:
+    items: list[Any] = samples if transform is None else [transform(s) for s in samples]
+    return items if collate_fn is None else collate_fn(items)
+
+
+def consumer_main(
+    ctl_name: str,
+    index: int,
+    owner_pid: int,
+    transform: Callable[[CachedSample], Any] | None,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    worker_init_fn: Callable[[int], None] | None,
+    conn: multiprocessing.connection.Connection,
+    region: tuple[Any, int, Any] | None = None,
+    persistent: bool = False,
+) -> None:
+    """A consumer process: takes tickets, runs the user's functions on zero-copy views, sends
+    results (their buffers written to ``region``, the worker's result memory), releases slots.
+    Exits with code 0 when the pass ends (``persistent``: waits for the next pass instead), on
+    close, or with its owner. Anything else that ends
+    it early (a parent that is not the owner, ``worker_init_fn`` raised, a protocol error) is
+    sent to the training loop as ``("fatal", index, (stage, traceback))`` before it exits with
+    code 1."""
+    # The training script's handlers (a SIGTERM handler that ignores the signal) are not ours.
+    signals.reset_inherited()
+    try:
+        _native.set_parent_death_signal(owner_pid)
+    except RingClosed:
+        # Never attached, so a silent exit could leave the loop waiting for it: say why.
+        with contextlib.suppress(OSError):
+            conn.send_bytes(results.dumps(("fatal", index, ("loader", traceback.format_exc()))))
+        sys.exit(1)
+    stage = "loader"
+    try:
+        ring = _native.RingHandle.attach(ctl_name, index)
+        fd = slots.open_ring(ring.ring_name)
+        ring.mark_attached()
+        writer = None if region is None else results.RegionWriter(*region)
+        if worker_init_fn is not None:
+            stage = "worker_init_fn"
+            worker_init_fn(index)
+            stage = "loader"
+        while consume(ring, fd, transform, collate_fn, conn, writer) and persistent:
+            ring.wait_next_pass()  # RingClosed once stopped or orphaned
+        os.close(fd)
+        ring.retire()
+    except RingClosed:
+        return  # stopped, the owner is gone, or the producer failed: the training loop knows
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.send_bytes(results.dumps(("fatal", index, (stage, traceback.format_exc()))))
+        sys.exit(1)
+
+
+def consume(
+    ring: _native.RingHandle,
+    fd: int,
+    transform: Callable[[CachedSample], Any] | None,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    conn: multiprocessing.connection.Connection,
+    writer: results.RegionWriter | None,
+) -> bool:
+    """Processes the pass's tickets; says whether the pass ended (``False``: stop now)."""
+    while (seq := ring.take_ticket()) is not None:
+        entries = None
+        while entries is None:
+            entries = ring.wait_batch(seq, 1.0)
+        slot_offset, used, items = entries
+        views = slots.BatchViews(fd, seq, slot_offset, used, items)
+        try:
+            samples = [
+                CachedSample(v, meta) for v, (_, _, meta) in zip(views.views, items, strict=True)
+            ]
+            if writer is None:
+                message = results.dumps(("ok", seq, apply(samples, transform, collate_fn)))
+            else:
+                writer.begin()
+                with results.writing(writer):
+                    result = apply(samples, transform, collate_fn)
+                    message = writer.encode(seq, result)
+        except BaseException:
+            if writer is not None:
+                writer.arena.abort()
+            message = results.dumps(("err", seq, traceback.format_exc()))
+        # Everything that could reference the slot is gone before it is handed back.
+        samples = result = []
+        try:
+            views.release()
+        except LoaderError:
+            conn.send_bytes(results.dumps(("err", seq, traceback.format_exc())))
+            return False
+        ring.release(seq)
+        try:
+            conn.send_bytes(message)
+        except OSError:  # the training loop closed its end: it is shutting down
+            return False
+    return True
