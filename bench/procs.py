@@ -57,6 +57,24 @@ def pss_of(pid: int) -> int:
     return 0
 
 
+PSS_PARTS = ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")
+
+
+def pss_parts_of(pid: int) -> dict[str, int]:
+    """``pid``'s PSS in bytes and its anonymous, file-backed and shared-memory parts
+    (``smaps_rollup``'s ``Pss_*`` lines); zeros for a process that is gone."""
+    parts = dict.fromkeys(PSS_PARTS, 0)
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in parts:
+                    parts[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return dict.fromkeys(PSS_PARTS, 0)
+    return parts
+
+
 class TreeSampler(threading.Thread):
     """Every 50 ms: the tree's summed RSS (cheap: ``statm``). Every 20th time (1 s) also its
     summed PSS: ``smaps_rollup`` makes the kernel walk every mapping, ~13 ms for a process that
