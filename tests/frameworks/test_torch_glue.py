@@ -13,8 +13,6 @@ from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 import dataset_rt.torch  # noqa: E402
 from dataset_rt import ConfigError, DatasetRuntime, ReaderConfig  # noqa: E402
 
-pytestmark = pytest.mark.torch
-
 
 @pytest.fixture
 def dataset(tmp_path):
@@ -36,6 +34,7 @@ def new_loader(dataset):
     )
 
 
+@pytest.mark.torch
 def test_the_sampler_is_the_rank_split_and_cannot_be_iterated(dataset):
     with new_loader(dataset) as loader:
         sampler = loader.sampler
@@ -48,6 +47,7 @@ def test_the_sampler_is_the_rank_split_and_cannot_be_iterated(dataset):
             iter(sampler)
 
 
+@pytest.mark.torch
 def test_sampler_set_epoch_keeps_a_loaded_mid_epoch_state(dataset):
     with new_loader(dataset) as loader:
         epoch0, epoch1 = ids(loader), ids(loader)
@@ -67,6 +67,7 @@ def test_sampler_set_epoch_keeps_a_loaded_mid_epoch_state(dataset):
         assert ids(loader) == epoch0
 
 
+# Not marked `torch`: it skips without torchdata (required under DATASET_RT_REQUIRE_FRAMEWORKS=1).
 def test_follows_the_stateful_dataloader_protocol(dataset):
     stateful = require("torchdata.stateful_dataloader")
     with new_loader(dataset) as loader:
