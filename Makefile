@@ -30,8 +30,8 @@ DOCS_REQUIREMENT := mkdocs-material>=9.5,<10
 WHEEL_TEST_DIR := dist/wheel-test
 WHEEL_TEST_PYTHONS ?= 3.10 3.11 3.12 3.13
 
-.PHONY: install build release build-all wheel-test lint docs test ci demo bench clean fuzz \
-	fuzz-ci fuzz-install soak
+.PHONY: install build release build-all wheel-test lint docs test test-frameworks ci demo bench \
+	clean fuzz fuzz-ci fuzz-install soak
 
 ## install: toolchain prerequisites, Python deps (runtime, test, dev, examples; torch once), then
 ## the build
@@ -100,6 +100,15 @@ docs:
 test:
 	cargo nextest run --workspace --cargo-profile $(CARGO_PROFILE) --no-fail-fast
 	$(PYTHON) -m pytest
+
+## test-frameworks: the tests under Lightning, Accelerate and Ray Train (tests/frameworks),
+## installing the `lightning`, `accelerate` and `ray` extras first (torch itself is not
+## replaced); a framework that cannot be imported fails the run instead of skipping
+FRAMEWORK_REQUIREMENTS := 'lightning>=2.6,<3' 'accelerate>=1.15,<2' 'torchdata>=0.11' \
+	'ray[train]>=2.60,<3'
+test-frameworks:
+	$(PIP) install $(FRAMEWORK_REQUIREMENTS)
+	DATASET_RT_REQUIRE_FRAMEWORKS=1 $(PYTHON) -m pytest tests/frameworks
 
 ## ci: what CI runs (.ci/run), in order, stopping at the first failure
 ci:

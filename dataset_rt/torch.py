@@ -5,6 +5,10 @@ never does.
   as a sized ``IterableDataset`` for torch's own ``DataLoader`` (``num_workers=0``).
 - :class:`DataLoader`: the shared-memory loader as a real ``torch.utils.data.DataLoader``
   (``isinstance`` checks pass, ``len()`` is batches per epoch).
+- Training frameworks (Lightning, Accelerate, Ray Train) take :class:`DataLoader` as it is:
+  its ``sampler`` is a ``DistributedSampler`` that describes the loader's own rank split, so
+  nothing shards it again, and ``Accelerator.prepare`` hands it back unchanged
+  (docs/frameworks.md).
 - Batches of :class:`~dataset_rt.CachedSample` collate under torch's own ``default_collate``
   (registered in torch's collate map on import) and under :func:`default_collate`, to the same
   structure: ``{"data": [payload, ...], "metadata": {field: tensor or list of str}}``.
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.data
+import torch.utils.data.distributed
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from dataset_rt import _loader
@@ -174,6 +179,46 @@ def default_collate(batch: list[Any]) -> Any:
     return collate(batch, collate_fn_map=_COLLATE_FN_MAP)
 
 
+class _RankSplit(torch.utils.data.distributed.DistributedSampler):  # type: ignore[type-arg]
+    """What ``DataLoader.sampler`` shows torch code: the split the loader already makes, the
+    dataset's rank and world size, as a ``DistributedSampler``. Frameworks that shard a loader by
+    giving it one (Lightning's ``use_distributed_sampler``, Ray Train's ``prepare_data_loader``)
+    see it is done and leave the loader alone; ``set_epoch`` is the loader's. It is never
+    iterated: the order is the producer's, read in the loader's own ``__iter__``.
+    """
+
+    def __init__(self, loader: _loader.DataLoader) -> None:
+        # Not DistributedSampler.__init__: it asks torch.distributed, and the dataset knows.
+        dataset = loader.dataset
+        state = loader.state_dict()
+        self._loader = loader
+        self.dataset = dataset  # type: ignore[assignment]
+        self.num_replicas = dataset.world_size
+        self.rank = dataset.rank
+        self.epoch = int(state["epoch"])
+        self.shuffle = bool(state["shuffle"])
+        self.seed = int(state["seed"])
+        self.num_samples = len(dataset)
+        self.total_size = self.num_samples * self.num_replicas
+
+    def __iter__(self) -> Iterator[int]:
+        raise ConfigError(
+            "the sampler of dataset_rt.torch.DataLoader only describes its rank split and "
+            "cannot be iterated: iterate the loader itself, which reads the dataset's order"
+        )
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Makes the loader read ``epoch``, unless that is the epoch its state is already in:
+        frameworks call this at each epoch's start, also right after loading a mid-epoch state,
+        which must then be kept."""
+        self.epoch = epoch
+        if self._loader.state_dict()["epoch"] != epoch:
+            self._loader.set_epoch(epoch)
+
+
 class _WorkerInit:
     """What torch's workers do first: one intra-op thread each (the workers are the
     parallelism; more threads only fight over the cores), then the user's ``worker_init_fn``."""
@@ -198,7 +243,17 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     ``batch_sampler`` are refused. ``persistent_workers=True`` keeps the producer, the workers
     and the ring between epochs. ``generator`` is not used. ``pin_memory`` pins on CUDA;
     without it, a warning (as torch gives) and no pinning.
+
+    ``sampler`` is a ``DistributedSampler`` describing the dataset's rank split (it cannot be
+    iterated), and ``Accelerator.prepare`` returns the loader unchanged: see
+    docs/frameworks.md. ``state_dict``/``load_state_dict`` follow torchdata's
+    ``StatefulDataLoader``: a state taken mid-epoch resumes at the next batch, one taken after
+    an epoch's last batch starts the next epoch.
     """
+
+    # Accelerate's own marker of a loader it already prepared: `Accelerator.prepare` returns
+    # it as it is instead of re-creating it with a second rank split (or a dispatcher).
+    _is_accelerate_prepared = True
 
     def __init__(
         self,
@@ -254,10 +309,12 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             persistent_workers=persistent_workers,
         )
         # torch's own constructor validates its arguments and sets the attributes frameworks
-        # read (batch_size, num_workers, pin_memory, ...); its sampler is never iterated.
+        # read (batch_size, num_workers, pin_memory, sampler, ...); the sampler is never
+        # iterated.
         super().__init__(
             dataset,  # type: ignore[arg-type]
             batch_size=batch_size,
+            sampler=_RankSplit(self._shm),
             num_workers=num_workers,
             collate_fn=collate_batch,
             pin_memory=pin_memory,

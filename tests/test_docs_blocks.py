@@ -6,6 +6,8 @@ defined), in a fresh working directory, with the stand-ins of tests/docs_standin
 neither a forge nor the docs site shows, says how to treat it:
 
 - `<!-- docs-test: signature -->`: a signature or an outline, not meant to run: skipped;
+- `<!-- docs-test: launched -->`: a whole script that a training framework launches in several
+  processes (docs/frameworks.md): skipped here, run by tests/frameworks/test_docs_scripts.py;
 - `<!-- docs-test: torch -->`: needs PyTorch; it runs where torch is installed, and otherwise the
   page's test is skipped after its other blocks (CI, which requires torch, fails on that skip).
 """
@@ -26,7 +28,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>.*)$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<kind>[\w-]+)\s*-->\s*$")
-KINDS = {"signature", "torch"}
+KINDS = {"launched", "signature", "torch"}
 USES_TORCH = re.compile(r"\btorch\.|\bimport torch\b|\bdataset_rt\.torch\b|to_torch_iterable")
 
 
@@ -137,7 +139,7 @@ def test_python_blocks_run(page, tmp_path, monkeypatch):
     try:
         for block in python_blocks(page):
             where = f"{page.relative_to(ROOT)}:{block.line}"
-            if block.kind == "signature":
+            if block.kind in ("signature", "launched"):
                 continue
             if block.kind == "torch" and not have_torch:
                 not_run.append(where)

@@ -1,0 +1,88 @@
+"""What frameworks see of dataset_rt.torch.DataLoader, checked in one process: its sampler
+describes the rank split, and its state follows torchdata's StatefulDataLoader protocol."""
+
+from __future__ import annotations
+
+import pytest
+from framework_helpers import require
+
+torch = require("torch")
+import jobs_common as common  # noqa: E402 (after the skip: it imports torch)
+from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+
+import dataset_rt.torch  # noqa: E402
+from dataset_rt import ConfigError, DatasetRuntime, ReaderConfig  # noqa: E402
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    common.write_cache(tmp_path)
+    with DatasetRuntime(num_workers=1) as runtime:
+        config = ReaderConfig(seed=common.SEED, rank=1, world_size=2)
+        result = runtime.open_caches(common.CACHE, tmp_path, reader_config=config)
+        assert result.dataset is not None
+        yield result.dataset
+
+
+def ids(loader) -> list[list[int]]:
+    return [batch[2].tolist() for batch in loader]
+
+
+def new_loader(dataset):
+    return dataset_rt.torch.DataLoader(
+        dataset, batch_size=common.BATCH_SIZE, transform=common.to_example
+    )
+
+
+@pytest.mark.torch
+def test_the_sampler_is_the_rank_split_and_cannot_be_iterated(dataset):
+    with new_loader(dataset) as loader:
+        sampler = loader.sampler
+        assert isinstance(sampler, DistributedSampler)
+        assert (sampler.rank, sampler.num_replicas) == (1, 2)
+        assert (sampler.seed, sampler.shuffle) == (common.SEED, True)
+        assert len(sampler) == len(dataset) == 20  # 39 samples, one of padding
+        assert loader.batch_sampler.sampler is sampler
+        with pytest.raises(ConfigError, match="iterate the loader itself"):
+            iter(sampler)
+
+
+@pytest.mark.torch
+def test_sampler_set_epoch_keeps_a_loaded_mid_epoch_state(dataset):
+    with new_loader(dataset) as loader:
+        epoch0, epoch1 = ids(loader), ids(loader)
+        assert epoch0 != epoch1
+    with new_loader(dataset) as loader:
+        batches = iter(loader)
+        next(batches)
+        next(batches)
+        state = loader.state_dict()
+    with new_loader(dataset) as loader:
+        loader.load_state_dict(state)
+        loader.sampler.set_epoch(0)  # what Lightning does at each epoch's start
+        assert ids(loader) == epoch0[2:]
+        loader.sampler.set_epoch(1)  # the state is in epoch 1 now: nothing changes
+        assert ids(loader) == epoch1
+        loader.sampler.set_epoch(0)  # another epoch: read it from its start
+        assert ids(loader) == epoch0
+
+
+# Not marked `torch`: it skips without torchdata (required under DATASET_RT_REQUIRE_FRAMEWORKS=1).
+def test_follows_the_stateful_dataloader_protocol(dataset):
+    stateful = require("torchdata.stateful_dataloader")
+    with new_loader(dataset) as loader:
+        assert isinstance(loader, stateful.Stateful)
+        epoch0, epoch1 = ids(loader), ids(loader)
+    # As StatefulDataLoader: a state taken mid-epoch resumes at the next batch ...
+    with new_loader(dataset) as loader:
+        batches = iter(loader)
+        next(batches)
+        middle = loader.state_dict()
+        rest = [batch[2].tolist() for batch in batches]
+        # ... and one taken after the epoch's last batch starts the next epoch.
+        end = loader.state_dict()
+    assert rest == epoch0[1:]
+    for state, expected in ((middle, epoch0[1:]), (end, epoch1)):
+        with new_loader(dataset) as loader:
+            loader.load_state_dict(state)
+            assert ids(loader) == expected
