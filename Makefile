@@ -45,7 +45,7 @@ install:
 	$(PIP) install 'maturin>=1.7,<2'
 	@# The `torch` extra is a CUDA build of several GB: install it once per machine.
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install 'torch>=2.1'
-	$(BUILD_EXTENSION) '.[test,dev,examples,view]'
+	$(BUILD_EXTENSION) '.[test,dev,examples,view,lightning,accelerate,ray]'
 
 ## build: rebuild the extension in place after a Rust change (same build as `install`)
 build:
