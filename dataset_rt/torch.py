@@ -27,6 +27,7 @@ import torch.utils.data.distributed
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from dataset_rt import _loader
+from dataset_rt._loader import passes as _loader_passes
 from dataset_rt._loader import results
 from dataset_rt._native import CachedSample, ConfigError
 
@@ -219,6 +220,31 @@ class _RankSplit(torch.utils.data.distributed.DistributedSampler):  # type: igno
             self._loader.set_epoch(epoch)
 
 
+def _lightning_index_wrapper(batch_sampler: Any) -> bool:
+    """Whether ``batch_sampler`` is the index-recording wrapper ``Trainer.predict`` puts around
+    a loader's batch sampler (lightning.pytorch.overrides.distributed), without importing
+    Lightning."""
+    cls = type(batch_sampler)
+    return cls.__name__ == "_IndexBatchSamplerWrapper" and cls.__module__.split(".")[0] in (
+        "lightning",
+        "pytorch_lightning",
+    )
+
+
+def _predict_split(dataset: Dataset, wrapper: Any) -> _RankSplit:
+    """The rank split inside Lightning's prediction wrapper: that of a loader of this dataset,
+    re-created with it; ``ConfigError`` for anything else."""
+    inner = getattr(wrapper, "_batch_sampler", None)
+    split = getattr(inner, "sampler", None)
+    if not isinstance(split, _RankSplit) or split._loader.dataset is not dataset:
+        raise ConfigError(
+            "dataset_rt.torch.DataLoader takes Lightning's prediction batch sampler only around "
+            "the rank split of a dataset_rt.torch.DataLoader of the same dataset (what "
+            f"Trainer.predict makes of one); got one around {type(split).__name__}"
+        )
+    return split
+
+
 class _WorkerInit:
     """What torch's workers do first: one intra-op thread each (the workers are the
     parallelism; more threads only fight over the cores), then the user's ``worker_init_fn``."""
@@ -240,9 +266,10 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     ``result_bytes``; collates with
     :func:`default_collate` (torch's, plus ``CachedSample``) unless given ``collate_fn``. The
     order is the dataset's (``ReaderConfig(seed=, shuffle=)``), so ``shuffle``, ``sampler`` and
-    ``batch_sampler`` are refused. ``persistent_workers=True`` keeps the producer, the workers
-    and the ring between epochs. ``generator`` is not used. ``pin_memory`` pins on CUDA;
-    without it, a warning (as torch gives) and no pinning.
+    ``batch_sampler`` are refused (except Lightning's prediction wrapper around the loader's own
+    rank split, whose record of batch indices the loader fills). ``persistent_workers=True``
+    keeps the producer, the workers and the ring between epochs. ``generator`` is not used.
+    ``pin_memory`` pins on CUDA; without it, a warning (as torch gives) and no pinning.
 
     ``sampler`` is a ``DistributedSampler`` describing the dataset's rank split (it cannot be
     iterated), and ``Accelerator.prepare`` returns the loader unchanged: see
@@ -283,6 +310,16 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         from dataset_rt._dataset import require_dataset
 
         require_dataset(dataset, "dataset_rt.torch.DataLoader")
+        # Lightning's Trainer.predict re-creates the loader with its batch sampler wrapped in
+        # one that records each batch's indices: take the batch size from it, and fill the
+        # record from what the producer delivers (see __iter__).
+        self._index_recorder: Any = None
+        resumed_from: _RankSplit | None = None
+        if batch_sampler is not None and _lightning_index_wrapper(batch_sampler):
+            resumed_from = _predict_split(dataset, batch_sampler)
+            inner = batch_sampler._batch_sampler
+            batch_size, drop_last = int(inner.batch_size), bool(inner.drop_last)
+            self._index_recorder, batch_sampler = batch_sampler, None
         if shuffle or sampler is not None or batch_sampler is not None:
             raise ConfigError(
                 "dataset_rt.torch.DataLoader reads the dataset's own order: set seed/shuffle in "
@@ -308,13 +345,31 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             result_bytes=result_bytes,
             persistent_workers=persistent_workers,
         )
+        # Frameworks that re-create a loader from its attributes (Lightning, for a loader made
+        # outside its hooks) find these arguments too.
+        self.transform = transform
+        self.slot_size_bytes = slot_size_bytes
+        self.heartbeat_timeout = heartbeat_timeout
+        self.producer_threads = producer_threads
+        self.result_bytes = result_bytes
+        split = _RankSplit(self._shm)
+        batch_sampler_arg: Any = None
+        if resumed_from is not None:
+            # The re-created loader reads on from where the loader it replaces stands.
+            self._shm.load_state_dict(resumed_from._loader.state_dict())
+            recorder = self._index_recorder
+            recorder._batch_sampler = torch.utils.data.BatchSampler(split, batch_size, drop_last)
+            recorder.sampler = split
+            recorder.batch_size, recorder.drop_last = batch_size, drop_last
+            batch_sampler_arg, batch_size, drop_last = recorder, 1, False
         # torch's own constructor validates its arguments and sets the attributes frameworks
         # read (batch_size, num_workers, pin_memory, sampler, ...); the sampler is never
         # iterated.
         super().__init__(
             dataset,  # type: ignore[arg-type]
             batch_size=batch_size,
-            sampler=_RankSplit(self._shm),
+            batch_sampler=batch_sampler_arg,
+            sampler=split if batch_sampler_arg is None else None,
             num_workers=num_workers,
             collate_fn=collate_batch,
             pin_memory=pin_memory,
@@ -328,7 +383,9 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         )
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        batches = iter(self._shm)
+        batches: Iterator[Any] = iter(self._shm)
+        if self._index_recorder is not None:
+            batches = self._recording(batches)
         if self.pin_memory and not torch.cuda.is_available():
             # What torch's DataLoader does without an accelerator: say so, do not pin.
             warnings.warn(
@@ -339,6 +396,16 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         if not (self.pin_memory and torch.cuda.is_available()):
             return batches
         return self._pinned(batches)
+
+    def _recording(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Lightning's record of the pass's batches: each batch's global sample indices (rows
+        of ``samples_metadata()``, padding included), as the producer wrote them."""
+        recorder = self._index_recorder
+        recorder.seen_batch_indices = []
+        assert isinstance(batches, _loader_passes.LoaderIterator)
+        for batch in batches:
+            recorder.seen_batch_indices.append(list(batches.last_indices))
+            yield batch
 
     def _pinned(self, batches: Iterator[Any]) -> Iterator[Any]:
         from torch.utils.data._utils.pin_memory import pin_memory

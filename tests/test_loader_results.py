@@ -252,7 +252,7 @@ def test_torch_default_collate_stacks_into_result_memory_once(dataset):
         with results.writing(writer):
             stacked = default_collate(parts)
             assert writer.owned(stacked.data_ptr(), stacked.nbytes) is not None
-            message = writer.encode(0, stacked)
+            message = writer.encode(0, stacked, list(range(8)))
         assert sizes == [8 * 16 * 4]  # the stack's one write; encoding copied nothing
         assert torch.equal(stacked, torch.stack(parts))
         assert len(message) < 400  # the skeleton only

@@ -68,7 +68,10 @@ class LoaderIterator(Iterator[Any]):
         # Workers whose pipe is still open, and those that exited cleanly (pass done).
         self._open: set[int] = set()
         self._exited: set[int] = set()
-        self._buffer: dict[int, tuple[str, Any]] = {}
+        self._buffer: dict[int, tuple[str, Any, list[int]]] = {}
+        # The global indices (rows of samples_metadata) of the batch delivered last, as the
+        # producer wrote them into its slot.
+        self.last_indices: list[int] = []
         self._fd: int | None = None
         # num_workers=0: the batch delivered last, and the one before it if it was still
         # referenced when the next was asked for (see _release_held).
@@ -310,9 +313,11 @@ class LoaderIterator(Iterator[Any]):
         while taken is None:
             self._check(seq, started)
             taken = ring.take_batch(seq, _POLL_S, fd)
-        slot_map, samples = taken
+        slot_map, samples, indices = taken
         self._held = slots.SlotMap(seq, slot_map)
-        return workers.apply(samples, self._transform, self._collate_fn)
+        batch = workers.apply(samples, self._transform, self._collate_fn)
+        self.last_indices = indices
+        return batch
 
     def _release_held(self) -> None:
         """Hands back the slots of the batches the loop has moved past (``num_workers=0``).
@@ -352,7 +357,7 @@ class LoaderIterator(Iterator[Any]):
             except EOFError:
                 self._open.discard(i)
                 return
-            tag, t, payload = pickle.load(stream)
+            tag, t, payload, indices = pickle.load(stream)
             if tag == "fatal":
                 raise self._worker_failed(i, *payload)
             if tag == "region":
@@ -363,7 +368,7 @@ class LoaderIterator(Iterator[Any]):
                 tag = "ok"
                 if fell_back:
                     self._warn_fallback()
-            self._buffer[t] = (tag, payload)
+            self._buffer[t] = (tag, payload, indices)
 
     def _warn_fallback(self) -> None:
         if not self._warned_fallback:
@@ -421,11 +426,12 @@ class LoaderIterator(Iterator[Any]):
                     self._exited.add(i)
                 else:
                     self._receive(conns[obj])
-        tag, payload = self._buffer.pop(seq)
+        tag, payload, indices = self._buffer.pop(seq)
         if tag == "err":
             raise WorkerError(
                 f"transform or collate_fn raised in a loader worker on batch {seq}:\n{payload}"
             )
+        self.last_indices = indices
         return payload
 
     # ---- shutdown ----

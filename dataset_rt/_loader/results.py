@@ -55,7 +55,9 @@ class BatchPickler(pickle.Pickler):
         return NotImplemented
 
 
-def dumps(message: tuple[str, int, Any]) -> bytes:
+def dumps(message: tuple[str, int, Any, list[int]]) -> bytes:
+    """A message to the training loop: (tag, batch or worker index, payload, the batch's global
+    sample indices)."""
     buffer = io.BytesIO()
     BatchPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
     return buffer.getvalue()
@@ -233,13 +235,15 @@ class RegionWriter:
             return self.arena.owned(offset, n)
         return None
 
-    def encode(self, seq: int, result: Any) -> bytes:
-        """The message of a batch: a header (ranges, whether something fell back) and the
-        skeleton, one after the other."""
+    def encode(self, seq: int, result: Any, indices: list[int]) -> bytes:
+        """The message of a batch: a header (ranges, whether something fell back, the samples'
+        global indices) and the skeleton, one after the other."""
         body = io.BytesIO()
         _RegionPickler(body, self).dump(result)
         ranges = self.arena.finish()
-        header = pickle.dumps(("region", seq, (ranges, self.fallback)), pickle.HIGHEST_PROTOCOL)
+        header = pickle.dumps(
+            ("region", seq, (ranges, self.fallback), indices), pickle.HIGHEST_PROTOCOL
+        )
         return header + body.getbuffer()
 
     # ---- the leaves ----

@@ -42,7 +42,7 @@ def consumer_main(
     Exits with code 0 when the pass ends (``persistent``: waits for the next pass instead), on
     close, or with its owner. Anything else that ends
     it early (a parent that is not the owner, ``worker_init_fn`` raised, a protocol error) is
-    sent to the training loop as ``("fatal", index, (stage, traceback))`` before it exits with
+    sent to the training loop as ``("fatal", index, (stage, traceback), [])`` before it exits with
     code 1."""
     # The training script's handlers (a SIGTERM handler that ignores the signal) are not ours.
     signals.reset_inherited()
@@ -51,7 +51,8 @@ def consumer_main(
     except RingClosed:
         # Never attached, so a silent exit could leave the loop waiting for it: say why.
         with contextlib.suppress(OSError):
-            conn.send_bytes(results.dumps(("fatal", index, ("loader", traceback.format_exc()))))
+            report = ("loader", traceback.format_exc())
+            conn.send_bytes(results.dumps(("fatal", index, report, [])))
         sys.exit(1)
     stage = "loader"
     try:
@@ -71,7 +72,8 @@ def consumer_main(
         return  # stopped, the owner is gone, or the producer failed: the training loop knows
     except BaseException:
         with contextlib.suppress(OSError):
-            conn.send_bytes(results.dumps(("fatal", index, (stage, traceback.format_exc()))))
+            report = (stage, traceback.format_exc())
+            conn.send_bytes(results.dumps(("fatal", index, report, [])))
         sys.exit(1)
 
 
@@ -88,29 +90,30 @@ def consume(
         entries = None
         while entries is None:
             entries = ring.wait_batch(seq, 1.0)
-        slot_offset, used, items = entries
+        slot_offset, used, items, indices = entries
         views = slots.BatchViews(fd, seq, slot_offset, used, items)
         try:
             samples = [
                 CachedSample(v, meta) for v, (_, _, meta) in zip(views.views, items, strict=True)
             ]
             if writer is None:
-                message = results.dumps(("ok", seq, apply(samples, transform, collate_fn)))
+                result = apply(samples, transform, collate_fn)
+                message = results.dumps(("ok", seq, result, indices))
             else:
                 writer.begin()
                 with results.writing(writer):
                     result = apply(samples, transform, collate_fn)
-                    message = writer.encode(seq, result)
+                    message = writer.encode(seq, result, indices)
         except BaseException:
             if writer is not None:
                 writer.arena.abort()
-            message = results.dumps(("err", seq, traceback.format_exc()))
+            message = results.dumps(("err", seq, traceback.format_exc(), indices))
         # Everything that could reference the slot is gone before it is handed back.
         samples = result = []
         try:
             views.release()
         except LoaderError:
-            conn.send_bytes(results.dumps(("err", seq, traceback.format_exc())))
+            conn.send_bytes(results.dumps(("err", seq, traceback.format_exc(), indices)))
             return False
         ring.release(seq)
         try:

@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--resume", type=Path)
+    parser.add_argument("--workers", type=int, default=0)
     args = parser.parse_args()
 
     accelerator = Accelerator(cpu=True)  # sets up the process group
@@ -35,7 +36,10 @@ def main() -> None:
         model = common.make_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=common.LEARNING_RATE)
         loader = dataset_rt.torch.DataLoader(
-            dataset, batch_size=common.BATCH_SIZE, transform=common.to_example
+            dataset,
+            batch_size=common.BATCH_SIZE,
+            transform=common.to_example,
+            **common.loader_workers(args.workers),
         )
         model, optimizer, prepared = accelerator.prepare(model, optimizer, loader)
         # No second rank split and no dispatcher: prepare() hands our loader back.

@@ -74,3 +74,19 @@ def record(out: Path, name: str, **fields: Any) -> None:
 
 def weights(model: nn.Module) -> dict[str, list[float]]:
     return {k: v.detach().flatten().tolist() for k, v in model.state_dict().items()}
+
+
+def loader_workers(workers: int) -> dict[str, Any]:
+    """The loader's worker arguments for `workers` processes, as docs/frameworks.md recommends
+    under a framework's process group: spawned (forking beside gloo's threads can deadlock a
+    worker) and persistent (started once, not at every epoch)."""
+    if workers == 0:
+        return {}
+    return {
+        "num_workers": workers,
+        "multiprocessing_context": "spawn",
+        "persistent_workers": True,
+        # A spawned worker imports torch (and the job's framework) before its first heartbeat:
+        # on a loaded test machine, beyond the default 30 s.
+        "heartbeat_timeout": 120.0,
+    }

@@ -23,9 +23,9 @@ from dataset_rt import DatasetRuntime
 
 
 class Points(L.LightningModule):
-    def __init__(self, cache: Path, out: Path) -> None:
+    def __init__(self, cache: Path, out: Path, workers: int) -> None:
         super().__init__()
-        self.cache, self.out = cache, out
+        self.cache, self.out, self.workers = cache, out, workers
         self.net = common.make_model()
         self.steps: list[list[int]] = []
         self.runtime: DatasetRuntime | None = None
@@ -37,7 +37,10 @@ class Points(L.LightningModule):
         dataset = common.open_points(self.runtime, self.cache)
         assert (dataset.rank, dataset.world_size) == (self.global_rank, 2)
         self.loader = dataset_rt.torch.DataLoader(
-            dataset, batch_size=common.BATCH_SIZE, transform=common.to_example
+            dataset,
+            batch_size=common.BATCH_SIZE,
+            transform=common.to_example,
+            **common.loader_workers(self.workers),
         )
         return self.loader
 
@@ -70,6 +73,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--checkpoints", type=Path, required=True)
     parser.add_argument("--resume", type=Path)
+    parser.add_argument("--workers", type=int, default=0)
     args = parser.parse_args()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -87,7 +91,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Points(args.cache, args.out), ckpt_path=args.resume)
+    trainer.fit(Points(args.cache, args.out, args.workers), ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

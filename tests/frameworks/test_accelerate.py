@@ -31,15 +31,17 @@ def launch(job, *args: str) -> None:  # noqa: F811
     job.run([*command, str(HERE / "accelerate_job.py"), *args], timeout=120)
 
 
-def test_two_processes_cover_each_sample_once_and_resume_exactly(job, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_processes_cover_each_sample_once_and_resume_exactly(job, tmp_path, workers):  # noqa: F811
     """The uninterrupted run also saves Accelerate's state in the middle of its second epoch;
     a second launch, in fresh processes as after a kill, resumes from that state alone."""
     cache = tmp_path / "caches"
     common.write_cache(cache)
     state = tmp_path / "state"
     whole, resumed_out = tmp_path / "whole", tmp_path / "resumed"
-    launch(job, f"--cache={cache}", f"--out={whole}", f"--checkpoint={state}")
-    launch(job, f"--cache={cache}", f"--out={resumed_out}", f"--resume={state}")
+    workers_arg = f"--workers={workers}"
+    launch(job, f"--cache={cache}", f"--out={whole}", f"--checkpoint={state}", workers_arg)
+    launch(job, f"--cache={cache}", f"--out={resumed_out}", f"--resume={state}", workers_arg)
 
     uninterrupted = records(whole)
     assert_each_sample_once([r["steps"] for r in uninterrupted], common.SAMPLES, common.EPOCHS)

@@ -86,3 +86,37 @@ def test_follows_the_stateful_dataloader_protocol(dataset):
         with new_loader(dataset) as loader:
             loader.load_state_dict(state)
             assert ids(loader) == expected
+
+
+# Not marked `torch`: it skips without Lightning (required under DATASET_RT_REQUIRE_FRAMEWORKS=1).
+@pytest.mark.parametrize("workers", [0, 2])
+def test_takes_lightnings_prediction_wrapper_and_fills_its_indices(dataset, workers):
+    """What Trainer.predict does to a loader, without a Trainer: re-create it around an
+    index-recording wrapper of its batch sampler."""
+    distributed = require("lightning.pytorch.overrides.distributed")
+    extra = {"num_workers": workers, "multiprocessing_context": "fork"} if workers else {}
+    with new_loader(dataset) as original:
+        expected = ids(original)  # epoch 0; the original now stands at epoch 1
+        following = ids(original)
+        original.set_epoch(0)
+        inner = torch.utils.data.BatchSampler(original.sampler, common.BATCH_SIZE, False)
+        wrapper = distributed._IndexBatchSamplerWrapper(inner)
+        with dataset_rt.torch.DataLoader(
+            dataset, batch_sampler=wrapper, batch_size=1, transform=common.to_example, **extra
+        ) as predicting:
+            assert predicting.batch_sampler is wrapper
+            assert len(predicting) == len(original) == 5
+            seen = []
+            for batch in predicting:
+                seen.append(batch[2].tolist())
+                # Filled as each batch is delivered, as Lightning reads it.
+                assert wrapper.seen_batch_indices[-1] == seen[-1]
+            assert seen == expected
+            assert wrapper.seen_batch_indices == expected  # sample_id is the row number
+            assert ids(predicting) == following
+            assert wrapper.seen_batch_indices == following  # each pass starts a new record
+        other = distributed._IndexBatchSamplerWrapper(
+            torch.utils.data.BatchSampler(range(20), common.BATCH_SIZE, False)
+        )
+        with pytest.raises(ConfigError, match="prediction batch sampler only around"):
+            dataset_rt.torch.DataLoader(dataset, batch_sampler=other, batch_size=1)

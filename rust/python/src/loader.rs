@@ -703,8 +703,8 @@ impl RingHandle {
     }
 
     /// Waits up to `timeout` seconds for batch `ticket` and takes it: (slot offset in the ring
-    /// segment, bytes used, [(offset in the slot, length, metadata dict) per sample]), or `None`
-    /// when it is not ready yet.
+    /// segment, bytes used, [(offset in the slot, length, metadata dict) per sample], the
+    /// samples' global indices as the producer wrote them), or `None` when it is not ready yet.
     /// Raises `RingClosed` when this party must exit, or the producer's error (owner).
     #[allow(clippy::type_complexity)]
     fn wait_batch<'py>(
@@ -712,7 +712,7 @@ impl RingHandle {
         py: Python<'py>,
         ticket: u64,
         timeout: f64,
-    ) -> PyResult<Option<(u64, u64, Vec<(u64, u64, Bound<'py, PyDict>)>)>> {
+    ) -> PyResult<Option<(u64, u64, Vec<(u64, u64, Bound<'py, PyDict>)>, Vec<u64>)>> {
         let timeout = Duration::from_secs_f64(timeout.max(0.0));
         let ring = &self.ring;
         let taken = py.detach(|| ring.wait_ready(ticket, timeout, self.role, self.consumer));
@@ -729,6 +729,7 @@ impl RingHandle {
         let base = ring.slot_offset(ticket);
         let entries = read_batch(slot, ticket).py_shm()?;
         let mut out = Vec::with_capacity(entries.len());
+        let indices = entries.iter().map(|e| e.global).collect();
         for e in entries {
             let meta = &slot[e.meta_off as usize..e.meta_off as usize + e.meta_len as usize];
             let dict = PyDict::new(py);
@@ -743,14 +744,14 @@ impl RingHandle {
             out.push((e.data_off, e.data_len, dict));
         }
         let used = u64::from_le_bytes(slot[B_USED..B_USED + 8].try_into().expect("8 bytes"));
-        Ok(Some((base, used, out)))
+        Ok(Some((base, used, out, indices)))
     }
 
     /// The training process's own take of batch `ticket` (`num_workers=0`, owner only): waits up
     /// to `timeout` seconds for it and takes it, maps its slot (`mmap.mmap` of the used bytes of
-    /// the ring file `fd`, `ACCESS_READ`) and returns `(map, samples)`: one `CachedSample` per
-    /// sample, its `data` a slice of `memoryview(map)` (no copy), its metadata built on first
-    /// access. `None` when the batch is not ready yet; raises as `wait_batch` does.
+    /// the ring file `fd`, `ACCESS_READ`) and returns `(map, samples, indices)`: one
+    /// `CachedSample` per sample, its `data` a slice of `memoryview(map)` (no copy), its metadata
+    /// built on first access, and the samples' global indices as the producer wrote them. `None` when the batch is not ready yet; raises as `wait_batch` does.
     #[allow(clippy::type_complexity)]
     fn take_batch<'py>(
         &self,
@@ -758,7 +759,7 @@ impl RingHandle {
         ticket: u64,
         timeout: f64,
         fd: i32,
-    ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyList>)>> {
+    ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyList>, Vec<u64>)>> {
         let Some(owner) = &self.owner else {
             return Err(LoaderError::new_err("take_batch needs the owner's handle"));
         };
@@ -813,7 +814,8 @@ impl RingHandle {
             })?;
             samples.append(sample)?;
         }
-        Ok(Some((map, samples)))
+        let indices = entries.iter().map(|e| e.global).collect();
+        Ok(Some((map, samples, indices)))
     }
 
     /// Gives batch `ticket`'s slot back to the producer (after every view of it was released).
