@@ -5,6 +5,7 @@ seconds, never a hang, with nothing left in /dev/shm."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -133,6 +134,29 @@ def test_corrupt_record_is_raised_in_order(tmp_path):
         for batch in loader:
             received += batch
     assert received == list(range(36))  # every batch before the bad one arrived, in order
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_an_os_error_in_the_producer_keeps_its_class_and_errno(tmp_path, num_workers):
+    """The producer opens the caches itself: an operating-system error there reaches the training
+    loop as the same `OSError` subclass with the same errno. Here the shards directory is a file
+    by then (ENOTDIR: a permission error would not fail for root)."""
+    dataset = load(tmp_path, 40, shuffle=False)
+    shards = tmp_path / "loader" / "shards"
+    kept = tmp_path / "shards-kept"
+    shards.rename(kept)
+    try:
+        shards.write_bytes(b"")
+        loader = DataLoader(dataset, batch_size=4, num_workers=num_workers)
+        with loader, pytest.raises(NotADirectoryError) as caught:
+            for _ in loader:
+                pass
+        assert caught.value.errno == errno.ENOTDIR
+        assert "the loader's producer failed at batch 0" in str(caught.value)
+        assert "shards/000000.bin" in str(caught.value)
+    finally:
+        shards.unlink(missing_ok=True)
+        kept.rename(shards)
 
 
 def test_closing_mid_epoch_stops_children_quickly(base):

@@ -15,8 +15,9 @@ use std::path::PathBuf;
 
 pub type Result<T, E = ShmError> = std::result::Result<T, E>;
 
+/// Not `#[non_exhaustive]`: the crates above match it exhaustively (no catch-all), so a new
+/// variant fails to compile until each of them decides what it means.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum ShmError {
     #[error("{op} {path}: {source}")]
     Io {
@@ -38,9 +39,15 @@ pub enum ShmError {
     #[error("the training process (pid {0}) is gone")]
     OwnerGone(u64),
 
-    /// The producer recorded an error affecting this batch or an earlier one.
+    /// The producer recorded an error affecting this batch or an earlier one: `kind` is a code
+    /// of the producer's error-kind table, `errno` the OS error number when it has one.
     #[error("the producer failed at batch {batch}: {text}")]
-    ProducerFailed { kind: u32, batch: u64, text: String },
+    ProducerFailed {
+        kind: u32,
+        errno: Option<i32>,
+        batch: u64,
+        text: String,
+    },
 
     /// A batch does not fit a slot: it is refused, never truncated.
     #[error(

@@ -10,14 +10,15 @@ use std::sync::Arc;
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{Dataset, EpochReader, ReadOptions, WeightTable};
+use dataset_rt_core::error::io_errno;
+use dataset_rt_core::os::{own_pid, parent_pid};
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::EpochOrder;
 use dataset_rt_core::verify::VerifyPolicy;
-use dataset_rt_core::Error as CoreError;
+use dataset_rt_core::{Error as CoreError, ErrorKind};
 use serde::{Deserialize, Serialize};
 
 use crate::batch::{batch_bytes, encode_metadata, write_batch, SampleOut};
-use crate::layout::*;
 use crate::ring::{Party, Ring};
 use crate::segment;
 use crate::{Result, ShmError};
@@ -85,14 +86,24 @@ fn read_weights(path: &Path) -> Result<Vec<f64>> {
         .collect())
 }
 
-fn error_kind(err: &ShmError) -> u32 {
+/// The kind of a loader error in the one error-kind table, and its errno when it has one: the
+/// producer records both in the control segment, and the bindings choose the Python class from
+/// them, so a failure raises the same class wherever it happens.
+pub fn error_kind(err: &ShmError) -> (ErrorKind, Option<i32>) {
     match err {
-        ShmError::Core(CoreError::Io { .. }) | ShmError::Io { .. } => ERR_IO,
-        ShmError::Core(CoreError::Malformed { .. }) => ERR_MALFORMED,
-        ShmError::Core(CoreError::CorruptRecord { .. }) => ERR_CORRUPT_RECORD,
-        ShmError::BatchTooLarge { .. } => ERR_BATCH_TOO_LARGE,
-        ShmError::Core(CoreError::State(_)) => ERR_STATE,
-        _ => ERR_OTHER,
+        ShmError::Core(e) => (e.kind(), e.errno()),
+        ShmError::Io { source, .. } | ShmError::Memory { source, .. } => {
+            (ErrorKind::Io, io_errno(source))
+        }
+        ShmError::BatchTooLarge { .. } => (ErrorKind::BatchTooLarge, None),
+        ShmError::Protocol(_) => (ErrorKind::Loader, None),
+        ShmError::Stopped | ShmError::OwnerGone(_) => (ErrorKind::Closed, None),
+        // Another party's record: its code is decoded by whoever reports it (an unknown one is
+        // a loader failure of its own).
+        ShmError::ProducerFailed { kind, errno, .. } => match ErrorKind::from_code(*kind) {
+            Ok(kind) => (kind, *errno),
+            Err(_) => (ErrorKind::Loader, None),
+        },
     }
 }
 
@@ -137,7 +148,7 @@ pub fn run_file(spec_path: &Path, owner_pid: u64) -> Result<()> {
 /// training loop, and end the producer.
 pub fn run(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
     let ring = Arc::new(Ring::attach(&spec.ctl_name)?);
-    ring.set_producer(u64::from(std::process::id()));
+    ring.set_producer(own_pid());
     ring.mark_attached();
     let mut source = None;
     let mut weights = Some(weights);
@@ -147,7 +158,8 @@ pub fn run(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
         let filled = fill(&ring, spec, &mut source, &mut weights);
         if let Err(e) = &filled {
             if !matches!(e, ShmError::Stopped | ShmError::OwnerGone(_)) {
-                ring.set_error(error_kind(e), ring.produced(), &e.to_string());
+                let (kind, errno) = error_kind(e);
+                ring.set_error(kind.code(), errno, ring.produced(), &e.to_string());
             }
         }
         // Nothing more to write: the owner stops watching this process's heartbeat.
@@ -177,11 +189,6 @@ pub fn run(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
 struct Source {
     ds: Arc<Dataset>,
     weights: WeightTable,
-}
-
-fn parent_pid() -> u64 {
-    // SAFETY: getppid cannot fail.
-    unsafe { libc::getppid() as u64 }
 }
 
 /// Fills the current pass; opens the caches on the first (`source`, then kept for the next).
@@ -331,4 +338,97 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
         ds: Arc::new(ds),
         weights,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{ERR_NONE, ERR_WRITING};
+
+    #[test]
+    fn layout_md_lists_the_error_kind_table() {
+        let spec = include_str!("../LAYOUT.md");
+        let start = spec
+            .find("## Error kinds")
+            .expect("the section in LAYOUT.md");
+        let rows: Vec<String> = spec[start..]
+            .lines()
+            .skip_while(|l| !l.starts_with("| code"))
+            .skip(2)
+            .take_while(|l| l.starts_with('|'))
+            .map(str::to_owned)
+            .collect();
+        let want: Vec<String> = ErrorKind::ALL
+            .iter()
+            .map(|k| format!("| {} | {} |", k.code(), k.describe()))
+            .collect();
+        assert_eq!(rows, want);
+        for kind in ErrorKind::ALL {
+            assert!(![ERR_NONE, ERR_WRITING].contains(&kind.code()), "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn loader_errors_map_onto_the_table_with_their_errno() {
+        let io = |errno| std::io::Error::from_raw_os_error(errno);
+        let cases = [
+            (
+                ShmError::Io {
+                    op: "open",
+                    path: "/x".into(),
+                    source: io(libc::EACCES),
+                },
+                (ErrorKind::Io, Some(libc::EACCES)),
+            ),
+            (
+                ShmError::Memory {
+                    op: "mmap",
+                    len: 1,
+                    source: io(libc::ENOMEM),
+                },
+                (ErrorKind::Io, Some(libc::ENOMEM)),
+            ),
+            (
+                CoreError::io("open", "/x", io(libc::ENOTDIR)).into(),
+                (ErrorKind::Io, Some(libc::ENOTDIR)),
+            ),
+            (
+                CoreError::State("changed".into()).into(),
+                (ErrorKind::State, None),
+            ),
+            (
+                ShmError::BatchTooLarge {
+                    batch: 0,
+                    samples: 1,
+                    needed: 2,
+                    slot_size: 1,
+                },
+                (ErrorKind::BatchTooLarge, None),
+            ),
+            (ShmError::Protocol("x".into()), (ErrorKind::Loader, None)),
+            (ShmError::Stopped, (ErrorKind::Closed, None)),
+            (ShmError::OwnerGone(1), (ErrorKind::Closed, None)),
+            (
+                ShmError::ProducerFailed {
+                    kind: ErrorKind::Io.code(),
+                    errno: Some(libc::ENOSPC),
+                    batch: 0,
+                    text: "x".into(),
+                },
+                (ErrorKind::Io, Some(libc::ENOSPC)),
+            ),
+            (
+                ShmError::ProducerFailed {
+                    kind: 254,
+                    errno: Some(libc::ENOSPC),
+                    batch: 0,
+                    text: "x".into(),
+                },
+                (ErrorKind::Loader, None),
+            ),
+        ];
+        for (err, want) in cases {
+            assert_eq!(error_kind(&err), want, "{err:?}");
+        }
+    }
 }

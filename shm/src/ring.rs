@@ -94,6 +94,18 @@ impl Pass {
 }
 
 /// What `take_ticket` gives a consumer.
+/// An error a party recorded in the control segment for the others.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordedError {
+    /// A code of the recorder's error-kind table (the transport does not read it).
+    pub kind: u32,
+    /// The operating system's error number, when the error has one.
+    pub errno: Option<i32>,
+    /// The first batch the error affects.
+    pub batch: u64,
+    pub text: String,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Ticket {
     /// Batch `t` of the current pass is this consumer's to process.
@@ -297,7 +309,7 @@ impl Ring {
         if self.stopped() {
             return Err(ShmError::Stopped);
         }
-        if let Some((_, batch, text)) = self.error() {
+        if let Some(RecordedError { batch, text, .. }) = self.error() {
             return refuse(format!("the producer failed at batch {batch}: {text}"));
         }
         if let Err(why) = pass.check() {
@@ -603,8 +615,14 @@ impl Ring {
         self.a32(C_STOP).load(Ordering::Acquire) != 0
     }
 
-    /// Records an error that affects `batch` and later ones; the first error wins.
-    pub fn set_error(&self, kind: u32, batch: u64, text: &str) -> bool {
+    /// Records an error that affects `batch` and later ones; the first error wins. `kind` is
+    /// a code of the recorder's error-kind table (neither `ERR_NONE` nor `ERR_WRITING`), `errno`
+    /// the operating system's error number when it has one.
+    pub fn set_error(&self, kind: u32, errno: Option<i32>, batch: u64, text: &str) -> bool {
+        debug_assert!(
+            kind != ERR_NONE && kind != ERR_WRITING,
+            "kind {kind} is reserved"
+        );
         if self
             .a32(C_ERROR_KIND)
             .compare_exchange(ERR_NONE, ERR_WRITING, Ordering::AcqRel, Ordering::Acquire)
@@ -621,14 +639,17 @@ impl Ring {
             std::ptr::copy_nonoverlapping(text.as_ptr(), self.ctl.ptr().add(C_ERROR_TEXT), len)
         };
         self.a32(C_ERROR_LEN).store(len as u32, Ordering::Relaxed);
+        // errno values are positive; anything else is stored as "none".
+        let errno = errno.and_then(|e| u32::try_from(e).ok()).unwrap_or(0);
+        self.a32(C_ERROR_ERRNO).store(errno, Ordering::Relaxed);
         self.a64(C_ERROR_BATCH).store(batch, Ordering::Relaxed);
         self.a32(C_ERROR_KIND).store(kind, Ordering::Release);
         self.wake_everyone();
         true
     }
 
-    /// (kind, first affected batch, text) of the recorded error.
-    pub fn error(&self) -> Option<(u32, u64, String)> {
+    /// The recorded error, if any.
+    pub fn error(&self) -> Option<RecordedError> {
         let kind = self.a32(C_ERROR_KIND).load(Ordering::Acquire);
         if kind == ERR_NONE || kind == ERR_WRITING {
             return None;
@@ -636,11 +657,13 @@ impl Ring {
         let len = (self.a32(C_ERROR_LEN).load(Ordering::Relaxed) as usize).min(ERROR_TEXT_MAX);
         // SAFETY: in range; written before the Release store of the kind observed above.
         let bytes = unsafe { std::slice::from_raw_parts(self.ctl.ptr().add(C_ERROR_TEXT), len) };
-        Some((
+        let errno = self.a32(C_ERROR_ERRNO).load(Ordering::Relaxed);
+        Some(RecordedError {
             kind,
-            self.a64(C_ERROR_BATCH).load(Ordering::Relaxed),
-            String::from_utf8_lossy(bytes).into_owned(),
-        ))
+            errno: i32::try_from(errno).ok().filter(|&e| e != 0),
+            batch: self.a64(C_ERROR_BATCH).load(Ordering::Relaxed),
+            text: String::from_utf8_lossy(bytes).into_owned(),
+        })
     }
 
     pub fn produced(&self) -> u64 {
@@ -870,9 +893,20 @@ impl Ring {
                 )));
             }
             self.check_live(role)?;
-            if let Some((kind, batch, text)) = self.error() {
+            if let Some(RecordedError {
+                kind,
+                errno,
+                batch,
+                text,
+            }) = self.error()
+            {
                 if batch <= t {
-                    return Err(ShmError::ProducerFailed { kind, batch, text });
+                    return Err(ShmError::ProducerFailed {
+                        kind,
+                        errno,
+                        batch,
+                        text,
+                    });
                 }
             }
             if let Some(i) = consumer {
@@ -1140,7 +1174,7 @@ mod tests {
 
         let r = ring(2, 1, 1, false);
         run_whole_pass(&r);
-        r.set_error(ERR_IO, 1, "disk gone");
+        r.set_error(1, None, 1, "disk gone");
         assert!(refused(&r, pass(1, 1)).contains("the producer failed at batch 1: disk gone"));
         r.stop();
         assert!(matches!(
@@ -1240,19 +1274,24 @@ mod tests {
     #[test]
     fn a_producer_error_reaches_consumers_at_its_batch() {
         let r = ring(2, 4, 1, false);
-        assert!(r.set_error(ERR_CORRUPT_RECORD, 1, "bad record"));
+        assert!(r.set_error(3, None, 1, "bad record"));
         assert!(
-            !r.set_error(ERR_IO, 0, "later error"),
+            !r.set_error(1, Some(5), 0, "later error"),
             "the first error wins"
         );
         assert!(!r
             .wait_ready(0, Duration::from_millis(20), Role::Owner, None)
             .unwrap());
         match r.wait_ready(1, POLL, Role::Owner, None) {
-            Err(ShmError::ProducerFailed { kind, batch, text }) => {
+            Err(ShmError::ProducerFailed {
+                kind,
+                errno,
+                batch,
+                text,
+            }) => {
                 assert_eq!(
-                    (kind, batch, text.as_str()),
-                    (ERR_CORRUPT_RECORD, 1, "bad record")
+                    (kind, errno, batch, text.as_str()),
+                    (3, None, 1, "bad record")
                 );
             }
             other => panic!("{other:?}"),
@@ -1263,14 +1302,28 @@ mod tests {
     fn error_text_is_truncated_at_a_character_boundary() {
         let r = ring(2, 1, 0, false);
         let text = "é".repeat(ERROR_TEXT_MAX); // 2 bytes each: twice what fits
-        assert!(r.set_error(ERR_OTHER, 0, &text));
-        let (kind, batch, stored) = r.error().unwrap();
-        assert_eq!((kind, batch), (ERR_OTHER, 0));
-        assert_eq!(stored, "é".repeat(ERROR_TEXT_MAX / 2));
+        assert!(r.set_error(6, None, 0, &text));
+        let error = r.error().unwrap();
+        assert_eq!((error.kind, error.batch), (6, 0));
+        assert_eq!(error.text, "é".repeat(ERROR_TEXT_MAX / 2));
         // After one ASCII byte, 1020 bytes end inside a 3-byte character: 1 + 3 × 339 kept.
         let r = ring(2, 1, 0, false);
-        assert!(r.set_error(ERR_OTHER, 0, &format!("a{}", "€".repeat(400))));
-        assert_eq!(r.error().unwrap().2, format!("a{}", "€".repeat(339)));
+        assert!(r.set_error(6, None, 0, &format!("a{}", "€".repeat(400))));
+        assert_eq!(r.error().unwrap().text, format!("a{}", "€".repeat(339)));
+    }
+
+    #[test]
+    fn a_recorded_errno_reaches_the_reader() {
+        let r = ring(2, 1, 0, false);
+        assert!(r.set_error(1, Some(libc::ENOSPC), 0, "disk full"));
+        let error = r.error().unwrap();
+        assert_eq!((error.kind, error.errno), (1, Some(libc::ENOSPC)));
+        // No errno, or a value no errno can be, reads back as none.
+        for errno in [None, Some(0), Some(-1)] {
+            let r = ring(2, 1, 0, false);
+            assert!(r.set_error(2, errno, 0, "x"));
+            assert_eq!(r.error().unwrap().errno, None);
+        }
     }
 
     #[test]

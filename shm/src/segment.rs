@@ -7,6 +7,7 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use dataset_rt_core::liveness::{self, Owner, OwnerLock};
+use dataset_rt_core::os;
 use memmap2::MmapRaw;
 
 use crate::layout::{NAME_PREFIX, SHM_DIR};
@@ -160,25 +161,6 @@ pub fn owner_of(name: &str) -> Option<u64> {
         .ok()
 }
 
-/// Whether a process with this pid exists here (zombies count as gone: they run nothing).
-fn pid_alive(pid: u64) -> bool {
-    if pid == 0 || pid > i32::MAX as u64 {
-        return false;
-    }
-    // SAFETY: signal 0 only checks existence and permission.
-    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
-        return false;
-    }
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state follows the parenthesised command name, which may itself contain ") ".
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_none_or(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
-        Err(_) => rc == 0,
-    }
-}
-
 /// Removes leftover entries of dead owners from /dev/shm: DatasetRT names
 /// (`dataset-rt-<pid>-…`) whose owner's lock nobody holds. Every owner holds a lock on each of
 /// its entries for as long as it lives, so a live owner's entries are never removed, even when
@@ -194,7 +176,7 @@ pub fn reap_leftovers() -> Vec<String> {
     for entry in dir.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         match owner_of(&name) {
-            Some(pid) if !pid_alive(pid) => {}
+            Some(pid) if !os::pid_alive(pid) => {}
             _ => continue,
         }
         let path = path_of(&name);

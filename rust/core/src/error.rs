@@ -1,5 +1,8 @@
-//! The one error type of the core. The bindings map each variant onto the Python exception tree
-//! rooted at `DatasetRTError`; I/O errors keep their kind so Python sees `FileNotFoundError` etc.
+//! The one error type of the core, and the one table of error kinds. Every error the product
+//! reports, the core's and the loader's, has an [`ErrorKind`]: the bindings choose the Python
+//! class from it (the tree rooted at `DatasetRTError`), and the loader's producer writes its code
+//! into the control segment, so the training process raises the class the producer meant. I/O
+//! errors keep their errno, so Python sees `FileNotFoundError`, `PermissionError`, etc.
 
 use std::path::PathBuf;
 
@@ -75,7 +78,128 @@ pub enum Error {
     Interrupted(String),
 }
 
+/// Declares [`ErrorKind`] from one list, so that the variants, their codes, [`ErrorKind::ALL`]
+/// and [`ErrorKind::from_code`] cannot disagree.
+macro_rules! error_kinds {
+    ($($(#[doc = $doc:literal])* $kind:ident = $code:literal, $name:literal;)*) => {
+        /// What kind of failure an error is. Not `#[non_exhaustive]`: code outside the core
+        /// matches it exhaustively, so a new kind fails to compile until every user decides
+        /// what it means.
+        ///
+        /// The codes are stable: the loader's producer writes them into the control segment
+        /// (`shm/LAYOUT.md`, "Error kinds"). Never renumber or reuse one; 0 and 255 are taken
+        /// by the control segment ("no error", "being written").
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[repr(u32)]
+        pub enum ErrorKind {
+            $($(#[doc = $doc])* $kind = $code,)*
+        }
+
+        impl ErrorKind {
+            /// Every kind, in code order.
+            pub const ALL: &'static [ErrorKind] = &[$(ErrorKind::$kind),*];
+
+            /// The kind's stable code.
+            pub fn code(self) -> u32 {
+                self as u32
+            }
+
+            /// The kind a code names; a code this build does not know is an error, never
+            /// another kind.
+            pub fn from_code(code: u32) -> Result<ErrorKind, UnknownErrorKind> {
+                match code {
+                    $($code => Ok(ErrorKind::$kind),)*
+                    _ => Err(UnknownErrorKind(code)),
+                }
+            }
+
+            /// A few words naming the kind, as `shm/LAYOUT.md` lists it.
+            pub fn describe(self) -> &'static str {
+                match self {
+                    $(ErrorKind::$kind => $name,)*
+                }
+            }
+        }
+    };
+}
+
+error_kinds! {
+    /// An operating-system error; [`Error::errno`] says which.
+    Io = 1, "I/O";
+    /// A published cache failed validation.
+    Malformed = 2, "malformed cache";
+    /// A record failed its checks while read.
+    CorruptRecord = 3, "corrupt record";
+    /// A loader batch does not fit a ring slot.
+    BatchTooLarge = 4, "batch larger than a slot";
+    /// An iterator state was refused, or the caches changed under the loader.
+    State = 5, "state";
+    /// The shared-memory loader itself failed: a party broke the protocol or is gone.
+    Loader = 6, "loader";
+    /// A sample given to the writer is not acceptable.
+    InvalidSample = 7, "invalid sample";
+    /// A configuration value is out of its domain.
+    InvalidConfig = 8, "invalid configuration";
+    /// A samples-metadata table was refused.
+    SamplesMetadata = 9, "samples metadata";
+    /// Memory for a structure the work needs cannot be had.
+    OutOfMemory = 10, "out of memory";
+    /// The worker pool cannot run the work.
+    Runtime = 11, "runtime";
+    /// The caller's interrupt check asked to stop.
+    Interrupted = 12, "interrupted";
+    /// The loader was closed, or its owner is gone: a loader party exits on it.
+    Closed = 13, "closed";
+}
+
+/// A code that names no [`ErrorKind`] of this build (written by another build, or garbage).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("error kind code {0} is not one this build knows")]
+pub struct UnknownErrorKind(pub u32);
+
+/// The errno of an I/O error: the operating system's, else the one its kind stands for when an
+/// error was made without one (`NotFound` is ENOENT, `PermissionDenied` EACCES).
+pub fn io_errno(err: &std::io::Error) -> Option<i32> {
+    err.raw_os_error().or(match err.kind() {
+        std::io::ErrorKind::NotFound => Some(libc::ENOENT),
+        std::io::ErrorKind::PermissionDenied => Some(libc::EACCES),
+        _ => None,
+    })
+}
+
 impl Error {
+    /// The error's kind (every variant has exactly one).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Io { .. } => ErrorKind::Io,
+            Error::Malformed { .. } => ErrorKind::Malformed,
+            Error::CorruptRecord { .. } => ErrorKind::CorruptRecord,
+            Error::InvalidSample { .. } => ErrorKind::InvalidSample,
+            Error::InvalidConfig { .. } => ErrorKind::InvalidConfig,
+            Error::SamplesMetadata(_) => ErrorKind::SamplesMetadata,
+            Error::State(_) => ErrorKind::State,
+            Error::OutOfMemory { .. } => ErrorKind::OutOfMemory,
+            Error::Runtime(_) => ErrorKind::Runtime,
+            Error::Interrupted(_) => ErrorKind::Interrupted,
+        }
+    }
+
+    /// The errno of an operating-system error ([`io_errno`]); `None` for every other error.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            Error::Io { source, .. } => io_errno(source),
+            Error::Malformed { .. }
+            | Error::CorruptRecord { .. }
+            | Error::InvalidSample { .. }
+            | Error::InvalidConfig { .. }
+            | Error::SamplesMetadata(_)
+            | Error::State(_)
+            | Error::OutOfMemory { .. }
+            | Error::Runtime(_)
+            | Error::Interrupted(_) => None,
+        }
+    }
+
     pub fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             op,
@@ -108,5 +232,122 @@ pub trait IoContext<T> {
 impl<T> IoContext<T> for std::io::Result<T> {
     fn ctx(self, op: &'static str, path: &std::path::Path) -> Result<T> {
         self.map_err(|e| Error::io(op, path, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One error of every variant (an exhaustive match below keeps the list complete).
+    fn one_of_each() -> Vec<Error> {
+        let io = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        let all = vec![
+            Error::io("write", "/x", io),
+            Error::malformed("c", "/x", "bad"),
+            Error::CorruptRecord {
+                cache: "c".into(),
+                shard: "/x".into(),
+                offset: 0,
+                sample: 0,
+                reason: "bad".into(),
+            },
+            Error::InvalidSample {
+                source_name: "s".into(),
+                sample_index: 0,
+                reason: "bad".into(),
+            },
+            Error::config("x", "bad"),
+            Error::SamplesMetadata("bad".into()),
+            Error::State("bad".into()),
+            Error::OutOfMemory {
+                what: "x".into(),
+                bytes: 1,
+                advice: "less",
+            },
+            Error::Runtime("bad".into()),
+            Error::Interrupted("bad".into()),
+        ];
+        for e in &all {
+            // Fails to compile when a variant is added: add it to the list above too.
+            match e {
+                Error::Io { .. }
+                | Error::Malformed { .. }
+                | Error::CorruptRecord { .. }
+                | Error::InvalidSample { .. }
+                | Error::InvalidConfig { .. }
+                | Error::SamplesMetadata(_)
+                | Error::State(_)
+                | Error::OutOfMemory { .. }
+                | Error::Runtime(_)
+                | Error::Interrupted(_) => {}
+            }
+        }
+        all
+    }
+
+    #[test]
+    fn every_variant_maps_to_its_kind() {
+        let kinds: Vec<ErrorKind> = one_of_each().iter().map(Error::kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                ErrorKind::Io,
+                ErrorKind::Malformed,
+                ErrorKind::CorruptRecord,
+                ErrorKind::InvalidSample,
+                ErrorKind::InvalidConfig,
+                ErrorKind::SamplesMetadata,
+                ErrorKind::State,
+                ErrorKind::OutOfMemory,
+                ErrorKind::Runtime,
+                ErrorKind::Interrupted,
+            ]
+        );
+    }
+
+    #[test]
+    fn only_os_errors_carry_an_errno() {
+        let errnos: Vec<Option<i32>> = one_of_each().iter().map(Error::errno).collect();
+        assert_eq!(errnos[0], Some(libc::ENOSPC));
+        assert!(errnos[1..].iter().all(Option::is_none), "{errnos:?}");
+        // An I/O error made without an OS code keeps the errno its kind stands for.
+        let made = |kind| Error::io("open", "/x", std::io::Error::new(kind, "made here"));
+        assert_eq!(
+            made(std::io::ErrorKind::NotFound).errno(),
+            Some(libc::ENOENT)
+        );
+        assert_eq!(
+            made(std::io::ErrorKind::PermissionDenied).errno(),
+            Some(libc::EACCES)
+        );
+        assert_eq!(made(std::io::ErrorKind::Other).errno(), None);
+    }
+
+    #[test]
+    fn codes_round_trip_and_unknown_codes_are_refused() {
+        for &kind in ErrorKind::ALL {
+            assert_eq!(ErrorKind::from_code(kind.code()), Ok(kind));
+        }
+        let known: Vec<u32> = (0..=1024)
+            .filter(|&c| ErrorKind::from_code(c).is_ok())
+            .collect();
+        let listed: Vec<u32> = ErrorKind::ALL.iter().map(|k| k.code()).collect();
+        assert_eq!(known, listed, "ALL lists every code, in order");
+        // 0 and 255 mean "no error" and "being written" in the control segment.
+        let next = ErrorKind::ALL.last().unwrap().code() + 1;
+        for code in [0, 255, next, u32::MAX] {
+            let err = ErrorKind::from_code(code).unwrap_err();
+            assert_eq!(err, UnknownErrorKind(code));
+            assert!(err.to_string().contains(&code.to_string()));
+        }
+    }
+
+    #[test]
+    fn kinds_have_distinct_descriptions() {
+        let mut names: Vec<&str> = ErrorKind::ALL.iter().map(|k| k.describe()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ErrorKind::ALL.len());
     }
 }

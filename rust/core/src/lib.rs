@@ -8,6 +8,7 @@ pub mod format;
 mod hashed_file;
 pub mod liveness;
 pub mod metadata;
+pub mod os;
 pub mod pool;
 pub mod progress;
 pub mod sampler;
@@ -15,4 +16,4 @@ pub mod samples;
 pub mod verify;
 pub mod writer;
 
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};

@@ -320,18 +320,6 @@ impl EpochOrder {
     }
 }
 
-/// The machine's physical memory in bytes, when the OS says.
-fn physical_memory() -> Option<u64> {
-    // SAFETY: sysconf only reads system configuration.
-    let (pages, page_size) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    (pages > 0 && page_size > 0).then(|| (pages as u64).saturating_mul(page_size as u64))
-}
-
 /// An empty vector with room for a materialised order of `epoch_len` positions. An infallible
 /// allocation aborts the process when memory is short (no unwinding, nothing to catch), so this
 /// refuses a vector larger than physical memory up front and turns any other allocation failure
@@ -343,7 +331,7 @@ fn reserve_order(epoch_len: u64) -> Result<Vec<u64>> {
         bytes,
         advice: "read the order position by position, or lower the epoch length",
     };
-    if physical_memory().is_some_and(|m| bytes > m) {
+    if crate::os::physical_memory().is_some_and(|m| bytes > m) {
         return Err(too_large());
     }
     let mut order = Vec::new();

@@ -1,10 +1,9 @@
-//! The Python exception tree, rooted at `DatasetRTError`, and the mapping from core errors.
+//! The Python exception tree, rooted at `DatasetRTError`, and the one mapping from the core's
+//! error-kind table onto it.
 
-use dataset_rt_core::Error;
+use dataset_rt_core::{Error, ErrorKind};
 use pyo3::create_exception;
-use pyo3::exceptions::{
-    PyException, PyFileNotFoundError, PyMemoryError, PyOSError, PyPermissionError, PyValueError,
-};
+use pyo3::exceptions::{PyException, PyMemoryError, PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -92,6 +91,18 @@ create_exception!(
     DatasetRTError,
     "The runtime cannot run the work (closed, forked, internal failure)."
 );
+create_exception!(
+    dataset_rt._native,
+    LoaderError,
+    DatasetRTError,
+    "The shared-memory loader failed: a process died, the producer failed, or a batch does not fit."
+);
+create_exception!(
+    dataset_rt._native,
+    RingClosed,
+    LoaderError,
+    "The ring was closed (stopped, owner gone, or the producer failed earlier): the party exits."
+);
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -106,30 +117,41 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("StateError", py.get_type::<StateError>())?;
     m.add("RuntimeStateError", py.get_type::<RuntimeStateError>())?;
+    m.add("LoaderError", py.get_type::<LoaderError>())?;
+    m.add("RingClosed", py.get_type::<RingClosed>())?;
     Ok(())
 }
 
-/// Maps a core error; I/O errors keep their Python kinds.
-pub fn to_py(err: Error) -> PyErr {
-    let msg = err.to_string();
-    match err {
-        Error::Io { source, .. } => match (source.raw_os_error(), source.kind()) {
-            // `OSError(errno, message)` becomes the matching subclass (PermissionError for
-            // EACCES, FileNotFoundError for ENOENT ...) and keeps `errno`.
-            (Some(errno), _) => PyOSError::new_err((errno, msg)),
-            (None, std::io::ErrorKind::NotFound) => PyFileNotFoundError::new_err(msg),
-            (None, std::io::ErrorKind::PermissionDenied) => PyPermissionError::new_err(msg),
-            (None, _) => PyOSError::new_err(msg),
-        },
-        Error::OutOfMemory { .. } => PyMemoryError::new_err(msg),
-        Error::Malformed { .. } => CacheMalformedError::new_err(msg),
-        Error::CorruptRecord { .. } => CorruptRecordError::new_err(msg),
-        Error::InvalidSample { .. } => InvalidSampleError::new_err(msg),
-        Error::InvalidConfig { .. } => ConfigError::new_err(msg),
-        Error::SamplesMetadata(_) => SamplesMetadataError::new_err(msg),
-        Error::State(_) => StateError::new_err(msg),
-        _ => RuntimeStateError::new_err(msg),
+/// The Python exception of an error of `kind`, with the operating system's `errno` when it has
+/// one. The match is exhaustive: a new kind fails to compile here until it has a class.
+pub fn from_kind(kind: ErrorKind, errno: Option<i32>, msg: String) -> PyErr {
+    match kind {
+        ErrorKind::Io => os_error(errno, msg),
+        ErrorKind::Malformed => CacheMalformedError::new_err(msg),
+        ErrorKind::CorruptRecord => CorruptRecordError::new_err(msg),
+        ErrorKind::InvalidSample => InvalidSampleError::new_err(msg),
+        ErrorKind::InvalidConfig => ConfigError::new_err(msg),
+        ErrorKind::SamplesMetadata => SamplesMetadataError::new_err(msg),
+        ErrorKind::State => StateError::new_err(msg),
+        ErrorKind::OutOfMemory => PyMemoryError::new_err(msg),
+        ErrorKind::Runtime | ErrorKind::Interrupted => RuntimeStateError::new_err(msg),
+        ErrorKind::Loader | ErrorKind::BatchTooLarge => LoaderError::new_err(msg),
+        ErrorKind::Closed => RingClosed::new_err(msg),
     }
+}
+
+/// `OSError(errno, message)`, which Python turns into the matching subclass
+/// (`FileNotFoundError` for ENOENT, `PermissionError` for EACCES ...) keeping `errno`.
+pub fn os_error(errno: Option<i32>, msg: String) -> PyErr {
+    match errno {
+        Some(errno) => PyOSError::new_err((errno, msg)),
+        None => PyOSError::new_err(msg),
+    }
+}
+
+/// Maps a core error by its kind; I/O errors keep their errno and so their Python kinds.
+pub fn to_py(err: Error) -> PyErr {
+    from_kind(err.kind(), err.errno(), err.to_string())
 }
 
 pub trait IntoPyResult<T> {

@@ -8,7 +8,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use dataset_rt_core::dataset::{next_epoch, resume_point, State};
+use dataset_rt_core::error::io_errno;
 use dataset_rt_core::metadata::MetaRef;
+use dataset_rt_core::os::{self, own_pid};
+use dataset_rt_core::ErrorKind;
 use dataset_rt_shm::batch::{decode_metadata, max_sample_bytes, read_batch, slot_size_for};
 use dataset_rt_shm::layout::*;
 use dataset_rt_shm::private_copy::replace_with_private_copy;
@@ -17,40 +20,23 @@ use dataset_rt_shm::results;
 use dataset_rt_shm::ring::{Geometry, Heartbeat, Party, Pass, Ring, Role, Ticket};
 use dataset_rt_shm::{segment, ShmError};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyFileNotFoundError, PyMemoryError, PyOSError, PyPermissionError};
+use pyo3::exceptions::{PyMemoryError, PyOSError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySlice};
 
 use crate::dataset::{Dataset, SampleMaker};
-use crate::errors::{
-    self, CacheMalformedError, ConfigError, CorruptRecordError, DatasetRTError, IntoPyResult,
-    StateError,
-};
+use crate::errors::{self, ConfigError, IntoPyResult, LoaderError, RingClosed};
 
-create_exception!(
-    dataset_rt._native,
-    LoaderError,
-    DatasetRTError,
-    "The shared-memory loader failed: a process died, the producer failed, or a batch does not fit."
-);
 create_exception!(
     dataset_rt._native,
     WorkerError,
     LoaderError,
     "worker_init_fn, transform or collate_fn raised in a loader worker; the message carries the worker's traceback."
 );
-create_exception!(
-    dataset_rt._native,
-    RingClosed,
-    LoaderError,
-    "The ring was closed (stopped, owner gone, or the producer failed earlier): the party exits."
-);
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
-    m.add("LoaderError", py.get_type::<LoaderError>())?;
     m.add("WorkerError", py.get_type::<WorkerError>())?;
-    m.add("RingClosed", py.get_type::<RingClosed>())?;
     m.add_class::<LoaderPlan>()?;
     m.add_class::<RingHandle>()?;
     m.add_class::<ResultArena>()?;
@@ -60,36 +46,31 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-fn producer_error(kind: u32, batch: u64, text: &str) -> PyErr {
+/// The exception of the error the producer recorded (its kind code and errno), as if raised here.
+fn producer_error(kind: u32, errno: Option<i32>, batch: u64, text: &str) -> PyErr {
     let msg = format!("the loader's producer failed at batch {batch}: {text}");
-    match kind {
-        ERR_IO => PyOSError::new_err(msg),
-        ERR_MALFORMED => CacheMalformedError::new_err(msg),
-        ERR_CORRUPT_RECORD => CorruptRecordError::new_err(msg),
-        ERR_STATE => StateError::new_err(msg),
-        _ => LoaderError::new_err(msg),
+    match ErrorKind::from_code(kind) {
+        Ok(kind) => errors::from_kind(kind, errno, msg),
+        Err(unknown) => LoaderError::new_err(format!(
+            "{msg} ({unknown}: is the producer another build of DatasetRT?)"
+        )),
     }
 }
 
+/// Maps a loader error through the one error-kind table (`producer::error_kind`), as the
+/// producer does when it records one.
 fn shm_err(err: ShmError) -> PyErr {
-    let msg = err.to_string();
     match err {
-        ShmError::Io { source, .. } => match (source.raw_os_error(), source.kind()) {
-            // `OSError(errno, message)` becomes the matching subclass (FileNotFoundError,
-            // PermissionError ...) and keeps `errno` (ENOSPC for a full /dev/shm).
-            (Some(errno), _) => PyOSError::new_err((errno, msg)),
-            (None, std::io::ErrorKind::NotFound) => PyFileNotFoundError::new_err(msg),
-            (None, std::io::ErrorKind::PermissionDenied) => PyPermissionError::new_err(msg),
-            (None, _) => PyOSError::new_err(msg),
-        },
-        ShmError::Core(e) => errors::to_py(e),
-        ShmError::Stopped | ShmError::OwnerGone(_) => RingClosed::new_err(msg),
-        ShmError::ProducerFailed { kind, batch, text } => producer_error(kind, batch, &text),
-        ShmError::Memory { source, .. } => match source.raw_os_error() {
-            Some(errno) => PyOSError::new_err((errno, msg)),
-            None => PyOSError::new_err(msg),
-        },
-        _ => LoaderError::new_err(msg),
+        ShmError::ProducerFailed {
+            kind,
+            errno,
+            batch,
+            text,
+        } => producer_error(kind, errno, batch, &text),
+        other => {
+            let (kind, errno) = producer::error_kind(&other);
+            errors::from_kind(kind, errno, other.to_string())
+        }
     }
 }
 
@@ -101,10 +82,6 @@ impl<T> ShmResult<T> for dataset_rt_shm::Result<T> {
     fn py_shm(self) -> PyResult<T> {
         self.map_err(shm_err)
     }
-}
-
-fn own_pid() -> u64 {
-    std::process::id() as u64
 }
 
 /// Where the state comes from when no pass is live, and the weight table it was read with.
@@ -884,7 +861,7 @@ impl RingHandle {
     /// Raises the producer's error if it affects batch `seq` or an earlier one.
     fn check_error(&self, seq: u64) -> PyResult<()> {
         match self.ring.error() {
-            Some((kind, batch, text)) if batch <= seq => Err(producer_error(kind, batch, &text)),
+            Some(e) if e.batch <= seq => Err(producer_error(e.kind, e.errno, e.batch, &e.text)),
             _ => Ok(()),
         }
     }
@@ -893,7 +870,7 @@ impl RingHandle {
     fn error_text(&self) -> Option<String> {
         self.ring
             .error()
-            .map(|(_, batch, text)| format!("batch {batch}: {text}"))
+            .map(|e| format!("batch {}: {}", e.batch, e.text))
     }
 }
 
@@ -970,19 +947,13 @@ pub fn run_producer(py: Python<'_>, spec_path: PathBuf, owner_pid: u64) -> PyRes
 /// still `owner_pid` (it may have died before the call).
 #[pyfunction]
 pub fn set_parent_death_signal(owner_pid: u64) -> PyResult<()> {
-    #[cfg(target_os = "linux")]
-    // SAFETY: plain prctl with integer arguments.
-    unsafe {
-        libc::prctl(
-            libc::PR_SET_PDEATHSIG,
-            libc::SIGKILL as libc::c_ulong,
-            0,
-            0,
-            0,
-        );
-    }
-    // SAFETY: getppid cannot fail.
-    let parent = unsafe { libc::getppid() } as u64;
+    os::kill_me_when_parent_dies().map_err(|e| {
+        errors::os_error(
+            io_errno(&e),
+            format!("prctl(PR_SET_PDEATHSIG) for a loader worker: {e}"),
+        )
+    })?;
+    let parent = os::parent_pid();
     if parent != owner_pid {
         return Err(RingClosed::new_err(format!(
             "this worker's parent (pid {parent}) is not the training process (pid {owner_pid}): \

@@ -1,0 +1,119 @@
+//! The operating-system queries DatasetRT makes, in one place: processes (own and parent pid,
+//! whether a pid lives, the parent-death signal) and memory (page size, physical memory).
+
+/// This process's pid.
+pub fn own_pid() -> u64 {
+    u64::from(std::process::id())
+}
+
+/// The parent's pid: 1 (or a subreaper's) once the parent that started this process is gone.
+pub fn parent_pid() -> u64 {
+    // SAFETY: getppid cannot fail.
+    unsafe { libc::getppid() as u64 }
+}
+
+/// Whether a process with this pid exists here (zombies count as gone: they run nothing).
+pub fn pid_alive(pid: u64) -> bool {
+    if pid == 0 || pid > i32::MAX as u64 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks existence and permission.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name, which may itself contain ") ".
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_none_or(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => rc == 0,
+    }
+}
+
+/// Makes the kernel send SIGKILL to this process when the thread that started it exits
+/// (Linux; elsewhere nothing). The parent may be gone already: check [`parent_pid`] after.
+pub fn kill_me_when_parent_dies() -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: plain prctl with integer arguments.
+        let rc = unsafe {
+            libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// The size of a memory page, when the OS says.
+pub fn page_size() -> Option<u64> {
+    // SAFETY: sysconf only reads system configuration.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    (size > 0).then_some(size as u64)
+}
+
+/// The machine's physical memory in bytes, when the OS says.
+pub fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf only reads system configuration.
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+    let pages = u64::try_from(pages).ok().filter(|&p| p > 0)?;
+    Some(pages.saturating_mul(page_size()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_and_its_parent_are_alive() {
+        assert_eq!(own_pid(), u64::from(std::process::id()));
+        assert!(pid_alive(own_pid()));
+        assert!(pid_alive(parent_pid()));
+        assert!(!pid_alive(0));
+        assert!(!pid_alive(u64::from(u32::MAX)));
+    }
+
+    #[test]
+    fn a_reaped_child_is_gone_and_a_zombie_counts_as_gone() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = u64::from(child.id());
+        // Not yet waited for: a zombie once it exits, which runs nothing.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while pid_alive(pid) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the child never exited"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+        assert!(!pid_alive(pid));
+    }
+
+    #[test]
+    fn memory_sizes_are_plausible() {
+        let page = page_size().unwrap();
+        assert!(page.is_power_of_two() && page >= 4096, "{page}");
+        let memory = physical_memory().unwrap();
+        assert!(memory >= 64 << 20 && memory % page == 0, "{memory}");
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_parent_death_signal_is_set() {
+        // Harmless in the test process: its parent (the test runner) waits for it.
+        kill_me_when_parent_dies().unwrap();
+        let mut signal: libc::c_int = 0;
+        // SAFETY: PR_GET_PDEATHSIG writes one int through the pointer.
+        let rc = unsafe { libc::prctl(libc::PR_GET_PDEATHSIG, &mut signal as *mut libc::c_int) };
+        assert_eq!((rc, signal), (0, libc::SIGKILL));
+    }
+}
