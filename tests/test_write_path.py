@@ -237,6 +237,26 @@ def test_metadata_keys_may_come_in_any_order(runtime, tmp_path):
     assert all(list(m) == ["a", "b", "c"] for m in got)  # the schema's order, set by sample 0
 
 
+def test_metadata_keys_built_per_sample_and_reordered_keep_their_columns(runtime, tmp_path):
+    # The writer remembers key objects by identity: keys built anew for each sample (equal text,
+    # other objects) and the same objects in another order must still land by name.
+    def key(text):
+        return "".join(list(text))
+
+    rng = random.Random(5)
+    samples = []
+    for i in range(700):
+        meta = {key("a"): i, key("b"): str(i), key("c"): i % 2 == 0}
+        if i % 3 == 0:
+            items = list(meta.items())
+            rng.shuffle(items)
+            meta = dict(items)
+        samples.append((i.to_bytes(4, "little"), meta))
+    result = write(runtime, make_source("rebuilt", samples), tmp_path)
+    got = [(bytes(s.data), s.metadata) for s in result.dataset]
+    assert got == [(d, {"a": i, "b": str(i), "c": i % 2 == 0}) for i, (d, _) in enumerate(samples)]
+
+
 def test_existing_cache_is_loaded_without_iterating_the_source(runtime, tmp_path):
     source = make_source("reuse", [(b"one", {"v": 1}), (b"two", {"v": 2})])
     write(runtime, source, tmp_path)
@@ -334,6 +354,13 @@ BAD_SAMPLES = {
         ['key "b" is missing', "sample 0"],
     ),
     "extra_key": ([ok(0), CacheInput(b"x", {"a": 1, "c": 2})], 1, ['key "c" is not in the schema']),
+    # After many samples with the same key objects (and batches handed to the pool).
+    "extra_key_late": (
+        [ok(i) for i in range(300)] + [CacheInput(b"x", {"a": 1, "c": 2})],
+        300,
+        ['key "c" is not in the schema'],
+    ),
+    "int_to_str_late": ([ok(i) for i in range(300)] + [ok("s")], 300, ['"a" is str, but sample 0']),
     "int_to_float": ([ok(0), ok(0), ok(1.0)], 2, ['"a" is float, but sample 0 made it int']),
     "int_to_bool": ([ok(0), ok(True)], 1, ['"a" is bool, but sample 0 made it int']),
     "str_to_int": (
