@@ -10,6 +10,7 @@ import os
 import random
 import re
 import struct
+import sys
 import time
 import types
 from pathlib import Path
@@ -135,6 +136,41 @@ def test_payloads_of_every_bytes_like_type(runtime, tmp_path):
     got = [bytes(s.data) for s in result.dataset]
     assert got == expected
     assert np.array_equal(np.frombuffer(got[3], dtype=np.float32), array)
+
+
+def test_bytes_are_written_in_place_and_released_mutable_buffers_copied_at_once(runtime, tmp_path):
+    # `bytes` payloads are read in place until written: every reference the writer took is
+    # given back. A bytearray (or a view of one) changed after it was yielded keeps the value
+    # it had then.
+    kept = [bytes([i % 256]) * 5000 for i in range(300)]
+    refs = [sys.getrefcount(b) for b in kept]
+
+    class Mutating:
+        name = "mutating"
+
+        def __iter__(self):
+            for i, b in enumerate(kept):
+                yield CacheInput(b, {})
+                if i % 50 == 0:
+                    buf = bytearray(b"before")
+                    view_of = bytearray(b"viewed")
+                    yield CacheInput(buf, {})
+                    yield CacheInput(memoryview(view_of), {})
+                    buf[:] = b"AFTER!"
+                    view_of[:] = b"CHANGE"
+
+    result = write(runtime, Mutating(), tmp_path)
+
+    got = [bytes(s.data) for s in result.dataset]
+    expected = []
+    for i, b in enumerate(kept):
+        expected.append(b)
+        if i % 50 == 0:
+            expected += [b"before", b"viewed"]
+    assert got == expected
+    del result, got, expected, b
+    gc.collect()
+    assert [sys.getrefcount(k) for k in kept] == refs
 
 
 def test_len_and_several_sources_concatenate_in_source_order(runtime, tmp_path):

@@ -86,6 +86,33 @@ pub struct SampleInput {
     pub metadata: Vec<(String, MetaValue)>,
 }
 
+/// A sample's payload as the writer holds it from push until its record is written: owned bytes,
+/// or bytes that the caller's object keeps alive and unchanged (a Python `bytes`), read in place.
+pub enum Payload {
+    Owned(Vec<u8>),
+    Shared(Box<dyn SharedBytes>),
+}
+
+/// Bytes owned elsewhere that stay alive and unchanged until this value is dropped, on any thread.
+pub trait SharedBytes: Send {
+    fn bytes(&self) -> &[u8];
+}
+
+impl Payload {
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Payload::Owned(v) => v,
+            Payload::Shared(s) => s.bytes(),
+        }
+    }
+}
+
+impl From<Vec<u8>> for Payload {
+    fn from(v: Vec<u8>) -> Self {
+        Payload::Owned(v)
+    }
+}
+
 /// One metadata key of a sample as a converting caller gives it to
 /// [`CacheWriter::push_keyed`]: the identity of the caller's key object (for Python, the address
 /// of the `str`) and its text.
@@ -360,7 +387,7 @@ fn sync_dir(path: &Path) -> Result<()> {
 struct Encoded {
     header: RecordHeader,
     meta: Vec<u8>,
-    payload: Vec<u8>,
+    payload: Payload,
     sample_id: MetaValue,
     values: Vec<MetaValue>,
 }
@@ -418,12 +445,13 @@ impl Sink {
         debug_assert_eq!(offset % ALIGN, 0);
         let header_and_meta = RECORD_HEADER_LEN + rec.meta.len() as u64;
         let pad1 = (rec.header.payload_offset() - header_and_meta) as usize;
-        let pad2 = (len - rec.header.payload_offset() - rec.payload.len() as u64) as usize;
+        let payload = rec.payload.as_slice();
+        let pad2 = (len - rec.header.payload_offset() - payload.len() as u64) as usize;
         (|| {
             w.write_all(&rec.header.encode())?;
             w.write_all(&rec.meta)?;
             w.write_all(&ZEROS[..pad1])?;
-            w.write_all(&rec.payload)?;
+            w.write_all(payload)?;
             w.write_all(&ZEROS[..pad2])
         })()
         .ctx("write", &path)?;
@@ -555,19 +583,20 @@ impl Shared {
 
 fn encode(
     sample: u64,
-    data: Vec<u8>,
+    data: Payload,
     (fields, json): (&[Field], &RecordMetadataJson),
     compression: Compression,
     sample_id: MetaValue,
     values: Vec<MetaValue>,
 ) -> Encoded {
     let meta = json.encode(fields, &values);
-    let raw_len = data.len() as u32;
+    let raw = data.as_slice();
+    let raw_len = raw.len() as u32;
     let (flags, payload) = match compression.algo {
-        CompressionAlgo::Lz4 if !data.is_empty() => {
-            let compressed = lz4_flex::block::compress(&data);
-            if (compressed.len() as f64) <= compression.ratio * data.len() as f64 {
-                (FLAG_LZ4, compressed)
+        CompressionAlgo::Lz4 if !raw.is_empty() => {
+            let compressed = lz4_flex::block::compress(raw);
+            if (compressed.len() as f64) <= compression.ratio * raw.len() as f64 {
+                (FLAG_LZ4, Payload::Owned(compressed))
             } else {
                 (0, data)
             }
@@ -577,12 +606,12 @@ fn encode(
     let mut header = RecordHeader {
         flags,
         meta_len: meta.len() as u32,
-        stored_len: payload.len() as u32,
+        stored_len: payload.as_slice().len() as u32,
         raw_len,
         sample,
         checksum: 0,
     };
-    header.checksum = header.compute_checksum(&meta, &payload);
+    header.checksum = header.compute_checksum(&meta, payload.as_slice());
     Encoded {
         header,
         meta,
@@ -600,7 +629,7 @@ pub struct Published {
 }
 
 /// A queued sample: its position, payload, sample id and values in schema order.
-type Pending = (u64, Vec<u8>, MetaValue, Vec<MetaValue>);
+type Pending = (u64, Payload, MetaValue, Vec<MetaValue>);
 
 /// Writes one cache into a temporary sibling directory and publishes it with one rename.
 pub struct CacheWriter {
@@ -764,7 +793,7 @@ impl CacheWriter {
         }
         let (names, given): (Vec<String>, Vec<MetaValue>) = input.metadata.into_iter().unzip();
         let (values, _) = self.ordered_values(names.iter().map(String::as_str), given)?;
-        if self.stage(input.data, values)? {
+        if self.stage(input.data.into(), values)? {
             self.submit_batch()?;
         }
         self.check_error()
@@ -779,12 +808,12 @@ impl CacheWriter {
     /// by name and, when it fits the schema, its identities are remembered instead.
     pub fn push_keyed(
         &mut self,
-        data: Vec<u8>,
+        data: Payload,
         keys: &[MetaKey<'_>],
         values: Vec<MetaValue>,
     ) -> Result<Staged> {
         debug_assert_eq!(keys.len(), values.len());
-        self.check_payload(&data)?;
+        self.check_payload(data.as_slice())?;
         if self.fields.is_none() {
             self.init_schema(keys.iter().zip(&values).map(|(k, v)| (k.name, v.dtype())))?;
         }
@@ -836,7 +865,7 @@ impl CacheWriter {
     }
 
     /// Queues a sample whose values are in schema order; whether the batch is full.
-    fn stage(&mut self, data: Vec<u8>, values: Vec<MetaValue>) -> Result<bool> {
+    fn stage(&mut self, data: Payload, values: Vec<MetaValue>) -> Result<bool> {
         let sample_id = match self.id_slot {
             None => MetaValue::Int(self.pushed as i64),
             Some(i) => {
@@ -861,7 +890,7 @@ impl CacheWriter {
                 id
             }
         };
-        self.batch_bytes += data.len();
+        self.batch_bytes += data.as_slice().len();
         self.batch.push((self.pushed, data, sample_id, values));
         self.pushed += 1;
         Ok(

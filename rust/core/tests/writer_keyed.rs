@@ -3,12 +3,15 @@
 //! same `InvalidSample` error naming the same source and sample, as `push` with names.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use dataset_rt_core::format::Compression;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::writer::{CacheLock, CacheWriter, MetaKey, SampleInput, WriterOptions};
+use dataset_rt_core::writer::{
+    CacheLock, CacheWriter, MetaKey, Payload, SampleInput, SharedBytes, WriterOptions,
+};
 use dataset_rt_core::Error;
 use proptest::prelude::*;
 
@@ -65,7 +68,7 @@ fn by_identity(
             .map(|(id, k, _)| MetaKey { id: *id, name: k })
             .collect();
         let values = meta.iter().map(|(_, _, v)| v.clone()).collect();
-        let staged = match w.push_keyed(data.clone(), &keys, values) {
+        let staged = match w.push_keyed(data.clone().into(), &keys, values) {
             Ok(s) => s,
             Err(e) => return (Err(e), remembered),
         };
@@ -330,5 +333,79 @@ proptest! {
             }
             _ => prop_assert!(false, "keyed {keyed:?}, named {named:?}"),
         }
+    }
+}
+
+/// Bytes owned elsewhere, counting how many are still held.
+struct Counted(Vec<u8>, Arc<AtomicUsize>);
+
+impl SharedBytes for Counted {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.1.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn shared_payloads_are_written_in_place_and_released() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Pool::new(2).unwrap();
+    let held = Arc::new(AtomicUsize::new(0));
+    let samples: Vec<Keyed> = (0..50u8)
+        .map(|i| {
+            (
+                vec![i; usize::from(i) * 7],
+                vec![entry(1, "n", MetaValue::Int(i.into()))],
+            )
+        })
+        .collect();
+    for compression in [Compression::NONE, Compression::new("lz4", 0.9).unwrap()] {
+        let name = format!("shared_{:?}", compression.algo);
+        let mut opts = options();
+        opts.compression = compression;
+        let lock = CacheLock::acquire(dir.path(), &name).unwrap();
+        let mut w = CacheWriter::create(pool.clone(), lock, opts).unwrap();
+        for (data, meta) in &samples {
+            held.fetch_add(1, Ordering::SeqCst);
+            let payload = Payload::Shared(Box::new(Counted(data.clone(), held.clone())));
+            let keys: Vec<MetaKey<'_>> = meta
+                .iter()
+                .map(|(id, k, _)| MetaKey { id: *id, name: k })
+                .collect();
+            let values = meta.iter().map(|(_, _, v)| v.clone()).collect();
+            if w.push_keyed(payload, &keys, values).unwrap().batch_full {
+                w.hand_off().unwrap();
+            }
+        }
+        w.finish().unwrap();
+        assert_eq!(
+            held.load(Ordering::SeqCst),
+            0,
+            "every shared payload released"
+        );
+        let named = format!("owned_{:?}", compression.algo);
+        let lock = CacheLock::acquire(dir.path(), &named).unwrap();
+        let mut w = CacheWriter::create(pool.clone(), lock, opts).unwrap();
+        for (data, meta) in &samples {
+            let metadata = meta
+                .iter()
+                .map(|(_, k, v)| (k.clone(), v.clone()))
+                .collect();
+            w.push(SampleInput {
+                data: data.clone(),
+                metadata,
+            })
+            .unwrap();
+        }
+        w.finish().unwrap();
+        assert_eq!(
+            data_files(&dir.path().join(&name)),
+            data_files(&dir.path().join(&named))
+        );
     }
 }

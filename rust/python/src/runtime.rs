@@ -17,7 +17,7 @@ use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::writer::{
     check_base_dir, reap_dead_leftovers, validate_name, CacheLock, CacheWriter, InterruptCheck,
-    MetaKey, Staged, WriterOptions,
+    MetaKey, Payload, SharedBytes, Staged, WriterOptions,
 };
 use dataset_rt_core::Error;
 use pyo3::prelude::*;
@@ -798,17 +798,51 @@ impl<'py> Converter<'py> {
     }
 }
 
-/// The payload of a `CacheInput`, copied once for `bytes` and `bytearray`. A `memoryview` is
-/// read through `tobytes()` (the buffer protocol is outside the 3.10 stable ABI), one copy more.
-fn payload(data: &Bound<'_, PyAny>) -> Result<Vec<u8>, String> {
+/// A `bytes` object's contents, which the writer reads in place, without the GIL, until the
+/// record is written: `bytes` never change, and the reference held here keeps them alive. When
+/// it is dropped on a pool worker, PyO3 defers the decref to the next time the writer's thread
+/// takes the GIL back (after each batch hand-off).
+struct HeldBytes {
+    _owner: Py<PyBytes>,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is into the immutable buffer of the `bytes` object that `_owner` keeps
+// alive; reading it needs no GIL, and `Py` may be dropped on any thread.
+unsafe impl Send for HeldBytes {}
+
+impl SharedBytes for HeldBytes {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: see `Send` above: `len` bytes at `ptr`, alive and unchanged while `self` is.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl HeldBytes {
+    fn payload(b: Bound<'_, PyBytes>) -> Payload {
+        let bytes = b.as_bytes();
+        let (ptr, len) = (bytes.as_ptr(), bytes.len());
+        Payload::Shared(Box::new(HeldBytes {
+            _owner: b.unbind(),
+            ptr,
+            len,
+        }))
+    }
+}
+
+/// The payload of a `CacheInput`. `bytes` is not copied here: the writer reads it in place and
+/// copies it once, into the shard. `bytearray` (mutable) is copied once now. A `memoryview` is
+/// read through `tobytes()`, one copy (the buffer protocol is outside the 3.10 stable ABI).
+fn payload(data: &Bound<'_, PyAny>) -> Result<Payload, String> {
     if let Ok(b) = data.cast::<PyBytes>() {
-        Ok(b.as_bytes().to_vec())
+        Ok(HeldBytes::payload(b.clone()))
     } else if let Ok(b) = data.cast::<PyByteArray>() {
-        Ok(b.to_vec())
+        Ok(Payload::Owned(b.to_vec()))
     } else if data.is_instance_of::<PyMemoryView>() {
         data.call_method0("tobytes")
             .and_then(|b| b.cast_into::<PyBytes>().map_err(Into::into))
-            .map(|b| b.as_bytes().to_vec())
+            .map(HeldBytes::payload)
             .map_err(|e| format!("data memoryview cannot be read: {e}"))
     } else {
         Err(format!(
