@@ -755,8 +755,9 @@ struct Converter<'py> {
 }
 
 impl<'py> Converter<'py> {
-    /// Converts `item` (bytes-like data, copied once, and a mapping of primitive metadata) and
-    /// queues it; keys go to the writer as identities with borrowed text, never as new strings.
+    /// Converts `item` (bytes-like data, see [`payload`], and a mapping of primitive metadata)
+    /// and queues it; keys go to the writer as identities with borrowed text, never as new
+    /// strings.
     fn push(
         &mut self,
         item: &Bound<'py, PyAny>,
