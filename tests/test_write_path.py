@@ -10,6 +10,7 @@ import os
 import random
 import re
 import struct
+import sys
 import time
 import types
 from pathlib import Path
@@ -137,6 +138,41 @@ def test_payloads_of_every_bytes_like_type(runtime, tmp_path):
     assert np.array_equal(np.frombuffer(got[3], dtype=np.float32), array)
 
 
+def test_bytes_are_written_in_place_and_released_mutable_buffers_copied_at_once(runtime, tmp_path):
+    # `bytes` payloads are read in place until written: every reference the writer took is
+    # given back. A bytearray (or a view of one) changed after it was yielded keeps the value
+    # it had then.
+    kept = [bytes([i % 256]) * 5000 for i in range(300)]
+    refs = [sys.getrefcount(b) for b in kept]
+
+    class Mutating:
+        name = "mutating"
+
+        def __iter__(self):
+            for i, b in enumerate(kept):
+                yield CacheInput(b, {})
+                if i % 50 == 0:
+                    buf = bytearray(b"before")
+                    view_of = bytearray(b"viewed")
+                    yield CacheInput(buf, {})
+                    yield CacheInput(memoryview(view_of), {})
+                    buf[:] = b"AFTER!"
+                    view_of[:] = b"CHANGE"
+
+    result = write(runtime, Mutating(), tmp_path)
+
+    got = [bytes(s.data) for s in result.dataset]
+    expected = []
+    for i, b in enumerate(kept):
+        expected.append(b)
+        if i % 50 == 0:
+            expected += [b"before", b"viewed"]
+    assert got == expected
+    del result, got, expected, b
+    gc.collect()
+    assert [sys.getrefcount(k) for k in kept] == refs
+
+
 def test_len_and_several_sources_concatenate_in_source_order(runtime, tmp_path):
     a = make_source("a", [(f"a{i}".encode(), {"i": i}) for i in range(3)])
     empty = make_source("empty", [])
@@ -237,6 +273,26 @@ def test_metadata_keys_may_come_in_any_order(runtime, tmp_path):
     assert all(list(m) == ["a", "b", "c"] for m in got)  # the schema's order, set by sample 0
 
 
+def test_metadata_keys_built_per_sample_and_reordered_keep_their_columns(runtime, tmp_path):
+    # The writer remembers key objects by identity: keys built anew for each sample (equal text,
+    # other objects) and the same objects in another order must still land by name.
+    def key(text):
+        return "".join(list(text))
+
+    rng = random.Random(5)
+    samples = []
+    for i in range(700):
+        meta = {key("a"): i, key("b"): str(i), key("c"): i % 2 == 0}
+        if i % 3 == 0:
+            items = list(meta.items())
+            rng.shuffle(items)
+            meta = dict(items)
+        samples.append((i.to_bytes(4, "little"), meta))
+    result = write(runtime, make_source("rebuilt", samples), tmp_path)
+    got = [(bytes(s.data), s.metadata) for s in result.dataset]
+    assert got == [(d, {"a": i, "b": str(i), "c": i % 2 == 0}) for i, (d, _) in enumerate(samples)]
+
+
 def test_existing_cache_is_loaded_without_iterating_the_source(runtime, tmp_path):
     source = make_source("reuse", [(b"one", {"v": 1}), (b"two", {"v": 2})])
     write(runtime, source, tmp_path)
@@ -334,6 +390,13 @@ BAD_SAMPLES = {
         ['key "b" is missing', "sample 0"],
     ),
     "extra_key": ([ok(0), CacheInput(b"x", {"a": 1, "c": 2})], 1, ['key "c" is not in the schema']),
+    # After many samples with the same key objects (and batches handed to the pool).
+    "extra_key_late": (
+        [ok(i) for i in range(300)] + [CacheInput(b"x", {"a": 1, "c": 2})],
+        300,
+        ['key "c" is not in the schema'],
+    ),
+    "int_to_str_late": ([ok(i) for i in range(300)] + [ok("s")], 300, ['"a" is str, but sample 0']),
     "int_to_float": ([ok(0), ok(0), ok(1.0)], 2, ['"a" is float, but sample 0 made it int']),
     "int_to_bool": ([ok(0), ok(True)], 1, ['"a" is bool, but sample 0 made it int']),
     "str_to_int": (

@@ -85,18 +85,23 @@ impl MetaValue {
             MetaValue::Str(_) => FieldType::Str,
         }
     }
+}
 
-    fn to_json(&self) -> serde_json::Value {
-        match self {
-            MetaValue::Bool(b) => (*b).into(),
-            MetaValue::Int(i) => (*i).into(),
+/// A value as it appears in a record's JSON.
+struct JsonValue<'a>(&'a MetaValue);
+
+impl Serialize for JsonValue<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self.0 {
+            MetaValue::Bool(b) => s.serialize_bool(*b),
+            MetaValue::Int(i) => s.serialize_i64(*i),
             // JSON has no NaN or infinities; the schema says `float`, so the strings are unambiguous.
-            MetaValue::Float(f) if f.is_nan() => "NaN".into(),
+            MetaValue::Float(f) if f.is_nan() => s.serialize_str("NaN"),
             MetaValue::Float(f) if f.is_infinite() => {
-                if *f > 0.0 { "Infinity" } else { "-Infinity" }.into()
+                s.serialize_str(if *f > 0.0 { "Infinity" } else { "-Infinity" })
             }
-            MetaValue::Float(f) => (*f).into(),
-            MetaValue::Str(s) => s.as_str().into(),
+            MetaValue::Float(f) => s.serialize_f64(*f),
+            MetaValue::Str(v) => s.serialize_str(v),
         }
     }
 }
@@ -110,14 +115,46 @@ pub enum MetaRef<'a> {
     Str(&'a str),
 }
 
-/// The metadata embedded in a record: a JSON object (serde_json sorts its keys; readers must not
-/// depend on key order).
-pub fn record_metadata_json(fields: &[Field], values: &[MetaValue]) -> Vec<u8> {
-    let mut map = serde_json::Map::with_capacity(fields.len());
-    for (f, v) in fields.iter().zip(values) {
-        map.insert(f.name.clone(), v.to_json());
+/// Encodes the metadata embedded in a record: a JSON object with its keys sorted by their bytes
+/// (readers must not depend on key order). The order is worked out once per schema, and a record
+/// is serialised straight from its values, without building a JSON map.
+pub struct RecordMetadataJson {
+    order: Vec<usize>,
+}
+
+impl RecordMetadataJson {
+    pub fn new(fields: &[Field]) -> Self {
+        let mut order: Vec<usize> = (0..fields.len()).collect();
+        order.sort_by(|&a, &b| fields[a].name.cmp(&fields[b].name));
+        RecordMetadataJson { order }
     }
-    serde_json::to_vec(&serde_json::Value::Object(map)).expect("JSON of plain values")
+
+    /// The JSON of one record's `values`, given in the order of `fields`.
+    pub fn encode(&self, fields: &[Field], values: &[MetaValue]) -> Vec<u8> {
+        let record = SortedRecord {
+            order: &self.order,
+            fields,
+            values,
+        };
+        serde_json::to_vec(&record).expect("JSON of plain values")
+    }
+}
+
+struct SortedRecord<'a> {
+    order: &'a [usize],
+    fields: &'a [Field],
+    values: &'a [MetaValue],
+}
+
+impl Serialize for SortedRecord<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(self.order.len()))?;
+        for &i in self.order {
+            map.serialize_entry(&self.fields[i].name, &JsonValue(&self.values[i]))?;
+        }
+        map.end()
+    }
 }
 
 /// The Arrow schema of `metadata.arrow`: `sample_id` first, then the other fields in order.
@@ -523,5 +560,62 @@ impl MetadataTable {
     /// The identity of one row.
     pub fn sample_id(&self, row: u64) -> MetaRef<'_> {
         self.value(0, row)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// What the writer embedded before `RecordMetadataJson`: a `serde_json` map, which sorts its
+    /// keys. The records it wrote must stay byte for byte what the writer writes.
+    fn via_json_map(fields: &[Field], values: &[MetaValue]) -> Vec<u8> {
+        let mut map = serde_json::Map::new();
+        for (f, v) in fields.iter().zip(values) {
+            let json: serde_json::Value = match v {
+                MetaValue::Bool(b) => (*b).into(),
+                MetaValue::Int(i) => (*i).into(),
+                MetaValue::Float(f) if f.is_nan() => "NaN".into(),
+                MetaValue::Float(f) if f.is_infinite() => {
+                    if *f > 0.0 { "Infinity" } else { "-Infinity" }.into()
+                }
+                MetaValue::Float(f) => (*f).into(),
+                MetaValue::Str(s) => s.as_str().into(),
+            };
+            map.insert(f.name.clone(), json);
+        }
+        serde_json::to_vec(&serde_json::Value::Object(map)).unwrap()
+    }
+
+    fn value() -> impl Strategy<Value = MetaValue> {
+        prop_oneof![
+            any::<bool>().prop_map(MetaValue::Bool),
+            any::<i64>().prop_map(MetaValue::Int),
+            any::<f64>().prop_map(MetaValue::Float),
+            prop_oneof![Just(f64::NAN), Just(f64::INFINITY), Just(f64::NEG_INFINITY)]
+                .prop_map(MetaValue::Float),
+            ".{0,12}".prop_map(MetaValue::Str),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn records_keep_their_bytes(
+            entries in proptest::collection::btree_map(".{0,8}", value(), 0..8),
+            rotate in 0usize..8,
+        ) {
+            // Unique names in an arbitrary (rotated) order, as a source's first sample gives them.
+            let mut entries: Vec<(String, MetaValue)> = entries.into_iter().collect();
+            let len = entries.len().max(1);
+            entries.rotate_left(rotate % len);
+            let fields: Vec<Field> = entries
+                .iter()
+                .map(|(name, v)| Field { name: name.clone(), dtype: v.dtype() })
+                .collect();
+            let values: Vec<MetaValue> = entries.into_iter().map(|(_, v)| v).collect();
+            let encoded = RecordMetadataJson::new(&fields).encode(&fields, &values);
+            prop_assert_eq!(encoded, via_json_map(&fields, &values));
+        }
     }
 }

@@ -7,7 +7,7 @@
 //! worker ever waits for another). At most `prefetch_size` samples are between push and commit,
 //! so memory stays flat for a source of any length.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::os::fd::AsRawFd;
@@ -17,14 +17,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
+use ahash::AHashSet;
+
 use crate::cache::{Cache, Validation};
 use crate::error::{Error, IoContext, Result};
 use crate::format::*;
 use crate::hashed_file::{create_file, finish_file, make_read_only, HashingWriter};
 use crate::liveness;
-use crate::metadata::{
-    record_metadata_json, Field, FieldType, MetaValue, MetadataWriter, SAMPLE_ID,
-};
+use crate::metadata::{Field, FieldType, MetaValue, MetadataWriter, RecordMetadataJson, SAMPLE_ID};
 use crate::pool::Pool;
 
 /// Default target size of one shard file.
@@ -84,6 +84,75 @@ fn tmp_dir_name(name: &str, pid: u32, nanos: u128) -> String {
 pub struct SampleInput {
     pub data: Vec<u8>,
     pub metadata: Vec<(String, MetaValue)>,
+}
+
+/// A sample's payload as the writer holds it from push until its record is written: owned bytes,
+/// or bytes that the caller's object keeps alive and unchanged (a Python `bytes`), read in place.
+pub enum Payload {
+    Owned(Vec<u8>),
+    Shared(Box<dyn SharedBytes>),
+}
+
+/// Bytes owned elsewhere that stay alive and unchanged until this value is dropped, on any thread.
+pub trait SharedBytes: Send {
+    fn bytes(&self) -> &[u8];
+}
+
+impl Payload {
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Payload::Owned(v) => v,
+            Payload::Shared(s) => s.bytes(),
+        }
+    }
+}
+
+impl From<Vec<u8>> for Payload {
+    fn from(v: Vec<u8>) -> Self {
+        Payload::Owned(v)
+    }
+}
+
+/// One metadata key of a sample as a converting caller gives it to
+/// [`CacheWriter::push_keyed`]: the identity of the caller's key object (for Python, the address
+/// of the `str`) and its text.
+#[derive(Clone, Copy, Debug)]
+pub struct MetaKey<'a> {
+    pub id: usize,
+    pub name: &'a str,
+}
+
+/// What [`CacheWriter::push_keyed`] did with a sample.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Staged {
+    /// The writer now remembers this sample's key identities: the caller keeps its key objects
+    /// alive (so that no other key can take one of their identities) until this is true again.
+    pub keys_remembered: bool,
+    /// The batch is full: call [`CacheWriter::hand_off`] (it may wait) before the next push.
+    pub batch_full: bool,
+}
+
+/// The schema positions of the keys of the last sample that was matched by name, remembered by
+/// the keys' identities in that sample's order.
+#[derive(Default)]
+struct KeySlots {
+    ids: Vec<usize>,
+    slots: Vec<usize>,
+}
+
+impl KeySlots {
+    /// The schema positions of `keys` when they are the remembered identities, in order.
+    fn lookup(&self, keys: &[MetaKey<'_>]) -> Option<&[usize]> {
+        let same =
+            keys.len() == self.ids.len() && keys.iter().zip(&self.ids).all(|(k, id)| k.id == *id);
+        same.then_some(self.slots.as_slice())
+    }
+
+    fn remember(&mut self, keys: &[MetaKey<'_>], slots: Vec<usize>) {
+        self.ids.clear();
+        self.ids.extend(keys.iter().map(|k| k.id));
+        self.slots = slots;
+    }
 }
 
 /// A cache name must be one plain directory name.
@@ -318,7 +387,7 @@ fn sync_dir(path: &Path) -> Result<()> {
 struct Encoded {
     header: RecordHeader,
     meta: Vec<u8>,
-    payload: Vec<u8>,
+    payload: Payload,
     sample_id: MetaValue,
     values: Vec<MetaValue>,
 }
@@ -376,12 +445,13 @@ impl Sink {
         debug_assert_eq!(offset % ALIGN, 0);
         let header_and_meta = RECORD_HEADER_LEN + rec.meta.len() as u64;
         let pad1 = (rec.header.payload_offset() - header_and_meta) as usize;
-        let pad2 = (len - rec.header.payload_offset() - rec.payload.len() as u64) as usize;
+        let payload = rec.payload.as_slice();
+        let pad2 = (len - rec.header.payload_offset() - payload.len() as u64) as usize;
         (|| {
             w.write_all(&rec.header.encode())?;
             w.write_all(&rec.meta)?;
             w.write_all(&ZEROS[..pad1])?;
-            w.write_all(&rec.payload)?;
+            w.write_all(payload)?;
             w.write_all(&ZEROS[..pad2])
         })()
         .ctx("write", &path)?;
@@ -513,34 +583,35 @@ impl Shared {
 
 fn encode(
     sample: u64,
-    input: SampleInput,
-    fields: &[Field],
+    data: Payload,
+    (fields, json): (&[Field], &RecordMetadataJson),
     compression: Compression,
     sample_id: MetaValue,
     values: Vec<MetaValue>,
 ) -> Encoded {
-    let meta = record_metadata_json(fields, &values);
-    let raw_len = input.data.len() as u32;
+    let meta = json.encode(fields, &values);
+    let raw = data.as_slice();
+    let raw_len = raw.len() as u32;
     let (flags, payload) = match compression.algo {
-        CompressionAlgo::Lz4 if !input.data.is_empty() => {
-            let compressed = lz4_flex::block::compress(&input.data);
-            if (compressed.len() as f64) <= compression.ratio * input.data.len() as f64 {
-                (FLAG_LZ4, compressed)
+        CompressionAlgo::Lz4 if !raw.is_empty() => {
+            let compressed = lz4_flex::block::compress(raw);
+            if (compressed.len() as f64) <= compression.ratio * raw.len() as f64 {
+                (FLAG_LZ4, Payload::Owned(compressed))
             } else {
-                (0, input.data)
+                (0, data)
             }
         }
-        _ => (0, input.data),
+        _ => (0, data),
     };
     let mut header = RecordHeader {
         flags,
         meta_len: meta.len() as u32,
-        stored_len: payload.len() as u32,
+        stored_len: payload.as_slice().len() as u32,
         raw_len,
         sample,
         checksum: 0,
     };
-    header.checksum = header.compute_checksum(&meta, &payload);
+    header.checksum = header.compute_checksum(&meta, payload.as_slice());
     Encoded {
         header,
         meta,
@@ -557,7 +628,8 @@ pub struct Published {
     pub raw_bytes: u64,
 }
 
-type Pending = (u64, SampleInput, MetaValue, Vec<MetaValue>);
+/// A queued sample: its position, payload, sample id and values in schema order.
+type Pending = (u64, Payload, MetaValue, Vec<MetaValue>);
 
 /// Writes one cache into a temporary sibling directory and publishes it with one rename.
 pub struct CacheWriter {
@@ -569,8 +641,12 @@ pub struct CacheWriter {
     fields: Option<Arc<Vec<Field>>>,
     id_source: SampleIdSource,
     id_type: FieldType,
-    int_ids: HashSet<i64>,
-    str_ids: HashSet<u128>,
+    /// The position of `sample_id` in the schema, when the samples carry it.
+    id_slot: Option<usize>,
+    key_slots: KeySlots,
+    /// The sample ids seen so far (a `str` id by its 128-bit hash), to refuse a duplicate.
+    int_ids: AHashSet<i64>,
+    str_ids: AHashSet<u128>,
     pushed: u64,
     batch: Vec<Pending>,
     batch_bytes: usize,
@@ -636,8 +712,10 @@ impl CacheWriter {
             fields: None,
             id_source: SampleIdSource::Position,
             id_type: FieldType::Int,
-            int_ids: HashSet::new(),
-            str_ids: HashSet::new(),
+            id_slot: None,
+            key_slots: KeySlots::default(),
+            int_ids: AHashSet::new(),
+            str_ids: AHashSet::new(),
             pushed: 0,
             batch: Vec::new(),
             batch_bytes: 0,
@@ -709,24 +787,88 @@ impl CacheWriter {
 
     /// Checks one sample against the schema set by the first and queues it for writing.
     pub fn push(&mut self, input: SampleInput) -> Result<()> {
-        if input.data.len() > u32::MAX as usize {
+        self.check_payload(&input.data)?;
+        if self.fields.is_none() {
+            self.init_schema(input.metadata.iter().map(|(k, v)| (k.as_str(), v.dtype())))?;
+        }
+        let (names, given): (Vec<String>, Vec<MetaValue>) = input.metadata.into_iter().unzip();
+        let (values, _) = self.ordered_values(names.iter().map(String::as_str), given)?;
+        if self.stage(input.data.into(), values)? {
+            self.submit_batch()?;
+        }
+        self.check_error()
+    }
+
+    /// Checks and queues one sample like [`push`](Self::push), with the same errors, for a
+    /// caller that converts many samples on a thread it must not block: `values` come in the
+    /// order of `keys`, and nothing is handed to the pool (see [`Staged`]).
+    ///
+    /// A sample whose key identities are the remembered ones, in the same order, has its values
+    /// placed by the remembered positions without comparing names; any other sample is matched
+    /// by name and, when it fits the schema, its identities are remembered instead.
+    pub fn push_keyed(
+        &mut self,
+        data: Payload,
+        keys: &[MetaKey<'_>],
+        values: Vec<MetaValue>,
+    ) -> Result<Staged> {
+        debug_assert_eq!(keys.len(), values.len());
+        self.check_payload(data.as_slice())?;
+        if self.fields.is_none() {
+            self.init_schema(keys.iter().zip(&values).map(|(k, v)| (k.name, v.dtype())))?;
+        }
+        let fields = self.fields.as_deref().expect("schema set above");
+        let known = self.key_slots.lookup(keys).filter(|slots| {
+            values
+                .iter()
+                .zip(*slots)
+                .all(|(v, &slot)| v.dtype() == fields[slot].dtype)
+        });
+        let mut keys_remembered = false;
+        let values = match known {
+            Some(slots) => place(values, slots),
+            // A new key order, a changed key set or a changed type: matched by name, which gives
+            // the same errors as `push`.
+            None => {
+                let (values, slots) = self.ordered_values(keys.iter().map(|k| k.name), values)?;
+                // One key per field, each found: the slots are a permutation of the schema.
+                // (A mapping that repeats a key is never remembered.)
+                if slots.len() == values.len() {
+                    self.key_slots.remember(keys, slots);
+                    keys_remembered = true;
+                }
+                values
+            }
+        };
+        let batch_full = self.stage(data, values)?;
+        Ok(Staged {
+            keys_remembered,
+            batch_full,
+        })
+    }
+
+    /// Hands the queued samples to the pool, first waiting while more than `prefetch_size`
+    /// samples are between push and commit; errors when the write has failed.
+    pub fn hand_off(&mut self) -> Result<()> {
+        self.submit_batch()?;
+        self.check_error()
+    }
+
+    fn check_payload(&self, data: &[u8]) -> Result<()> {
+        if data.len() > u32::MAX as usize {
             return Err(self.invalid(format!(
                 "payload of {} bytes exceeds the format's 4 GiB record limit",
-                input.data.len()
+                data.len()
             )));
         }
-        if self.fields.is_none() {
-            self.init_schema(&input)?;
-        }
-        let fields = self.fields.clone().expect("schema set above");
-        let values = self.ordered_values(&fields, input.metadata.iter())?;
-        let sample_id = match self.id_source {
-            SampleIdSource::Position => MetaValue::Int(self.pushed as i64),
-            SampleIdSource::Metadata => {
-                let i = fields
-                    .iter()
-                    .position(|f| f.name == SAMPLE_ID)
-                    .expect("in schema");
+        Ok(())
+    }
+
+    /// Queues a sample whose values are in schema order; whether the batch is full.
+    fn stage(&mut self, data: Payload, values: Vec<MetaValue>) -> Result<bool> {
+        let sample_id = match self.id_slot {
+            None => MetaValue::Int(self.pushed as i64),
+            Some(i) => {
                 let id = values[i].clone();
                 let fresh = match &id {
                     MetaValue::Int(v) => self.int_ids.insert(*v),
@@ -748,29 +890,22 @@ impl CacheWriter {
                 id
             }
         };
-        self.batch_bytes += input.data.len();
-        let input = SampleInput {
-            data: input.data,
-            metadata: Vec::new(),
-        };
-        self.batch.push((self.pushed, input, sample_id, values));
+        self.batch_bytes += data.as_slice().len();
+        self.batch.push((self.pushed, data, sample_id, values));
         self.pushed += 1;
-        if self.batch.len() >= BATCH_SAMPLES.min(self.opts.prefetch_size)
-            || self.batch_bytes >= BATCH_BYTES
-        {
-            self.submit_batch()?;
-        }
-        self.check_error()
+        Ok(
+            self.batch.len() >= BATCH_SAMPLES.min(self.opts.prefetch_size)
+                || self.batch_bytes >= BATCH_BYTES,
+        )
     }
 
-    fn init_schema(&mut self, first: &SampleInput) -> Result<()> {
-        let mut fields = Vec::with_capacity(first.metadata.len());
-        for (name, value) in &first.metadata {
-            fields.push(Field {
-                name: name.clone(),
-                dtype: value.dtype(),
-            });
-        }
+    fn init_schema<'a>(&mut self, first: impl Iterator<Item = (&'a str, FieldType)>) -> Result<()> {
+        let fields: Vec<Field> = first
+            .map(|(name, dtype)| Field {
+                name: name.to_owned(),
+                dtype,
+            })
+            .collect();
         if let Some(f) = fields.iter().find(|f| f.name == SAMPLE_ID) {
             if !matches!(f.dtype, FieldType::Int | FieldType::Str) {
                 return Err(self.invalid(format!(
@@ -784,18 +919,26 @@ impl CacheWriter {
         let meta_path = self.tmp_dir.join(METADATA_FILE);
         let writer = MetadataWriter::create(&meta_path, &fields, self.id_type)?;
         self.shared.sink.lock().unwrap().metadata = Some(writer);
+        self.id_slot = fields.iter().position(|f| f.name == SAMPLE_ID);
         self.fields = Some(Arc::new(fields));
         Ok(())
     }
 
+    /// The values in schema order, and the schema position of each given key; the first key
+    /// that is not in the schema, has another type or is missing is the error.
     fn ordered_values<'a>(
         &self,
-        fields: &[Field],
-        given: impl Iterator<Item = &'a (String, MetaValue)>,
-    ) -> Result<Vec<MetaValue>> {
+        names: impl Iterator<Item = &'a str>,
+        given: Vec<MetaValue>,
+    ) -> Result<(Vec<MetaValue>, Vec<usize>)> {
+        let fields = self
+            .fields
+            .as_deref()
+            .expect("schema set before any sample");
         let mut values: Vec<Option<MetaValue>> = vec![None; fields.len()];
-        for (name, value) in given {
-            let Some(i) = fields.iter().position(|f| &f.name == name) else {
+        let mut slots = Vec::with_capacity(given.len());
+        for (name, value) in names.zip(given) {
+            let Some(i) = fields.iter().position(|f| f.name == name) else {
                 return Err(self.invalid(format!(
                     "metadata key {name:?} is not in the schema set by sample 0 ({})",
                     describe_schema(fields)
@@ -808,9 +951,10 @@ impl CacheWriter {
                     fields[i].dtype.as_str()
                 )));
             }
-            values[i] = Some(value.clone());
+            values[i] = Some(value);
+            slots.push(i);
         }
-        values
+        let values = values
             .into_iter()
             .zip(fields)
             .map(|(v, f)| {
@@ -822,7 +966,8 @@ impl CacheWriter {
                     ))
                 })
             })
-            .collect()
+            .collect::<Result<_>>()?;
+        Ok((values, slots))
     }
 
     fn check_error(&self) -> Result<()> {
@@ -856,10 +1001,11 @@ impl CacheWriter {
         let submitted = self.pool.submit(move || {
             // A panic must reach `deliver` as an error, or the writer would wait forever.
             let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let json = RecordMetadataJson::new(&fields);
                 batch
                     .into_iter()
-                    .map(|(i, input, id, values)| {
-                        encode(i, input, &fields, compression, id, values)
+                    .map(|(i, data, id, values)| {
+                        encode(i, data, (&fields, &json), compression, id, values)
                     })
                     .collect()
             }))
@@ -1012,6 +1158,21 @@ impl CacheWriter {
             raw_bytes,
         })
     }
+}
+
+/// `values[i]` moved to position `slots[i]`; `slots` is a permutation of the positions.
+fn place(values: Vec<MetaValue>, slots: &[usize]) -> Vec<MetaValue> {
+    if slots.iter().enumerate().all(|(i, &slot)| i == slot) {
+        return values;
+    }
+    let mut placed: Vec<Option<MetaValue>> = vec![None; values.len()];
+    for (value, &slot) in values.into_iter().zip(slots) {
+        placed[slot] = Some(value);
+    }
+    placed
+        .into_iter()
+        .map(|v| v.expect("the slots are a permutation"))
+        .collect()
 }
 
 fn describe_schema(fields: &[Field]) -> String {

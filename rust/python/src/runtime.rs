@@ -17,7 +17,7 @@ use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::writer::{
     check_base_dir, reap_dead_leftovers, validate_name, CacheLock, CacheWriter, InterruptCheck,
-    SampleInput, WriterOptions,
+    MetaKey, Payload, SharedBytes, Staged, WriterOptions,
 };
 use dataset_rt_core::Error;
 use pyo3::prelude::*;
@@ -592,6 +592,7 @@ impl Runtime {
             WriteFailure::from_py(py, e, |d| format!("source {name:?}: iter() failed: {d}"))
         })?;
         let mut pushed = 0u64;
+        let mut converter = Converter::default();
         for (index, item) in iter.enumerate() {
             // A source in C (a list, say) runs no bytecode, which is where signals are handled.
             py.check_signals().map_err(WriteFailure::Raise)?;
@@ -600,19 +601,24 @@ impl Runtime {
                     format!("source {name:?}, sample {index}: the source raised {d}")
                 })
             })?;
-            let sample = to_sample(&item).map_err(|reason| {
-                WriteFailure::from(Error::InvalidSample {
+            // Converting and queueing holds the GIL; only handing a full batch over (which may
+            // wait for the disk) releases it.
+            let staged = converter.push(&item, &mut writer).map_err(|e| match e {
+                PushError::Convert(reason) => WriteFailure::from(Error::InvalidSample {
                     source_name: name.to_owned(),
                     sample_index: index as u64,
                     reason,
-                })
+                }),
+                PushError::Writer(e) => signals.failure(e),
             })?;
-            py.detach(|| writer.push(sample))
-                .map_err(|e| signals.failure(e))?;
             pushed += 1;
-            if let Some(l) = line.as_deref_mut() {
-                let (s, b) = writer.progress();
-                l.update(s, b);
+            if staged.batch_full {
+                py.detach(|| writer.hand_off())
+                    .map_err(|e| signals.failure(e))?;
+                if let Some(l) = line.as_deref_mut() {
+                    let (s, b) = writer.progress();
+                    l.update(s, b);
+                }
             }
         }
         let published = py
@@ -706,11 +712,17 @@ fn numpy_item<'py>(v: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
 /// One metadata entry as Python gave it: (key, value).
 type PyPair<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>);
 
-/// The (key, value) pairs of a metadata mapping, in its order: a `dict` directly, any other
-/// `collections.abc.Mapping` (a `MappingProxyType`, a custom mapping) through `items()`.
-fn metadata_items<'py>(metadata: &Bound<'py, PyAny>) -> Result<Vec<PyPair<'py>>, String> {
+/// Fills `items` with the (key, value) pairs of a metadata mapping, in its order: a `dict`
+/// directly, any other `collections.abc.Mapping` (a `MappingProxyType`, a custom mapping)
+/// through `items()`.
+fn metadata_items<'py>(
+    metadata: &Bound<'py, PyAny>,
+    items: &mut Vec<PyPair<'py>>,
+) -> Result<(), String> {
+    items.clear();
     if let Ok(dict) = metadata.cast::<PyDict>() {
-        return Ok(dict.iter().collect());
+        items.extend(dict.iter());
+        return Ok(());
     }
     let mapping = metadata.cast::<PyMapping>().map_err(|_| {
         format!(
@@ -719,77 +731,158 @@ fn metadata_items<'py>(metadata: &Bound<'py, PyAny>) -> Result<Vec<PyPair<'py>>,
         )
     })?;
     let failed = |e: PyErr| format!("metadata ({}).items() failed: {e}", type_name(metadata));
-    mapping
-        .items()
-        .map_err(failed)?
-        .iter()
-        .map(|pair| {
-            pair.extract::<(Bound<'py, PyAny>, Bound<'py, PyAny>)>()
-                .map_err(failed)
-        })
-        .collect()
+    for pair in mapping.items().map_err(failed)?.iter() {
+        items.push(pair.extract::<PyPair<'py>>().map_err(failed)?);
+    }
+    Ok(())
 }
 
-/// Converts one `CacheInput`: bytes-like data and a mapping of primitive metadata.
-fn to_sample(item: &Bound<'_, PyAny>) -> Result<SampleInput, String> {
-    let (data, metadata) = match (item.getattr("data"), item.getattr("metadata")) {
-        (Ok(d), Ok(m)) => (d, m),
-        _ => {
-            return Err(format!(
-                "expected a CacheInput(data=..., metadata=...), got {}",
-                type_name(item)
-            ))
+/// Why a `CacheInput` was not queued: it is not a valid sample (the reason), or the writer
+/// refused it or has failed.
+enum PushError {
+    Convert(String),
+    Writer(Error),
+}
+
+/// Converts one source's `CacheInput`s and queues them on its writer, on the GIL thread.
+#[derive(Default)]
+struct Converter<'py> {
+    /// The key objects of the sample whose key identities the writer remembers: held so that
+    /// no other key object can take one of their addresses.
+    pinned: Vec<Bound<'py, PyAny>>,
+    /// The current sample's metadata entries (reused).
+    items: Vec<PyPair<'py>>,
+}
+
+impl<'py> Converter<'py> {
+    /// Converts `item` (bytes-like data, see [`payload`], and a mapping of primitive metadata)
+    /// and queues it; keys go to the writer as identities with borrowed text, never as new
+    /// strings.
+    fn push(
+        &mut self,
+        item: &Bound<'py, PyAny>,
+        writer: &mut CacheWriter,
+    ) -> Result<Staged, PushError> {
+        let py = item.py();
+        let (data, metadata) = match (
+            item.getattr(pyo3::intern!(py, "data")),
+            item.getattr(pyo3::intern!(py, "metadata")),
+        ) {
+            (Ok(d), Ok(m)) => (d, m),
+            _ => {
+                return Err(PushError::Convert(format!(
+                    "expected a CacheInput(data=..., metadata=...), got {}",
+                    type_name(item)
+                )))
+            }
+        };
+        let data = payload(&data).map_err(PushError::Convert)?;
+        metadata_items(&metadata, &mut self.items).map_err(PushError::Convert)?;
+        let items = &self.items;
+        let mut keys = Vec::with_capacity(items.len());
+        let mut values = Vec::with_capacity(items.len());
+        for (k, v) in items {
+            let (key, value) = meta_entry(k, v).map_err(PushError::Convert)?;
+            keys.push(MetaKey {
+                id: k.as_ptr() as usize,
+                name: key,
+            });
+            values.push(value);
         }
-    };
-    let data = if let Ok(b) = data.cast::<PyBytes>() {
-        b.as_bytes().to_vec()
+        let staged = writer
+            .push_keyed(data, &keys, values)
+            .map_err(PushError::Writer)?;
+        if staged.keys_remembered {
+            self.pinned = items.iter().map(|(k, _)| k.clone()).collect();
+        }
+        Ok(staged)
+    }
+}
+
+/// A `bytes` object's contents, which the writer reads in place, without the GIL, until the
+/// record is written: `bytes` never change, and the reference held here keeps them alive. When
+/// it is dropped on a pool worker, PyO3 defers the decref to the next time the writer's thread
+/// takes the GIL back (after each batch hand-off).
+struct HeldBytes {
+    _owner: Py<PyBytes>,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is into the immutable buffer of the `bytes` object that `_owner` keeps
+// alive; reading it needs no GIL, and `Py` may be dropped on any thread.
+unsafe impl Send for HeldBytes {}
+
+impl SharedBytes for HeldBytes {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: see `Send` above: `len` bytes at `ptr`, alive and unchanged while `self` is.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl HeldBytes {
+    fn payload(b: Bound<'_, PyBytes>) -> Payload {
+        let bytes = b.as_bytes();
+        let (ptr, len) = (bytes.as_ptr(), bytes.len());
+        Payload::Shared(Box::new(HeldBytes {
+            _owner: b.unbind(),
+            ptr,
+            len,
+        }))
+    }
+}
+
+/// The payload of a `CacheInput`. `bytes` is not copied here: the writer reads it in place and
+/// copies it once, into the shard. `bytearray` (mutable) is copied once now. A `memoryview` is
+/// read through `tobytes()`, one copy (the buffer protocol is outside the 3.10 stable ABI).
+fn payload(data: &Bound<'_, PyAny>) -> Result<Payload, String> {
+    if let Ok(b) = data.cast::<PyBytes>() {
+        Ok(HeldBytes::payload(b.clone()))
     } else if let Ok(b) = data.cast::<PyByteArray>() {
-        b.to_vec()
+        Ok(Payload::Owned(b.to_vec()))
     } else if data.is_instance_of::<PyMemoryView>() {
         data.call_method0("tobytes")
             .and_then(|b| b.cast_into::<PyBytes>().map_err(Into::into))
-            .map(|b| b.as_bytes().to_vec())
-            .map_err(|e| format!("data memoryview cannot be read: {e}"))?
+            .map(HeldBytes::payload)
+            .map_err(|e| format!("data memoryview cannot be read: {e}"))
     } else {
-        return Err(format!(
+        Err(format!(
             "data must be bytes, bytearray or memoryview, got {} (convert arrays with .tobytes())",
-            type_name(&data)
-        ));
-    };
-    let items = metadata_items(&metadata)?;
-    let mut meta = Vec::with_capacity(items.len());
-    for (k, v) in items {
-        let key: String = k
-            .cast::<PyString>()
-            .map_err(|_| format!("metadata keys must be str, got {} key {k}", type_name(&k)))?
-            .to_str()
-            .map_err(|e| format!("metadata key {k:?} is not valid UTF-8: {e}"))?
-            .to_owned();
-        let value = match meta_value(&key, &v)? {
-            Some(value) => value,
-            // A NumPy scalar stands for its Python value, which `item()` gives.
-            None => match numpy_item(&v) {
-                Some(item) => meta_value(&key, &item)?.ok_or_else(|| {
-                    format!(
-                        "metadata {key:?} is a numpy.{} whose value is a {}; supported: bool, \
-                         int, float, str (and NumPy scalars of those)",
-                        type_name(&v),
-                        type_name(&item)
-                    )
-                })?,
-                None => {
-                    return Err(format!(
-                        "metadata {key:?} has type {}; supported: bool, int, float, str (and \
-                         NumPy scalars of those)",
-                        type_name(&v)
-                    ))
-                }
-            },
-        };
-        meta.push((key, value));
+            type_name(data)
+        ))
     }
-    Ok(SampleInput {
-        data,
-        metadata: meta,
-    })
+}
+
+/// One metadata entry: its key's text, borrowed from the key object, and its value.
+fn meta_entry<'a>(
+    k: &'a Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+) -> Result<(&'a str, MetaValue), String> {
+    let key = k
+        .cast::<PyString>()
+        .map_err(|_| format!("metadata keys must be str, got {} key {k}", type_name(k)))?
+        .to_str()
+        .map_err(|e| format!("metadata key {k:?} is not valid UTF-8: {e}"))?;
+    let value = match meta_value(key, v)? {
+        Some(value) => value,
+        // A NumPy scalar stands for its Python value, which `item()` gives.
+        None => match numpy_item(v) {
+            Some(item) => meta_value(key, &item)?.ok_or_else(|| {
+                format!(
+                    "metadata {key:?} is a numpy.{} whose value is a {}; supported: bool, int, \
+                     float, str (and NumPy scalars of those)",
+                    type_name(v),
+                    type_name(&item)
+                )
+            })?,
+            None => {
+                return Err(format!(
+                    "metadata {key:?} has type {}; supported: bool, int, float, str (and NumPy \
+                     scalars of those)",
+                    type_name(v)
+                ))
+            }
+        },
+    };
+    Ok((key, value))
 }
