@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use dataset_rt_fuzz::guarded;
-use dataset_rt_shm::batch::{decode_metadata, read_batch};
+use dataset_rt_loader::batch::{decode_metadata, read_batch};
 use dataset_rt_shm::layout::*;
 use dataset_rt_shm::ring::{Ring, Role};
 use dataset_rt_shm::segment;

@@ -2,11 +2,9 @@
 //! (`shm/LAYOUT.md` specifies every byte), cross-process waiting, segment lifecycle, and the
 //! producer loop. No Python here: `rust/python/src/loader.rs` binds it.
 
-pub mod batch;
 mod futex;
 pub mod layout;
 pub mod private_copy;
-pub mod producer;
 pub mod results;
 pub mod ring;
 pub mod segment;

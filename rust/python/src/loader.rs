@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use dataset_rt_core::dataset::{next_epoch, resume_point, State};
 use dataset_rt_core::metadata::MetaRef;
-use dataset_rt_shm::batch::{decode_metadata, max_sample_bytes, read_batch, slot_size_for};
+use dataset_rt_loader::batch::{decode_metadata, max_sample_bytes, read_batch, slot_size_for};
+use dataset_rt_loader::producer::{self, ProducerSpec};
 use dataset_rt_shm::layout::*;
 use dataset_rt_shm::private_copy::replace_with_private_copy;
-use dataset_rt_shm::producer::{self, ProducerSpec};
 use dataset_rt_shm::results;
 use dataset_rt_shm::ring::{Geometry, Heartbeat, Party, Pass, Ring, Role, Ticket};
 use dataset_rt_shm::{segment, ShmError};
@@ -93,6 +93,14 @@ fn shm_err(err: ShmError) -> PyErr {
     }
 }
 
+fn loader_err(err: dataset_rt_loader::Error) -> PyErr {
+    match err {
+        dataset_rt_loader::Error::Shm(e) => shm_err(e),
+        dataset_rt_loader::Error::Core(e) => errors::to_py(e),
+        e => LoaderError::new_err(e.to_string()),
+    }
+}
+
 trait ShmResult<T> {
     fn py_shm(self) -> PyResult<T>;
 }
@@ -100,6 +108,12 @@ trait ShmResult<T> {
 impl<T> ShmResult<T> for dataset_rt_shm::Result<T> {
     fn py_shm(self) -> PyResult<T> {
         self.map_err(shm_err)
+    }
+}
+
+impl<T> ShmResult<T> for dataset_rt_loader::Result<T> {
+    fn py_shm(self) -> PyResult<T> {
+        self.map_err(loader_err)
     }
 }
 
@@ -408,7 +422,7 @@ impl LoaderPlan {
         let private_dir = ring.private_dir();
         let mut spec = self.spec(&inner, &opts, &weights, persistent);
         spec.ctl_name = ring.ctl_name().to_owned();
-        let written = py.detach(|| -> dataset_rt_shm::Result<()> {
+        let written = py.detach(|| -> dataset_rt_loader::Result<()> {
             if let Some(w) = &weights.weights {
                 let path = private_dir.join("weights.f64");
                 producer::write_weights(&path, w)?;
@@ -416,16 +430,19 @@ impl LoaderPlan {
             }
             let path = private_dir.join("spec.json");
             std::fs::write(&path, serde_json::to_vec(&spec).expect("plain data")).map_err(
-                |source| ShmError::Io {
-                    op: "write",
-                    path,
-                    source,
+                |source| {
+                    ShmError::Io {
+                        op: "write",
+                        path,
+                        source,
+                    }
+                    .into()
                 },
             )
         });
         if let Err(e) = written {
             ring.unlink();
-            return Err(shm_err(e));
+            return Err(loader_err(e));
         }
         Ok(RingHandle::owner(
             ring,

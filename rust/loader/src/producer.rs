@@ -16,11 +16,12 @@ use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::Error as CoreError;
 use serde::{Deserialize, Serialize};
 
+use dataset_rt_shm::layout::*;
+use dataset_rt_shm::ring::{Party, Ring};
+use dataset_rt_shm::{segment, ShmError};
+
 use crate::batch::{batch_bytes, encode_metadata, write_batch, SampleOut};
-use crate::layout::*;
-use crate::ring::{Party, Ring};
-use crate::segment;
-use crate::{Result, ShmError};
+use crate::{protocol, Error, Result};
 
 /// What the producer needs beyond the control segment: written by the training process into a
 /// private directory, read once at start.
@@ -59,10 +60,13 @@ fn chunk_samples(prefetch_size: usize, threads: usize) -> u64 {
 
 pub fn write_weights(path: &Path, weights: &[f64]) -> Result<()> {
     let bytes: Vec<u8> = weights.iter().flat_map(|w| w.to_le_bytes()).collect();
-    std::fs::write(path, bytes).map_err(|source| ShmError::Io {
-        op: "write",
-        path: path.to_owned(),
-        source,
+    std::fs::write(path, bytes).map_err(|source| {
+        ShmError::Io {
+            op: "write",
+            path: path.to_owned(),
+            source,
+        }
+        .into()
     })
 }
 
@@ -73,7 +77,7 @@ fn read_weights(path: &Path) -> Result<Vec<f64>> {
         source,
     })?;
     if bytes.len() % 8 != 0 {
-        return Err(ShmError::Protocol(format!(
+        return Err(protocol(format!(
             "{}: {} bytes is not a whole number of f64",
             path.display(),
             bytes.len()
@@ -85,13 +89,13 @@ fn read_weights(path: &Path) -> Result<Vec<f64>> {
         .collect())
 }
 
-fn error_kind(err: &ShmError) -> u32 {
+fn error_kind(err: &Error) -> u32 {
     match err {
-        ShmError::Core(CoreError::Io { .. }) | ShmError::Io { .. } => ERR_IO,
-        ShmError::Core(CoreError::Malformed { .. }) => ERR_MALFORMED,
-        ShmError::Core(CoreError::CorruptRecord { .. }) => ERR_CORRUPT_RECORD,
-        ShmError::BatchTooLarge { .. } => ERR_BATCH_TOO_LARGE,
-        ShmError::Core(CoreError::State(_)) => ERR_STATE,
+        Error::Core(CoreError::Io { .. }) | Error::Shm(ShmError::Io { .. }) => ERR_IO,
+        Error::Core(CoreError::Malformed { .. }) => ERR_MALFORMED,
+        Error::Core(CoreError::CorruptRecord { .. }) => ERR_CORRUPT_RECORD,
+        Error::Shm(ShmError::BatchTooLarge { .. }) => ERR_BATCH_TOO_LARGE,
+        Error::Core(CoreError::State(_)) => ERR_STATE,
         _ => ERR_OTHER,
     }
 }
@@ -105,9 +109,8 @@ pub fn run_file(spec_path: &Path, owner_pid: u64) -> Result<()> {
         path: spec_path.to_owned(),
         source,
     })?;
-    let spec: ProducerSpec = serde_json::from_slice(&text).map_err(|e| {
-        ShmError::Protocol(format!("{}: not a producer spec: {e}", spec_path.display()))
-    })?;
+    let spec: ProducerSpec = serde_json::from_slice(&text)
+        .map_err(|e| protocol(format!("{}: not a producer spec: {e}", spec_path.display())))?;
     let weights = spec.weights_file.as_deref().map(read_weights).transpose();
     // The producer is the directory's only reader: nothing of it need outlive this point.
     if let Some(dir) = spec_path.parent() {
@@ -115,7 +118,7 @@ pub fn run_file(spec_path: &Path, owner_pid: u64) -> Result<()> {
     }
     let result = match weights {
         Ok(weights) if parent_pid() == owner_pid => run(&spec, weights),
-        Ok(_) => Err(ShmError::OwnerGone(owner_pid)),
+        Ok(_) => Err(Error::Shm(ShmError::OwnerGone(owner_pid))),
         Err(e) => Err(e),
     };
     if parent_pid() != owner_pid {
@@ -124,7 +127,7 @@ pub fn run_file(spec_path: &Path, owner_pid: u64) -> Result<()> {
             segment::unlink(&spec.ctl_name);
             segment::unlink(&format!("{stem}-ring"));
         }
-        return Err(ShmError::OwnerGone(owner_pid));
+        return Err(Error::Shm(ShmError::OwnerGone(owner_pid)));
     }
     result
 }
@@ -146,7 +149,10 @@ pub fn run(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
         let generation = ring.generation();
         let filled = fill(&ring, spec, &mut source, &mut weights);
         if let Err(e) = &filled {
-            if !matches!(e, ShmError::Stopped | ShmError::OwnerGone(_)) {
+            if !matches!(
+                e,
+                Error::Shm(ShmError::Stopped) | Error::Shm(ShmError::OwnerGone(_))
+            ) {
                 ring.set_error(error_kind(e), ring.produced(), &e.to_string());
             }
         }
@@ -155,19 +161,20 @@ pub fn run(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
         // Staying until every party attached lets `run_file` remove the names should the owner
         // die before the last party attached (which removes them).
         let waited = match &filled {
-            Err(ShmError::Stopped | ShmError::OwnerGone(_)) => Ok(()),
-            _ if first => ring.wait_all_attached(),
+            Err(Error::Shm(ShmError::Stopped) | Error::Shm(ShmError::OwnerGone(_))) => Ok(()),
+            _ if first => ring.wait_all_attached().map_err(Error::from),
             _ => Ok(()),
         };
         first = false;
         match (filled, waited) {
-            (Err(ShmError::Stopped), _) | (Ok(()), Err(ShmError::Stopped)) => return Ok(()),
+            (Err(Error::Shm(ShmError::Stopped)), _)
+            | (Ok(()), Err(Error::Shm(ShmError::Stopped))) => return Ok(()),
             (Err(e), _) | (Ok(()), Err(e)) => return Err(e),
             (Ok(()), Ok(())) if !spec.persistent => return Ok(()),
             (Ok(()), Ok(())) => match ring.wait_next_pass(generation) {
                 Ok(_) => {}
                 Err(ShmError::Stopped) => return Ok(()),
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             },
         }
     }
@@ -208,7 +215,7 @@ fn fill(
     // A long read (large samples, slow storage) still shows progress; a hung one does not.
     .on_fetched(Arc::new(move || beat.heartbeat(Party::Producer)));
     if reader.len() != pass.rank_samples {
-        return Err(ShmError::Protocol(format!(
+        return Err(protocol(format!(
             "the reader has {} samples for this rank, the pass {}",
             reader.len(),
             pass.rank_samples
@@ -221,7 +228,7 @@ fn fill(
             .map(|k| {
                 ring.heartbeat(Party::Producer);
                 let fetched = reader.next_sample().ok_or_else(|| {
-                    ShmError::Protocol(format!("the reader ended before sample {k} of the pass"))
+                    protocol(format!("the reader ended before sample {k} of the pass"))
                 })??;
                 let (c, row) = (fetched.cache as usize, fetched.row);
                 Ok(SampleOut {
@@ -240,7 +247,8 @@ fn fill(
                 samples: samples.len() as u64,
                 needed,
                 slot_size,
-            });
+            }
+            .into());
         }
         ring.wait_fillable(b)?;
         // SAFETY: the producer alone fills, after wait_fillable, and publishes after writing.
@@ -276,13 +284,13 @@ fn prepare(
     };
     opts.validate()?;
     if spec.threads == 0 {
-        return Err(ShmError::Protocol(
+        return Err(protocol(
             "the producer spec asks for 0 threads; DataLoader.producer_threads is at least 1"
                 .into(),
         ));
     }
     if ds.epoch_len(&opts) != pass.epoch_len {
-        return Err(ShmError::Protocol(format!(
+        return Err(protocol(format!(
             "epoch length {} is not the pass's {}",
             ds.epoch_len(&opts),
             pass.epoch_len
@@ -311,7 +319,7 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
     let weights = match weights {
         Some(w) => {
             if w.len() as u64 != ds.len() {
-                return Err(ShmError::Protocol(format!(
+                return Err(protocol(format!(
                     "{} weights for {} samples",
                     w.len(),
                     ds.len()
@@ -322,7 +330,7 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
         None => WeightTable::uniform(),
     };
     if weights.fingerprint != spec.weights_fingerprint {
-        return Err(ShmError::Protocol(format!(
+        return Err(protocol(format!(
             "weight table {} is not the dataset's {}",
             weights.fingerprint, spec.weights_fingerprint
         )));

@@ -15,9 +15,9 @@ use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
-use dataset_rt_shm::batch::{encode_metadata, max_sample_bytes, read_batch, slot_size_for};
+use dataset_rt_loader::batch::{encode_metadata, max_sample_bytes, read_batch, slot_size_for};
+use dataset_rt_loader::producer::{self, ProducerSpec};
 use dataset_rt_shm::layout::B_USED;
-use dataset_rt_shm::producer::{self, ProducerSpec};
 use dataset_rt_shm::ring::{Geometry, Pass, Ring, Role, Ticket, POLL};
 use dataset_rt_shm::{segment, ShmError};
 
@@ -186,7 +186,7 @@ fn consume(ctl_name: &str) -> (Received, Vec<Vec<u8>>, Option<ShmError>) {
 
 /// Runs the producer and the consumer threads to the end: (the producer's result, what the
 /// consumer received, the error that ended its loop).
-fn run_pass(s: &Setup, ring: &Ring) -> (dataset_rt_shm::Result<()>, Received, Option<ShmError>) {
+fn run_pass(s: &Setup, ring: &Ring) -> (dataset_rt_loader::Result<()>, Received, Option<ShmError>) {
     let (produced, got, _, error) = run_pass_with(&s.spec, ring);
     (produced, got, error)
 }
@@ -196,7 +196,7 @@ fn run_pass_with(
     spec: &ProducerSpec,
     ring: &Ring,
 ) -> (
-    dataset_rt_shm::Result<()>,
+    dataset_rt_loader::Result<()>,
     Received,
     Vec<Vec<u8>>,
     Option<ShmError>,
@@ -280,7 +280,10 @@ fn corrupt_record_stops_the_pass_at_its_batch(threads: usize, prefetch_size: usi
 
     let ring = create_ring(&s, 64 * 1024);
     let (produced, got, error) = run_pass(&s, &ring);
-    assert!(matches!(produced, Err(ShmError::Core(_))), "{produced:?}");
+    assert!(
+        matches!(produced, Err(dataset_rt_loader::Error::Core(_))),
+        "{produced:?}"
+    );
     assert_eq!(got.len(), 6, "batches 0 and 1 arrived");
     match error {
         Some(ShmError::ProducerFailed { batch: 2, text, .. }) => {
