@@ -1,8 +1,11 @@
 //! DatasetRT's shared-memory loader, between the bindings and the core + transport crates: the
-//! producer loop that fills the ring and the slot codec (what one batch looks like in a slot).
+//! pass plan, the producer loop that fills the ring, the slot codec (what one batch looks like
+//! in a slot), and the lifecycle of the segments' names.
 //! No Python here: `rust/python/src/loader.rs` binds it; `dataset-rt-shm` moves the bytes.
 
 pub mod batch;
+pub mod lifecycle;
+pub mod plan;
 pub mod producer;
 
 use dataset_rt_shm::ShmError;

@@ -18,9 +18,10 @@ use serde::{Deserialize, Serialize};
 
 use dataset_rt_shm::layout::*;
 use dataset_rt_shm::ring::{Party, Ring};
-use dataset_rt_shm::{segment, ShmError};
+use dataset_rt_shm::ShmError;
 
 use crate::batch::{batch_bytes, encode_metadata, write_batch, SampleOut};
+use crate::lifecycle::{self, parent_pid};
 use crate::{protocol, Error, Result};
 
 /// What the producer needs beyond the control segment: written by the training process into a
@@ -123,10 +124,7 @@ pub fn run_file(spec_path: &Path, owner_pid: u64) -> Result<()> {
     };
     if parent_pid() != owner_pid {
         // Gone before every party attached (the last to attach removes the names): do it here.
-        if let Some(stem) = spec.ctl_name.strip_suffix("-ctl") {
-            segment::unlink(&spec.ctl_name);
-            segment::unlink(&format!("{stem}-ring"));
-        }
+        lifecycle::unlink_pass(&spec.ctl_name);
         return Err(Error::Shm(ShmError::OwnerGone(owner_pid)));
     }
     result
@@ -139,7 +137,7 @@ pub fn run_file(spec_path: &Path, owner_pid: u64) -> Result<()> {
 /// the weight table are opened once. Errors are also written into the control segment for the
 /// training loop, and end the producer.
 pub fn run(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
-    let ring = Arc::new(Ring::attach(&spec.ctl_name)?);
+    let ring = Arc::new(lifecycle::attach(&spec.ctl_name)?);
     ring.set_producer(u64::from(std::process::id()));
     ring.mark_attached();
     let mut source = None;
@@ -184,11 +182,6 @@ pub fn run(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
 struct Source {
     ds: Arc<Dataset>,
     weights: WeightTable,
-}
-
-fn parent_pid() -> u64 {
-    // SAFETY: getppid cannot fail.
-    unsafe { libc::getppid() as u64 }
 }
 
 /// Fills the current pass; opens the caches on the first (`source`, then kept for the next).
@@ -280,7 +273,7 @@ fn prepare(
         epoch_len: spec.epoch_len,
         rank: pass.rank,
         world_size: pass.world_size,
-        policy: pass.policy,
+        policy: crate::plan::split_of(&pass).policy,
     };
     opts.validate()?;
     if spec.threads == 0 {

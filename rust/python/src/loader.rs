@@ -11,11 +11,12 @@ use dataset_rt_core::dataset::{next_epoch, resume_point, State};
 use dataset_rt_core::metadata::MetaRef;
 use dataset_rt_loader::batch::{decode_metadata, max_sample_bytes, read_batch, slot_size_for};
 use dataset_rt_loader::producer::{self, ProducerSpec};
+use dataset_rt_loader::{lifecycle, plan};
 use dataset_rt_shm::layout::*;
 use dataset_rt_shm::private_copy::replace_with_private_copy;
 use dataset_rt_shm::results;
 use dataset_rt_shm::ring::{Geometry, Heartbeat, Party, Pass, Ring, Role, Ticket};
-use dataset_rt_shm::{segment, ShmError};
+use dataset_rt_shm::ShmError;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyFileNotFoundError, PyMemoryError, PyOSError, PyPermissionError};
 use pyo3::prelude::*;
@@ -82,7 +83,6 @@ fn shm_err(err: ShmError) -> PyErr {
             (None, std::io::ErrorKind::PermissionDenied) => PyPermissionError::new_err(msg),
             (None, _) => PyOSError::new_err(msg),
         },
-        ShmError::Core(e) => errors::to_py(e),
         ShmError::Stopped | ShmError::OwnerGone(_) => RingClosed::new_err(msg),
         ShmError::ProducerFailed { kind, batch, text } => producer_error(kind, batch, &text),
         ShmError::Memory { source, .. } => match source.raw_os_error() {
@@ -239,7 +239,7 @@ impl LoaderPlan {
             epoch_len,
             rank: opts.rank,
             world_size: opts.world_size,
-            policy: opts.policy,
+            policy: plan::policy_word(opts.policy),
             expected_attach: 1 + consumers,
         }
     }
@@ -416,10 +416,10 @@ impl LoaderPlan {
         };
         let pass = self.pass_at(&inner, &opts, epoch, start, num_consumers);
         let ring = Arc::new(
-            py.detach(|| Ring::create(own_pid(), geometry, pass))
+            py.detach(|| lifecycle::create_ring(own_pid(), geometry, pass))
                 .py_shm()?,
         );
-        let private_dir = ring.private_dir();
+        let private_dir = lifecycle::private_dir(&ring);
         let mut spec = self.spec(&inner, &opts, &weights, persistent);
         spec.ctl_name = ring.ctl_name().to_owned();
         let written = py.detach(|| -> dataset_rt_loader::Result<()> {
@@ -583,7 +583,7 @@ impl RingHandle {
     /// code runs. Call `mark_attached` once the ring is mapped on the Python side too.
     #[staticmethod]
     fn attach(py: Python<'_>, ctl_name: &str, consumer: usize) -> PyResult<RingHandle> {
-        let ring = Arc::new(py.detach(|| Ring::attach(ctl_name)).py_shm()?);
+        let ring = Arc::new(py.detach(|| lifecycle::attach(ctl_name)).py_shm()?);
         ring.register_consumer(consumer, own_pid()).py_shm()?;
         let heartbeat = ring.keep_alive(Party::Consumer(consumer)).py_shm()?;
         Ok(RingHandle {
@@ -646,7 +646,7 @@ impl RingHandle {
     /// The producer's spec file in the owner's private directory.
     #[getter]
     fn spec_path(&self) -> String {
-        let path = self.ring.private_dir().join("spec.json");
+        let path = lifecycle::private_dir(&self.ring).join("spec.json");
         path.to_string_lossy().into_owned() // an ASCII name under /dev/shm
     }
 
@@ -893,7 +893,7 @@ impl RingHandle {
 
     /// Records that the training loop received batch `seq`; the state moves past it.
     fn mark_delivered(&self, seq: u64) -> PyResult<()> {
-        self.ring.mark_delivered(seq).py_shm()
+        plan::mark_delivered(&self.ring, seq).py_shm()
     }
 
     /// Raises the producer's error if it affects batch `seq` or an earlier one.
@@ -1010,5 +1010,5 @@ pub fn set_parent_death_signal(owner_pid: u64) -> PyResult<()> {
 /// Removes /dev/shm segments left by dead loader owners (never a live one's); returns their names.
 #[pyfunction]
 pub fn reap_shm_leftovers() -> Vec<String> {
-    segment::reap_leftovers()
+    lifecycle::reap_leftovers()
 }
