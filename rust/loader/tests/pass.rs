@@ -365,7 +365,7 @@ fn receive_pass(ring: &Ring) -> Vec<u64> {
                 .map(|e| e.global),
         );
         ring.release(t, Some(0)).unwrap();
-        plan::mark_delivered(&ring, t).unwrap();
+        plan::mark_delivered(ring, t).unwrap();
     }
     got
 }

@@ -38,7 +38,7 @@ fn create_ring(owner_pid: u64) -> Ring {
 }
 
 fn names_of(ring: &Ring) -> Vec<String> {
-    let dir = lifecycle::private_dir(&ring);
+    let dir = lifecycle::private_dir(ring);
     let dir = dir.file_name().unwrap().to_str().unwrap();
     vec![
         ring.ctl_name().to_owned(),
