@@ -8,6 +8,7 @@ pub mod format;
 mod hashed_file;
 pub mod liveness;
 pub mod metadata;
+pub mod passes;
 pub mod pool;
 pub mod progress;
 pub mod sampler;
