@@ -1,6 +1,8 @@
 //! The shared-memory loader's bindings: `LoaderPlan` (epochs, state and the start of each pass,
 //! owned by the training process), `RingHandle` (one party's view of a pass's segments), and the
-//! entry points of the producer and consumer processes. The protocol lives in `dataset-rt-shm`.
+//! entry points of the producer and consumer processes. They convert and delegate: the rules
+//! live in `dataset-rt-loader` (plan, producer, slot codec, lifecycle) and the protocol in
+//! `dataset-rt-shm`.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
