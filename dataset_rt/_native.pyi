@@ -204,7 +204,7 @@ class LoaderPlan:
     def load_state_json(self, text: str) -> None: ...
     def start_pass(
         self,
-        num_slots: int,
+        prefetch_factor: int,
         slot_size: int | None,
         num_consumers: int,
         persistent: bool = False,

@@ -90,12 +90,11 @@ class LoaderIterator(Iterator[Any]):
 
     def _start(self) -> None:
         num_workers = self._num_workers
-        # num_workers=0: one more slot for the batch still bound to the loop's variable while
-        # the loop asks for the next one (see _release_held).
-        num_slots = max(2, max(1, num_workers) * self._prefetch_factor) + (num_workers == 0)
-        # The segments and the producer's private directory, all locked by this process.
+        # The segments and the producer's private directory, all locked by this process. The
+        # plan decides the slot count (num_workers=0: one more slot for the batch still bound
+        # to the loop's variable while the loop asks for the next one, see _release_held).
         self._ring = ring = self._plan.start_pass(
-            num_slots, self._slot_size_bytes, num_workers, self._persistent
+            self._prefetch_factor, self._slot_size_bytes, num_workers, self._persistent
         )
         self._total = ring.total_batches
         self._slot_size = ring.slot_size

@@ -14,9 +14,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use dataset_rt_fuzz::guarded;
-use dataset_rt_shm::batch::{decode_metadata, read_batch};
+use dataset_rt_loader::batch::{decode_metadata, read_batch};
+use dataset_rt_loader::lifecycle;
 use dataset_rt_shm::layout::*;
-use dataset_rt_shm::ring::{Ring, Role};
+use dataset_rt_loader::lifecycle::NAME_PREFIX;
+use dataset_rt_shm::ring::Role;
 use dataset_rt_shm::segment;
 use libfuzzer_sys::fuzz_target;
 
@@ -93,7 +95,7 @@ fuzz_target!(|data: &[u8]| {
         std::fs::write(segment::path_of(&names.0), &ctl).expect("write the control segment");
         std::fs::write(segment::path_of(&names.1), &ring).expect("write the ring segment");
 
-        let Ok(r) = Ring::attach(&names.0) else {
+        let Ok(r) = lifecycle::attach(&names.0) else {
             return;
         };
         // What attach accepted, every later access relies on.
@@ -106,11 +108,7 @@ fuzz_target!(|data: &[u8]| {
         std::hint::black_box(r.stalls(Duration::ZERO));
         std::hint::black_box((r.produced(), r.delivered(), r.producer_pid()));
         // The producer's arithmetic over the pass (producer::fill) stays in range.
-        let split = dataset_rt_core::sampler::RankSplit {
-            rank: pass.rank,
-            world_size: pass.world_size,
-            policy: pass.policy,
-        };
+        let split = dataset_rt_loader::plan::split_of(&pass);
         assert!(pass.world_size > 0 && pass.rank < pass.world_size);
         assert!(pass.start <= pass.epoch_len);
         assert_eq!(

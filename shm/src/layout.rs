@@ -6,8 +6,6 @@ pub const CTL_MAGIC: &[u8; 8] = b"DRTCTL\0\0";
 pub const SLOT_MAGIC: &[u8; 8] = b"DRTBATCH";
 pub const LAYOUT_VERSION: u32 = 5;
 
-/// Prefix of every segment name in /dev/shm: `dataset-rt-<owner pid>-<nonce>-{ctl,ring}`.
-pub const NAME_PREFIX: &str = "dataset-rt-";
 pub const SHM_DIR: &str = "/dev/shm";
 
 pub const PAGE: u64 = 4096;
@@ -40,7 +38,7 @@ pub const C_START: usize = 120; // u64: global position the pass starts at
 pub const C_EPOCH_LEN: usize = 128; // u64
 pub const C_RANK: usize = 136; // u64
 pub const C_WORLD_SIZE: usize = 144; // u64
-pub const C_POLICY: usize = 152; // u32: 0 pad, 1 drop
+pub const C_POLICY: usize = 152; // u32: POLICY_PAD or POLICY_DROP
 pub const C_PRODUCED: usize = 160; // u64 atomic: batches published
 pub const C_NEXT_TICKET: usize = 168; // u64 atomic: (generation << 32) | next batch a consumer takes
 pub const C_DELIVERED: usize = 176; // u64 atomic: batches the training loop received
@@ -68,6 +66,11 @@ pub const FREE: u32 = 0;
 pub const FILLING: u32 = 1;
 pub const READY: u32 = 2;
 pub const TAKEN: u32 = 3;
+
+/// How an epoch is split over ranks (`C_POLICY`): the rank's share is padded to the same
+/// length as every other rank's, or the remainder is dropped.
+pub const POLICY_PAD: u32 = 0;
+pub const POLICY_DROP: u32 = 1;
 
 /// The error kind word's two values of its own; every other value is the code of a kind from the
 /// error-kind table of whoever records the error (the producer's: `shm/LAYOUT.md`, "Error

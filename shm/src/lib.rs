@@ -1,12 +1,11 @@
-//! DatasetRT's shared-memory loader transport: the control segment and ring of slots
-//! (`shm/LAYOUT.md` specifies every byte), cross-process waiting, segment lifecycle, and the
-//! producer loop. No Python here: `rust/python/src/loader.rs` binds it.
+//! DatasetRT's shared-memory transport: named segments, the control segment and ring of slots
+//! (`shm/LAYOUT.md` specifies every byte), cross-process waiting, and private copies of a
+//! mapping. Pure transport: what the slots hold, the pass plan and which names exist when are
+//! `dataset-rt-loader`'s.
 
-pub mod batch;
 mod futex;
 pub mod layout;
 pub mod private_copy;
-pub mod producer;
 pub mod results;
 pub mod ring;
 pub mod segment;
@@ -70,7 +69,4 @@ pub enum ShmError {
         #[source]
         source: std::io::Error,
     },
-
-    #[error(transparent)]
-    Core(#[from] dataset_rt_core::Error),
 }

@@ -9,6 +9,7 @@ mod hashed_file;
 pub mod liveness;
 pub mod metadata;
 pub mod os;
+pub mod passes;
 pub mod pool;
 pub mod progress;
 pub mod sampler;

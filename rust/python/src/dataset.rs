@@ -13,6 +13,7 @@ use dataset_rt_core::dataset::{
     self as core, EpochReader, Fetched, Payload, ReadOptions, State, WeightTable,
 };
 use dataset_rt_core::metadata::MetaRef;
+use dataset_rt_core::passes::{self, LiveProgress, Passes};
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::{self, EpochOrder, EpochParams, Weights};
 use dataset_rt_core::samples;
@@ -158,9 +159,16 @@ struct Progress {
     epoch: AtomicU64,
     position: AtomicU64,
     finished: AtomicBool,
-    /// The weight table the pass reads under. Weights set during a pass apply from the next
-    /// one, so a state taken mid-pass must name this table, not the one in force.
-    weights_fingerprint: String,
+}
+
+impl LiveProgress for Progress {
+    fn progress(&self) -> passes::Progress {
+        passes::Progress {
+            epoch: self.epoch.load(Ordering::Acquire),
+            position: self.position.load(Ordering::Acquire),
+            finished: self.finished.load(Ordering::Acquire),
+        }
+    }
 }
 
 /// A pass just started: its reader, its progress (shared with the dataset) and its weights.
@@ -170,19 +178,10 @@ struct Pass {
     weights: WeightTable,
 }
 
-/// A loaded state that the next pass resumes.
-struct Resume {
-    epoch: u64,
-    position: u64,
-    weights_fingerprint: String,
-}
-
 struct EpochControl {
-    /// The epoch of the next pass while no pass was started since `set_epoch` (or creation);
-    /// after a pass, the next one reads the epoch after it.
-    next_epoch: u64,
-    resume: Option<Resume>,
-    current: Option<Arc<Progress>>,
+    /// Epochs, the loaded state and the live pass (weights set during a pass apply from the
+    /// next one, so a state taken mid-pass names the pass's table, not the one in force).
+    passes: Passes<Arc<Progress>>,
     /// The last epoch order computed, reused when the same epoch is read again.
     order: Option<(u64, String, Arc<EpochOrder>)>,
 }
@@ -225,9 +224,7 @@ impl Dataset {
             opts,
             weights: Mutex::new(WeightTable::uniform()),
             control: Mutex::new(EpochControl {
-                next_epoch: 0,
-                resume: None,
-                current: None,
+                passes: Passes::new(),
                 order: None,
             }),
             py_side: Arc::new(py_side),
@@ -240,32 +237,18 @@ impl Dataset {
     /// closed runtime, say) leaves `state_dict()` as it was.
     fn start_pass(&self, py: Python<'_>, whole_batches_of: u64) -> PyResult<Pass> {
         let weights = self.weights.lock().unwrap().clone();
-        let (epoch, start, cached) = {
+        let (planned, cached) = {
             let control = self.control.lock().unwrap();
-            let (epoch, start) = match (&control.resume, &control.current) {
-                (Some(r), _) if r.weights_fingerprint != weights.fingerprint => {
-                    return Err(crate::errors::StateError::new_err(format!(
-                        "the loaded state (epoch {}, position {}) was taken under weight table \
-                         {}, but set_samples_metadata has since put {} in force: apply the \
-                         state's weights again to resume it, or call set_epoch to start a new \
-                         epoch instead",
-                        r.epoch, r.position, r.weights_fingerprint, weights.fingerprint
-                    )));
-                }
-                (Some(r), _) => (r.epoch, r.position),
-                (None, Some(p)) => (
-                    core::next_epoch(p.epoch.load(Ordering::Acquire)).py_err()?,
-                    0,
-                ),
-                (None, None) => (control.next_epoch, 0),
-            };
+            let planned = control.passes.next_pass(&weights.fingerprint).py_err()?;
+            let epoch = planned.epoch;
             let cached = control
                 .order
                 .as_ref()
                 .filter(|(e, fp, _)| *e == epoch && *fp == weights.fingerprint)
                 .map(|(_, _, o)| o.clone());
-            (epoch, start, cached)
+            (planned, cached)
         };
+        let (epoch, start) = (planned.epoch, planned.start);
         // A forked child must not start a pass: its cached order would hide that the pool's
         // threads are gone until the first sample.
         self.pool.check_usable().py_err()?;
@@ -285,7 +268,6 @@ impl Dataset {
             epoch: AtomicU64::new(epoch),
             position: AtomicU64::new(start),
             finished: AtomicBool::new(false),
-            weights_fingerprint: weights.fingerprint.clone(),
         });
         let reader = EpochReader::new(
             self.pool.clone(),
@@ -300,9 +282,10 @@ impl Dataset {
             progress.finished.store(true, Ordering::Release);
         }
         let mut control = self.control.lock().unwrap();
-        control.resume = None;
         control.order = Some((epoch, weights.fingerprint.clone(), order));
-        control.current = Some(progress.clone());
+        control
+            .passes
+            .commit(planned, progress.clone(), weights.fingerprint.clone());
         drop(control);
         Ok(Pass {
             reader,
@@ -314,29 +297,17 @@ impl Dataset {
     fn current_state(&self) -> dataset_rt_core::Result<State> {
         let control = self.control.lock().unwrap();
         let weights = self.weights.lock().unwrap();
-        // A position inside a pass belongs to that pass's order, and so to its weights; the
-        // start of a pass not begun yet reads under the weights in force.
-        let (epoch, position, weights_fingerprint) = match (&control.resume, &control.current) {
-            (Some(r), _) => (r.epoch, r.position, r.weights_fingerprint.as_str()),
-            (None, Some(p)) => {
-                let finished = p.finished.load(Ordering::Acquire);
-                let (epoch, position) = core::resume_point(
-                    p.epoch.load(Ordering::Acquire),
-                    p.position.load(Ordering::Acquire),
-                    finished,
-                )?;
-                let fingerprint = if finished {
-                    weights.fingerprint.as_str()
-                } else {
-                    p.weights_fingerprint.as_str()
-                };
-                (epoch, position, fingerprint)
-            }
-            (None, None) => (control.next_epoch, 0, weights.fingerprint.as_str()),
-        };
-        Ok(self
-            .inner
-            .state_under(&self.opts, weights_fingerprint, epoch, position))
+        let snapshot = control.passes.snapshot()?;
+        let weights_fingerprint = snapshot
+            .weights_fingerprint
+            .as_deref()
+            .unwrap_or(&weights.fingerprint);
+        Ok(self.inner.state_under(
+            &self.opts,
+            weights_fingerprint,
+            snapshot.epoch,
+            snapshot.position,
+        ))
     }
 }
 
@@ -431,11 +402,8 @@ impl Dataset {
         let epoch = u64::try_from(epoch).map_err(|_| {
             crate::errors::ConfigError::new_err(format!("invalid epoch {epoch}: must be >= 0"))
         })?;
-        let mut control = self.control.lock().unwrap();
-        control.next_epoch = epoch;
-        control.resume = None;
         // The state now describes the start of that epoch, not the last pass.
-        control.current = None;
+        self.control.lock().unwrap().passes.set_epoch(epoch);
         Ok(())
     }
 
@@ -479,13 +447,11 @@ impl Dataset {
             .inner
             .check_state(&state, &self.opts, &weights)
             .py_err()?;
-        let mut control = self.control.lock().unwrap();
-        control.resume = Some(Resume {
-            epoch,
-            position,
-            weights_fingerprint: weights.fingerprint,
-        });
-        control.next_epoch = epoch;
+        self.control
+            .lock()
+            .unwrap()
+            .passes
+            .load(epoch, position, weights.fingerprint);
         Ok(())
     }
 }

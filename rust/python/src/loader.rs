@@ -1,24 +1,28 @@
 //! The shared-memory loader's bindings: `LoaderPlan` (epochs, state and the start of each pass,
 //! owned by the training process), `RingHandle` (one party's view of a pass's segments), and the
-//! entry points of the producer and consumer processes. The protocol lives in `dataset-rt-shm`.
+//! entry points of the producer and consumer processes. They convert and delegate: the rules
+//! live in `dataset-rt-loader` (plan, producer, slot codec, lifecycle) and the protocol in
+//! `dataset-rt-shm`.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dataset_rt_core::dataset::{next_epoch, resume_point, State};
+use dataset_rt_core::dataset::State;
 use dataset_rt_core::error::io_errno;
 use dataset_rt_core::metadata::MetaRef;
 use dataset_rt_core::os::{self, own_pid};
 use dataset_rt_core::ErrorKind;
-use dataset_rt_shm::batch::{decode_metadata, max_sample_bytes, read_batch, slot_size_for};
+use dataset_rt_loader::batch::{decode_metadata, read_batch};
+use dataset_rt_loader::lifecycle;
+use dataset_rt_loader::plan::{self, PassPlan, Plan};
+use dataset_rt_loader::producer;
 use dataset_rt_shm::layout::*;
 use dataset_rt_shm::private_copy::replace_with_private_copy;
-use dataset_rt_shm::producer::{self, ProducerSpec};
 use dataset_rt_shm::results;
-use dataset_rt_shm::ring::{Geometry, Heartbeat, Party, Pass, Ring, Role, Ticket};
-use dataset_rt_shm::{segment, ShmError};
+use dataset_rt_shm::ring::{Heartbeat, Party, Ring, Role, Ticket};
+use dataset_rt_shm::ShmError;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyMemoryError, PyOSError};
 use pyo3::prelude::*;
@@ -68,9 +72,16 @@ fn shm_err(err: ShmError) -> PyErr {
             text,
         } => producer_error(kind, errno, batch, &text),
         other => {
-            let (kind, errno) = producer::error_kind(&other);
+            let (kind, errno) = producer::shm_error_kind(&other);
             errors::from_kind(kind, errno, other.to_string())
         }
+    }
+}
+
+fn loader_err(err: dataset_rt_loader::Error) -> PyErr {
+    match err {
+        dataset_rt_loader::Error::Shm(e) => shm_err(e),
+        dataset_rt_loader::Error::Core(e) => errors::to_py(e),
     }
 }
 
@@ -84,161 +95,18 @@ impl<T> ShmResult<T> for dataset_rt_shm::Result<T> {
     }
 }
 
-/// Where the state comes from when no pass is live, and the weight table it was read with.
-#[derive(Clone)]
-struct Resume {
-    epoch: u64,
-    position: u64,
-    weights_fingerprint: String,
-}
-
-/// A pass this plan started: its control segment holds the state.
-struct LivePass {
-    epoch: u64,
-    ring: Arc<Ring>,
-    weights_fingerprint: String,
-}
-
-/// The progress of the last pass once it ended.
-struct EndedPass {
-    epoch: u64,
-    position: u64,
-    finished: bool,
-    weights_fingerprint: String,
-}
-
-struct PlanControl {
-    /// The epoch of the next pass while no pass was committed since `set_epoch` (or creation);
-    /// after a pass, the next one reads the epoch after it.
-    next_epoch: u64,
-    resume: Option<Resume>,
-    current: Option<LivePass>,
-    last: Option<EndedPass>,
-    /// Bumped by `set_epoch` and `load_state_json`: a pass whose start began before such a call
-    /// does not overwrite it when it commits.
-    generation: u64,
-}
-
-impl PlanControl {
-    /// (epoch, global start position) of the next pass.
-    fn next_pass(&self) -> dataset_rt_core::Result<(u64, u64)> {
-        if let Some(r) = &self.resume {
-            return Ok((r.epoch, r.position));
-        }
-        match (&self.current, &self.last) {
-            (Some(live), _) => Ok((next_epoch(live.epoch)?, 0)),
-            (None, Some(ended)) => Ok((next_epoch(ended.epoch)?, 0)),
-            (None, None) => Ok((self.next_epoch, 0)),
-        }
-    }
-
-    /// (epoch, position, weights fingerprint) the state reports; `None` for the fingerprint:
-    /// the dataset's current weight table.
-    fn state(&self) -> dataset_rt_core::Result<(u64, u64, Option<String>)> {
-        if let Some(r) = &self.resume {
-            return Ok((r.epoch, r.position, Some(r.weights_fingerprint.clone())));
-        }
-        let (epoch, position, finished, fingerprint) = match (&self.current, &self.last) {
-            (Some(live), _) => {
-                let (e, p, f) = live.ring.progress();
-                (e, p, f, &live.weights_fingerprint)
-            }
-            (None, Some(ended)) => (
-                ended.epoch,
-                ended.position,
-                ended.finished,
-                &ended.weights_fingerprint,
-            ),
-            (None, None) => return Ok((self.next_epoch, 0, None)),
-        };
-        let (epoch, position) = resume_point(epoch, position, finished)?;
-        Ok((epoch, position, Some(fingerprint.clone())))
+impl<T> ShmResult<T> for dataset_rt_loader::Result<T> {
+    fn py_shm(self) -> PyResult<T> {
+        self.map_err(loader_err)
     }
 }
 
-/// Epochs, iterator state and pass creation of one `DataLoader` (training process only).
-///
-/// `control` is a std mutex taken by GIL-holding code: it is never held across `py.detach`
-/// (nor anything that waits), so a thread blocked on it cannot deadlock one that needs the GIL.
+/// Epochs, iterator state and pass creation of one `DataLoader` (training process only); the
+/// rules are `dataset_rt_loader::plan::Plan`'s.
 #[pyclass(module = "dataset_rt._native", frozen)]
 pub struct LoaderPlan {
     dataset: Py<Dataset>,
-    batch_size: u64,
-    drop_last: bool,
-    /// Threads of the producer's read-ahead pool.
-    producer_threads: usize,
-    control: Mutex<PlanControl>,
-    /// The most bytes one sample takes in a slot (the largest record of each cache, verified),
-    /// computed on the first pass that sizes its slots from the data.
-    max_sample_bytes: OnceLock<u64>,
-}
-
-impl LoaderPlan {
-    fn batches(&self, samples: u64) -> u64 {
-        if self.drop_last {
-            samples / self.batch_size
-        } else {
-            samples.div_ceil(self.batch_size)
-        }
-    }
-
-    /// The pass that reads `epoch` from global position `start` with `consumers` workers.
-    fn pass_at(
-        &self,
-        inner: &dataset_rt_core::dataset::Dataset,
-        opts: &dataset_rt_core::dataset::ReadOptions,
-        epoch: u64,
-        start: u64,
-        consumers: u32,
-    ) -> Pass {
-        let epoch_len = inner.epoch_len(opts);
-        let rank_samples = opts.split().rank_len(epoch_len, start);
-        Pass {
-            total_batches: self.batches(rank_samples),
-            batch_size: self.batch_size,
-            rank_samples,
-            epoch,
-            start,
-            epoch_len,
-            rank: opts.rank,
-            world_size: opts.world_size,
-            policy: opts.policy,
-            expected_attach: 1 + consumers,
-        }
-    }
-
-    /// The producer's parameters for the dataset as it reads now (no segment name, no weights
-    /// file yet).
-    fn spec(
-        &self,
-        inner: &dataset_rt_core::dataset::Dataset,
-        opts: &dataset_rt_core::dataset::ReadOptions,
-        weights: &dataset_rt_core::dataset::WeightTable,
-        persistent: bool,
-    ) -> ProducerSpec {
-        ProducerSpec {
-            ctl_name: String::new(),
-            cache_dirs: inner.caches.iter().map(|c| c.dir.clone()).collect(),
-            fingerprint: inner.fingerprint().to_owned(),
-            weights_fingerprint: weights.fingerprint.clone(),
-            weights_file: None,
-            seed: opts.seed,
-            shuffle: opts.shuffle,
-            epoch_len: opts.epoch_len,
-            prefetch_size: opts.prefetch_size,
-            verify: inner.verify_policy(),
-            threads: self.producer_threads,
-            persistent,
-        }
-    }
-}
-
-/// The most producer threads a loader takes: beyond it threads only contend for the disk.
-const MAX_PRODUCER_THREADS: u64 = 256;
-
-/// The producer threads of a loader that names none: `min(4, available cores)`.
-fn default_producer_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+    plan: Plan,
 }
 
 #[pymethods]
@@ -258,41 +126,32 @@ impl LoaderPlan {
         }
         let field = "DataLoader.producer_threads";
         let producer_threads = match crate::config::optional(field, producer_threads, 1)? {
-            None => default_producer_threads(),
-            Some(n @ 1..=MAX_PRODUCER_THREADS) => n as usize,
+            None => plan::default_producer_threads(),
+            Some(n @ 1..=plan::MAX_PRODUCER_THREADS) => n as usize,
             Some(n) => {
                 return Err(ConfigError::new_err(format!(
-                    "invalid {field}: {n} threads is above the limit of {MAX_PRODUCER_THREADS}; \
-                     None uses min(4, available cores)"
+                    "invalid {field}: {n} threads is above the limit of {}; None uses \
+                     min(4, available cores)",
+                    plan::MAX_PRODUCER_THREADS
                 )))
             }
         };
         Ok(LoaderPlan {
             dataset,
-            batch_size,
-            drop_last,
-            producer_threads,
-            control: Mutex::new(PlanControl {
-                next_epoch: 0,
-                resume: None,
-                current: None,
-                last: None,
-                generation: 0,
-            }),
-            max_sample_bytes: OnceLock::new(),
+            plan: Plan::new(batch_size, drop_last, producer_threads),
         })
     }
 
     /// Threads of the producer's read-ahead pool.
     #[getter]
     fn producer_threads(&self) -> usize {
-        self.producer_threads
+        self.plan.producer_threads()
     }
 
     /// Batches in a full epoch of this rank.
     fn __len__(&self) -> usize {
         let (inner, opts, _) = self.dataset.get().reading();
-        self.batches(inner.rank_len(&opts)) as usize
+        self.plan.len(&inner, &opts) as usize
     }
 
     /// Fixes the epoch of the next pass; the state now describes that epoch's start (a loaded
@@ -300,25 +159,22 @@ impl LoaderPlan {
     fn set_epoch(&self, epoch: i64) -> PyResult<()> {
         let epoch = u64::try_from(epoch)
             .map_err(|_| ConfigError::new_err(format!("invalid epoch {epoch}: must be >= 0")))?;
-        let mut control = self.control.lock().unwrap();
-        control.next_epoch = epoch;
-        control.resume = None;
-        control.current = None;
-        control.last = None;
-        control.generation += 1;
+        self.plan.set_epoch(epoch);
         Ok(())
     }
 
     /// The dataset's state format at what the training loop received: read from the live
     /// pass's control segment, with the weight table that pass reads.
     fn state_json(&self) -> PyResult<String> {
-        let (epoch, position, fingerprint) = self.control.lock().unwrap().state().py_err()?;
+        let snapshot = self.plan.snapshot().py_shm()?;
         let (inner, opts, weights) = self.dataset.get().reading();
-        let mut state = inner.state(&opts, &weights, epoch, position);
-        if let Some(fingerprint) = fingerprint {
-            state.weights_fingerprint = fingerprint;
-        }
-        Ok(state.to_json())
+        let fingerprint = snapshot
+            .weights_fingerprint
+            .as_deref()
+            .unwrap_or(&weights.fingerprint);
+        Ok(inner
+            .state_under(&opts, fingerprint, snapshot.epoch, snapshot.position)
+            .to_json())
     }
 
     /// Makes the next pass resume at the exact next sample of the state (any batch size,
@@ -327,91 +183,47 @@ impl LoaderPlan {
         let state = State::from_json(text).py_err()?;
         let (inner, opts, weights) = self.dataset.get().reading();
         let (epoch, position) = inner.check_state(&state, &opts, &weights).py_err()?;
-        let mut control = self.control.lock().unwrap();
-        control.resume = Some(Resume {
-            epoch,
-            position,
-            weights_fingerprint: weights.fingerprint.clone(),
-        });
-        control.next_epoch = epoch;
-        control.generation += 1;
+        self.plan.load(epoch, position, weights.fingerprint.clone());
         Ok(())
     }
 
-    /// Creates the segments and the private directory of the next pass (each locked by this
-    /// process, see `dataset_rt_core::liveness`) and writes the producer's spec (and weights)
-    /// into that directory; returns the owner's handle. `slot_size=None` sizes slots from the data:
-    /// a batch of the largest samples fits. Nothing of the plan changes until `commit_pass`:
-    /// a start that fails on the way consumes no loaded state and advances no epoch.
-    #[pyo3(signature = (num_slots, slot_size, num_consumers, persistent=false))]
+    /// Creates the segments and the private directory of the next pass (`prefetch_factor`
+    /// ring slots per consumer) and writes the producer's spec into that directory; returns
+    /// the owner's handle. `slot_size=None` sizes slots from the data: a batch of the largest
+    /// samples fits. Nothing of the plan changes until `commit_pass`.
+    #[pyo3(signature = (prefetch_factor, slot_size, num_consumers, persistent=false))]
     fn start_pass(
         &self,
         py: Python<'_>,
-        num_slots: u32,
+        prefetch_factor: u32,
         slot_size: Option<u64>,
         num_consumers: u32,
         persistent: bool,
     ) -> PyResult<RingHandle> {
         let (inner, opts, weights) = self.dataset.get().reading();
-        let (epoch, start, generation) = {
-            let control = self.control.lock().unwrap();
-            let (epoch, start) = control.next_pass().py_err()?;
-            (epoch, start, control.generation)
-        };
-        let slot_size = match slot_size {
-            Some(bytes) => align(bytes.max(1), PAGE),
-            None => {
-                let max_sample = match self.max_sample_bytes.get() {
-                    Some(&bytes) => bytes,
-                    None => {
-                        // A corrupt largest record raises here, before any ring is sized.
-                        let bytes = py.detach(|| max_sample_bytes(&inner)).py_shm()?;
-                        *self.max_sample_bytes.get_or_init(|| bytes)
-                    }
-                };
-                slot_size_for(max_sample, self.batch_size)
-            }
-        };
-        let geometry = Geometry {
-            num_slots,
-            slot_size,
-            max_consumers: num_consumers.max(1),
-        };
-        let pass = self.pass_at(&inner, &opts, epoch, start, num_consumers);
-        let ring = Arc::new(
-            py.detach(|| Ring::create(own_pid(), geometry, pass))
-                .py_shm()?,
-        );
-        let private_dir = ring.private_dir();
-        let mut spec = self.spec(&inner, &opts, &weights, persistent);
-        spec.ctl_name = ring.ctl_name().to_owned();
-        let written = py.detach(|| -> dataset_rt_shm::Result<()> {
-            if let Some(w) = &weights.weights {
-                let path = private_dir.join("weights.f64");
-                producer::write_weights(&path, w)?;
-                spec.weights_file = Some(path);
-            }
-            let path = private_dir.join("spec.json");
-            std::fs::write(&path, serde_json::to_vec(&spec).expect("plain data")).map_err(
-                |source| ShmError::Io {
-                    op: "write",
-                    path,
-                    source,
-                },
+        let slot_size = py
+            .detach(|| self.plan.slot_size(&inner, slot_size))
+            .py_shm()?;
+        let mut pass = self
+            .plan
+            .plan_pass(
+                &inner,
+                &opts,
+                &weights,
+                num_consumers,
+                prefetch_factor,
+                slot_size,
+                persistent,
             )
-        });
-        if let Err(e) = written {
-            ring.unlink();
-            return Err(shm_err(e));
-        }
+            .py_shm()?;
+        let ring = py
+            .detach(|| self.plan.create_pass(&mut pass, own_pid(), &weights))
+            .py_shm()?;
         Ok(RingHandle::owner(
             ring,
             OwnerPass {
-                generation,
-                epoch,
-                weights_fingerprint: weights.fingerprint,
+                plan: pass,
                 samples: self.dataset.get().sample_maker(),
-                spec,
             },
         ))
     }
@@ -429,30 +241,21 @@ impl LoaderPlan {
             ));
         };
         let (inner, opts, weights) = self.dataset.get().reading();
-        let mut spec = self.spec(&inner, &opts, &weights, true);
-        spec.ctl_name = previous.spec.ctl_name.clone();
-        spec.weights_file = previous.spec.weights_file.clone();
-        if spec != previous.spec {
-            return Ok(None);
-        }
-        let (epoch, start, generation) = {
-            let control = self.control.lock().unwrap();
-            let (epoch, start) = control.next_pass().py_err()?;
-            (epoch, start, control.generation)
-        };
-        let consumers = ring.ring.pass().expected_attach.saturating_sub(1);
-        let pass = self.pass_at(&inner, &opts, epoch, start, consumers);
-        py.detach(|| ring.ring.begin_next_pass(pass)).py_shm()?;
-        Ok(Some(RingHandle::owner(
-            ring.ring.clone(),
-            OwnerPass {
-                generation,
-                epoch,
-                weights_fingerprint: weights.fingerprint,
-                samples: self.dataset.get().sample_maker(),
-                spec,
-            },
-        )))
+        let next = py
+            .detach(|| {
+                self.plan
+                    .restart_pass(&ring.ring, &previous.plan, &inner, &opts, &weights)
+            })
+            .py_shm()?;
+        Ok(next.map(|plan| {
+            RingHandle::owner(
+                ring.ring.clone(),
+                OwnerPass {
+                    plan,
+                    samples: self.dataset.get().sample_maker(),
+                },
+            )
+        }))
     }
 
     /// Makes a started pass the live one, once all its processes are running: the state reads
@@ -462,50 +265,24 @@ impl LoaderPlan {
         let Some(owner) = &ring.owner else {
             return Err(LoaderError::new_err("commit_pass needs the owner's handle"));
         };
-        let mut control = self.control.lock().unwrap();
-        if control.generation != owner.generation {
-            return Ok(());
-        }
-        control.resume = None;
-        control.current = Some(LivePass {
-            epoch: owner.epoch,
-            ring: ring.ring.clone(),
-            weights_fingerprint: owner.weights_fingerprint.clone(),
-        });
-        control.last = None;
+        self.plan.commit(&owner.plan, ring.ring.clone());
         Ok(())
     }
 
     /// Ends the pass of `ring` if it is the live one: keeps its progress for `state_json` and
     /// drops its mappings.
     fn end_pass(&self, ring: &RingHandle) {
-        let mut control = self.control.lock().unwrap();
-        if control
-            .current
-            .as_ref()
-            .is_some_and(|live| Arc::ptr_eq(&live.ring, &ring.ring))
-        {
-            let live = control.current.take().expect("checked above");
-            let (epoch, position, finished) = live.ring.progress();
-            control.last = Some(EndedPass {
-                epoch,
-                position,
-                finished,
-                weights_fingerprint: live.weights_fingerprint,
-            });
-        }
+        self.plan.end(&ring.ring);
     }
 }
 
 /// What the owner's handle remembers of the plan it was started from.
 struct OwnerPass {
-    generation: u64,
-    epoch: u64,
-    weights_fingerprint: String,
+    /// The pass's parameters: a persistent pipeline reads a next pass only with the same
+    /// producer parameters.
+    plan: PassPlan,
     /// Makes the samples of the batches the training process takes itself (`num_workers=0`).
     samples: SampleMaker,
-    /// The producer's parameters: a persistent pipeline reads a next pass only with the same.
-    spec: ProducerSpec,
 }
 
 /// One party's view of a pass's segments.
@@ -543,7 +320,7 @@ impl RingHandle {
     /// code runs. Call `mark_attached` once the ring is mapped on the Python side too.
     #[staticmethod]
     fn attach(py: Python<'_>, ctl_name: &str, consumer: usize) -> PyResult<RingHandle> {
-        let ring = Arc::new(py.detach(|| Ring::attach(ctl_name)).py_shm()?);
+        let ring = Arc::new(py.detach(|| lifecycle::attach(ctl_name)).py_shm()?);
         ring.register_consumer(consumer, own_pid()).py_shm()?;
         let heartbeat = ring.keep_alive(Party::Consumer(consumer)).py_shm()?;
         Ok(RingHandle {
@@ -606,7 +383,7 @@ impl RingHandle {
     /// The producer's spec file in the owner's private directory.
     #[getter]
     fn spec_path(&self) -> String {
-        let path = self.ring.private_dir().join("spec.json");
+        let path = lifecycle::private_dir(&self.ring).join("spec.json");
         path.to_string_lossy().into_owned() // an ASCII name under /dev/shm
     }
 
@@ -855,7 +632,7 @@ impl RingHandle {
 
     /// Records that the training loop received batch `seq`; the state moves past it.
     fn mark_delivered(&self, seq: u64) -> PyResult<()> {
-        self.ring.mark_delivered(seq).py_shm()
+        plan::mark_delivered(&self.ring, seq).py_shm()
     }
 
     /// Raises the producer's error if it affects batch `seq` or an earlier one.
@@ -966,5 +743,5 @@ pub fn set_parent_death_signal(owner_pid: u64) -> PyResult<()> {
 /// Removes /dev/shm segments left by dead loader owners (never a live one's); returns their names.
 #[pyfunction]
 pub fn reap_shm_leftovers() -> Vec<String> {
-    segment::reap_leftovers()
+    lifecycle::reap_leftovers()
 }

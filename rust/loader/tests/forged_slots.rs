@@ -4,7 +4,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use dataset_rt_shm::batch::decode_metadata;
+use dataset_rt_loader::batch::decode_metadata;
 
 /// The largest single allocation this test binary has asked for.
 struct Largest;

@@ -12,12 +12,12 @@ use dataset_rt_core::dataset::{Dataset, ReadOptions, WeightTable};
 use dataset_rt_core::format::Compression;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
-use dataset_rt_shm::batch::{encode_metadata, max_sample_bytes, read_batch, slot_size_for};
-use dataset_rt_shm::layout::B_USED;
-use dataset_rt_shm::producer::{self, ProducerSpec};
+use dataset_rt_loader::batch::{encode_metadata, max_sample_bytes, read_batch, slot_size_for};
+use dataset_rt_loader::producer::{self, ProducerSpec};
+use dataset_rt_loader::{lifecycle, plan};
+use dataset_rt_shm::layout::{B_USED, POLICY_PAD};
 use dataset_rt_shm::ring::{Geometry, Pass, Ring, Role, Ticket, POLL};
 use dataset_rt_shm::{segment, ShmError};
 
@@ -97,7 +97,7 @@ fn setup_sized(raw: u64, lz4: u64) -> Setup {
         epoch_len: None,
         rank: 0,
         world_size: 1,
-        policy: RankPolicy::Pad,
+        policy: dataset_rt_core::sampler::RankPolicy::Pad,
     };
     let spec = ProducerSpec {
         ctl_name: String::new(),
@@ -135,7 +135,7 @@ fn create_ring(s: &Setup, slot_size: u64) -> Ring {
         epoch_len,
         rank: 0,
         world_size: 1,
-        policy: RankPolicy::Pad,
+        policy: POLICY_PAD,
         expected_attach: 2,
     };
     let geometry = Geometry {
@@ -145,7 +145,7 @@ fn create_ring(s: &Setup, slot_size: u64) -> Ring {
     };
     // SAFETY: getppid cannot fail.
     let owner = unsafe { libc::getppid() } as u64;
-    Ring::create(owner, geometry, pass).unwrap()
+    lifecycle::create_ring(owner, geometry, pass).unwrap()
 }
 
 /// (global index, cache, row, metadata bytes, payload) of every sample the consumer received,
@@ -155,7 +155,7 @@ type Received = Vec<(u64, u32, u64, Vec<u8>, Vec<u8>)>;
 /// What the consumer received, the bytes each batch used in its slot (in batch order), and the
 /// error that ended the pass.
 fn consume(ctl_name: &str) -> (Received, Vec<Vec<u8>>, Option<ShmError>) {
-    let ring = Ring::attach(ctl_name).unwrap();
+    let ring = lifecycle::attach(ctl_name).unwrap();
     ring.register_consumer(0, u64::from(std::process::id()))
         .unwrap();
     ring.mark_attached();
@@ -179,14 +179,14 @@ fn consume(ctl_name: &str) -> (Received, Vec<Vec<u8>>, Option<ShmError>) {
         }
         ring.release(t, Some(0)).unwrap();
         // The single consumer plays the training loop too: batches arrive in order.
-        ring.mark_delivered(t).unwrap();
+        plan::mark_delivered(&ring, t).unwrap();
     }
     (got, slots, None)
 }
 
 /// Runs the producer and the consumer threads to the end: (the producer's result, what the
 /// consumer received, the error that ended its loop).
-fn run_pass(s: &Setup, ring: &Ring) -> (dataset_rt_shm::Result<()>, Received, Option<ShmError>) {
+fn run_pass(s: &Setup, ring: &Ring) -> (dataset_rt_loader::Result<()>, Received, Option<ShmError>) {
     let (produced, got, _, error) = run_pass_with(&s.spec, ring);
     (produced, got, error)
 }
@@ -196,7 +196,7 @@ fn run_pass_with(
     spec: &ProducerSpec,
     ring: &Ring,
 ) -> (
-    dataset_rt_shm::Result<()>,
+    dataset_rt_loader::Result<()>,
     Received,
     Vec<Vec<u8>>,
     Option<ShmError>,
@@ -280,7 +280,10 @@ fn corrupt_record_stops_the_pass_at_its_batch(threads: usize, prefetch_size: usi
 
     let ring = create_ring(&s, 64 * 1024);
     let (produced, got, error) = run_pass(&s, &ring);
-    assert!(matches!(produced, Err(ShmError::Core(_))), "{produced:?}");
+    assert!(
+        matches!(produced, Err(dataset_rt_loader::Error::Core(_))),
+        "{produced:?}"
+    );
     assert_eq!(got.len(), 6, "batches 0 and 1 arrived");
     match error {
         Some(ShmError::ProducerFailed { batch: 2, text, .. }) => {
@@ -362,7 +365,7 @@ fn receive_pass(ring: &Ring) -> Vec<u64> {
                 .map(|e| e.global),
         );
         ring.release(t, Some(0)).unwrap();
-        ring.mark_delivered(t).unwrap();
+        plan::mark_delivered(ring, t).unwrap();
     }
     got
 }
@@ -383,7 +386,7 @@ fn a_persistent_producer_fills_pass_after_pass_until_stopped() {
     };
     std::thread::scope(|scope| {
         let producer = scope.spawn(|| producer::run(&s.spec, None));
-        let consumer = Ring::attach(ring.ctl_name()).unwrap();
+        let consumer = lifecycle::attach(ring.ctl_name()).unwrap();
         consumer
             .register_consumer(0, u64::from(std::process::id()))
             .unwrap();

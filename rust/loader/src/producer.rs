@@ -18,10 +18,12 @@ use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::{Error as CoreError, ErrorKind};
 use serde::{Deserialize, Serialize};
 
+use dataset_rt_shm::ring::{Party, Ring};
+use dataset_rt_shm::ShmError;
+
 use crate::batch::{batch_bytes, encode_metadata, write_batch, SampleOut};
-use crate::ring::{Party, Ring};
-use crate::segment;
-use crate::{Result, ShmError};
+use crate::lifecycle;
+use crate::{protocol, Error, Result};
 
 /// What the producer needs beyond the control segment: written by the training process into a
 /// private directory, read once at start.
@@ -60,10 +62,13 @@ fn chunk_samples(prefetch_size: usize, threads: usize) -> u64 {
 
 pub fn write_weights(path: &Path, weights: &[f64]) -> Result<()> {
     let bytes: Vec<u8> = weights.iter().flat_map(|w| w.to_le_bytes()).collect();
-    std::fs::write(path, bytes).map_err(|source| ShmError::Io {
-        op: "write",
-        path: path.to_owned(),
-        source,
+    std::fs::write(path, bytes).map_err(|source| {
+        ShmError::Io {
+            op: "write",
+            path: path.to_owned(),
+            source,
+        }
+        .into()
     })
 }
 
@@ -74,7 +79,7 @@ fn read_weights(path: &Path) -> Result<Vec<f64>> {
         source,
     })?;
     if bytes.len() % 8 != 0 {
-        return Err(ShmError::Protocol(format!(
+        return Err(protocol(format!(
             "{}: {} bytes is not a whole number of f64",
             path.display(),
             bytes.len()
@@ -89,9 +94,16 @@ fn read_weights(path: &Path) -> Result<Vec<f64>> {
 /// The kind of a loader error in the one error-kind table, and its errno when it has one: the
 /// producer records both in the control segment, and the bindings choose the Python class from
 /// them, so a failure raises the same class wherever it happens.
-pub fn error_kind(err: &ShmError) -> (ErrorKind, Option<i32>) {
+pub fn error_kind(err: &Error) -> (ErrorKind, Option<i32>) {
     match err {
-        ShmError::Core(e) => (e.kind(), e.errno()),
+        Error::Core(e) => (e.kind(), e.errno()),
+        Error::Shm(e) => shm_error_kind(e),
+    }
+}
+
+/// `error_kind` of a transport error.
+pub fn shm_error_kind(err: &ShmError) -> (ErrorKind, Option<i32>) {
+    match err {
         ShmError::Io { source, .. } | ShmError::Memory { source, .. } => {
             (ErrorKind::Io, io_errno(source))
         }
@@ -116,9 +128,8 @@ pub fn run_file(spec_path: &Path, owner_pid: u64) -> Result<()> {
         path: spec_path.to_owned(),
         source,
     })?;
-    let spec: ProducerSpec = serde_json::from_slice(&text).map_err(|e| {
-        ShmError::Protocol(format!("{}: not a producer spec: {e}", spec_path.display()))
-    })?;
+    let spec: ProducerSpec = serde_json::from_slice(&text)
+        .map_err(|e| protocol(format!("{}: not a producer spec: {e}", spec_path.display())))?;
     let weights = spec.weights_file.as_deref().map(read_weights).transpose();
     // The producer is the directory's only reader: nothing of it need outlive this point.
     if let Some(dir) = spec_path.parent() {
@@ -126,16 +137,13 @@ pub fn run_file(spec_path: &Path, owner_pid: u64) -> Result<()> {
     }
     let result = match weights {
         Ok(weights) if parent_pid() == owner_pid => run(&spec, weights),
-        Ok(_) => Err(ShmError::OwnerGone(owner_pid)),
+        Ok(_) => Err(Error::Shm(ShmError::OwnerGone(owner_pid))),
         Err(e) => Err(e),
     };
     if parent_pid() != owner_pid {
         // Gone before every party attached (the last to attach removes the names): do it here.
-        if let Some(stem) = spec.ctl_name.strip_suffix("-ctl") {
-            segment::unlink(&spec.ctl_name);
-            segment::unlink(&format!("{stem}-ring"));
-        }
-        return Err(ShmError::OwnerGone(owner_pid));
+        lifecycle::unlink_pass(&spec.ctl_name);
+        return Err(Error::Shm(ShmError::OwnerGone(owner_pid)));
     }
     result
 }
@@ -147,7 +155,7 @@ pub fn run_file(spec_path: &Path, owner_pid: u64) -> Result<()> {
 /// the weight table are opened once. Errors are also written into the control segment for the
 /// training loop, and end the producer.
 pub fn run(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
-    let ring = Arc::new(Ring::attach(&spec.ctl_name)?);
+    let ring = Arc::new(lifecycle::attach(&spec.ctl_name)?);
     ring.set_producer(own_pid());
     ring.mark_attached();
     let mut source = None;
@@ -157,7 +165,10 @@ pub fn run(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
         let generation = ring.generation();
         let filled = fill(&ring, spec, &mut source, &mut weights);
         if let Err(e) = &filled {
-            if !matches!(e, ShmError::Stopped | ShmError::OwnerGone(_)) {
+            if !matches!(
+                e,
+                Error::Shm(ShmError::Stopped) | Error::Shm(ShmError::OwnerGone(_))
+            ) {
                 let (kind, errno) = error_kind(e);
                 ring.set_error(kind.code(), errno, ring.produced(), &e.to_string());
             }
@@ -167,19 +178,20 @@ pub fn run(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<()> {
         // Staying until every party attached lets `run_file` remove the names should the owner
         // die before the last party attached (which removes them).
         let waited = match &filled {
-            Err(ShmError::Stopped | ShmError::OwnerGone(_)) => Ok(()),
-            _ if first => ring.wait_all_attached(),
+            Err(Error::Shm(ShmError::Stopped) | Error::Shm(ShmError::OwnerGone(_))) => Ok(()),
+            _ if first => ring.wait_all_attached().map_err(Error::from),
             _ => Ok(()),
         };
         first = false;
         match (filled, waited) {
-            (Err(ShmError::Stopped), _) | (Ok(()), Err(ShmError::Stopped)) => return Ok(()),
+            (Err(Error::Shm(ShmError::Stopped)), _)
+            | (Ok(()), Err(Error::Shm(ShmError::Stopped))) => return Ok(()),
             (Err(e), _) | (Ok(()), Err(e)) => return Err(e),
             (Ok(()), Ok(())) if !spec.persistent => return Ok(()),
             (Ok(()), Ok(())) => match ring.wait_next_pass(generation) {
                 Ok(_) => {}
                 Err(ShmError::Stopped) => return Ok(()),
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             },
         }
     }
@@ -215,7 +227,7 @@ fn fill(
     // A long read (large samples, slow storage) still shows progress; a hung one does not.
     .on_fetched(Arc::new(move || beat.heartbeat(Party::Producer)));
     if reader.len() != pass.rank_samples {
-        return Err(ShmError::Protocol(format!(
+        return Err(protocol(format!(
             "the reader has {} samples for this rank, the pass {}",
             reader.len(),
             pass.rank_samples
@@ -228,7 +240,7 @@ fn fill(
             .map(|k| {
                 ring.heartbeat(Party::Producer);
                 let fetched = reader.next_sample().ok_or_else(|| {
-                    ShmError::Protocol(format!("the reader ended before sample {k} of the pass"))
+                    protocol(format!("the reader ended before sample {k} of the pass"))
                 })??;
                 let (c, row) = (fetched.cache as usize, fetched.row);
                 Ok(SampleOut {
@@ -247,7 +259,8 @@ fn fill(
                 samples: samples.len() as u64,
                 needed,
                 slot_size,
-            });
+            }
+            .into());
         }
         ring.wait_fillable(b)?;
         // SAFETY: the producer alone fills, after wait_fillable, and publishes after writing.
@@ -279,17 +292,17 @@ fn prepare(
         epoch_len: spec.epoch_len,
         rank: pass.rank,
         world_size: pass.world_size,
-        policy: pass.policy,
+        policy: crate::plan::split_of(&pass).policy,
     };
     opts.validate()?;
     if spec.threads == 0 {
-        return Err(ShmError::Protocol(
+        return Err(protocol(
             "the producer spec asks for 0 threads; DataLoader.producer_threads is at least 1"
                 .into(),
         ));
     }
     if ds.epoch_len(&opts) != pass.epoch_len {
-        return Err(ShmError::Protocol(format!(
+        return Err(protocol(format!(
             "epoch length {} is not the pass's {}",
             ds.epoch_len(&opts),
             pass.epoch_len
@@ -318,7 +331,7 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
     let weights = match weights {
         Some(w) => {
             if w.len() as u64 != ds.len() {
-                return Err(ShmError::Protocol(format!(
+                return Err(protocol(format!(
                     "{} weights for {} samples",
                     w.len(),
                     ds.len()
@@ -329,7 +342,7 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
         None => WeightTable::uniform(),
     };
     if weights.fingerprint != spec.weights_fingerprint {
-        return Err(ShmError::Protocol(format!(
+        return Err(protocol(format!(
             "weight table {} is not the dataset's {}",
             weights.fingerprint, spec.weights_fingerprint
         )));
@@ -343,11 +356,11 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{ERR_NONE, ERR_WRITING};
+    use dataset_rt_shm::layout::{ERR_NONE, ERR_WRITING};
 
     #[test]
     fn layout_md_lists_the_error_kind_table() {
-        let spec = include_str!("../LAYOUT.md");
+        let spec = include_str!("../../../shm/LAYOUT.md");
         let start = spec
             .find("## Error kinds")
             .expect("the section in LAYOUT.md");
@@ -389,14 +402,6 @@ mod tests {
                 (ErrorKind::Io, Some(libc::ENOMEM)),
             ),
             (
-                CoreError::io("open", "/x", io(libc::ENOTDIR)).into(),
-                (ErrorKind::Io, Some(libc::ENOTDIR)),
-            ),
-            (
-                CoreError::State("changed".into()).into(),
-                (ErrorKind::State, None),
-            ),
-            (
                 ShmError::BatchTooLarge {
                     batch: 0,
                     samples: 1,
@@ -428,7 +433,18 @@ mod tests {
             ),
         ];
         for (err, want) in cases {
-            assert_eq!(error_kind(&err), want, "{err:?}");
+            assert_eq!(shm_error_kind(&err), want, "{err:?}");
+            assert_eq!(error_kind(&Error::Shm(err)), want);
+        }
+        let core = [
+            (
+                CoreError::io("open", "/x", io(libc::ENOTDIR)),
+                (ErrorKind::Io, Some(libc::ENOTDIR)),
+            ),
+            (CoreError::State("changed".into()), (ErrorKind::State, None)),
+        ];
+        for (err, want) in core {
+            assert_eq!(error_kind(&Error::Core(err)), want);
         }
     }
 }

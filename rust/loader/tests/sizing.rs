@@ -13,8 +13,8 @@ use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
 use dataset_rt_core::Error as CoreError;
-use dataset_rt_shm::batch::max_sample_bytes;
-use dataset_rt_shm::ShmError;
+use dataset_rt_loader::batch::max_sample_bytes;
+use dataset_rt_loader::Error;
 
 const FORGED_RAW_LEN: u32 = 64 << 20;
 
@@ -104,9 +104,9 @@ fn forge_raw_len(dir: &Path, sample: u64, raw_len: u32, record: bool) {
     std::fs::write(&manifest_path, serde_json::to_vec(&manifest).unwrap()).unwrap();
 }
 
-fn corrupt_reason(result: dataset_rt_shm::Result<u64>, sample: u64) -> String {
+fn corrupt_reason(result: dataset_rt_loader::Result<u64>, sample: u64) -> String {
     match result {
-        Err(ShmError::Core(CoreError::CorruptRecord {
+        Err(Error::Core(CoreError::CorruptRecord {
             sample: s, reason, ..
         })) if s == sample => reason,
         other => panic!("expected a corrupt record {sample}, got {other:?}"),

@@ -3,9 +3,10 @@
 
 use std::path::PathBuf;
 
-use dataset_rt_core::sampler::RankPolicy;
+use dataset_rt_loader::lifecycle::{self, reap_leftovers};
+use dataset_rt_shm::layout::POLICY_PAD;
 use dataset_rt_shm::ring::{Geometry, Pass, Ring};
-use dataset_rt_shm::segment::{path_of, reap_leftovers};
+use dataset_rt_shm::segment::path_of;
 
 /// A pid that belonged to a process that has exited.
 fn dead_pid() -> u64 {
@@ -25,7 +26,7 @@ fn create_ring(owner_pid: u64) -> Ring {
         epoch_len: 1,
         rank: 0,
         world_size: 1,
-        policy: RankPolicy::Pad,
+        policy: POLICY_PAD,
         expected_attach: 1,
     };
     let geometry = Geometry {
@@ -33,11 +34,11 @@ fn create_ring(owner_pid: u64) -> Ring {
         slot_size: 4096,
         max_consumers: 1,
     };
-    Ring::create(owner_pid, geometry, pass).unwrap()
+    lifecycle::create_ring(owner_pid, geometry, pass).unwrap()
 }
 
 fn names_of(ring: &Ring) -> Vec<String> {
-    let dir = ring.private_dir();
+    let dir = lifecycle::private_dir(ring);
     let dir = dir.file_name().unwrap().to_str().unwrap();
     vec![
         ring.ctl_name().to_owned(),
@@ -56,7 +57,7 @@ fn a_live_owners_entries_are_kept_even_when_its_pid_looks_dead() {
     // as it would look from another PID namespace.
     let ring = create_ring(dead_pid());
     let names = names_of(&ring);
-    std::fs::write(ring.private_dir().join("spec.json"), b"{}").unwrap();
+    std::fs::write(lifecycle::private_dir(&ring).join("spec.json"), b"{}").unwrap();
     assert!(names.iter().all(|n| exists(n)), "{names:?}");
     let removed = reap_leftovers();
     assert!(

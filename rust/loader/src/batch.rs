@@ -7,8 +7,9 @@ use dataset_rt_core::cache::Cache;
 use dataset_rt_core::dataset::Dataset;
 use dataset_rt_core::metadata::{FieldType, MetaRef};
 
-use crate::layout::*;
-use crate::{Result, ShmError};
+use dataset_rt_shm::layout::*;
+
+use crate::{protocol, Error, Result};
 
 /// One sample as the producer writes it.
 pub struct SampleOut<'a> {
@@ -89,7 +90,7 @@ fn u64_at(b: &[u8], at: u64) -> u64 {
 
 /// Reads and checks a slot's header and offsets table.
 pub fn read_batch(slot: &[u8], seq: u64) -> Result<Vec<Entry>> {
-    let bad = |reason: String| ShmError::Protocol(format!("slot of batch {seq}: {reason}"));
+    let bad = |reason: String| protocol(format!("slot of batch {seq}: {reason}"));
     if slot.len() < B_HEADER_LEN as usize || &slot[..8] != SLOT_MAGIC {
         return Err(bad("bad magic".into()));
     }
@@ -129,7 +130,7 @@ pub fn read_batch(slot: &[u8], seq: u64) -> Result<Vec<Entry>> {
 /// A length that the slot encoding stores as u32, or the error naming what is too long.
 fn len_u32(len: usize, what: impl FnOnce() -> String) -> Result<u32> {
     u32::try_from(len).map_err(|_| {
-        ShmError::Protocol(format!(
+        protocol(format!(
             "{} is {len} bytes: the loader carries at most {} bytes",
             what(),
             u32::MAX
@@ -145,7 +146,7 @@ pub fn encode_metadata<'a>(row: impl Iterator<Item = (&'a str, MetaRef<'a>)>) ->
     for (key, value) in row {
         count = count
             .checked_add(1)
-            .ok_or_else(|| ShmError::Protocol("more than 2^32 metadata fields".into()))?;
+            .ok_or_else(|| protocol("more than 2^32 metadata fields".into()))?;
         let key_len = len_u32(key.len(), || "a metadata key".into())?;
         out.extend_from_slice(&key_len.to_le_bytes());
         out.extend_from_slice(key.as_bytes());
@@ -201,7 +202,7 @@ fn verified_max_payload(cache: &Cache) -> Result<u64> {
     };
     let (e, header, start) = cache.verify_record(row)?;
     let raw_len = u64::from(e.raw_len);
-    let corrupt = |reason: String| -> ShmError {
+    let corrupt = |reason: String| -> Error {
         dataset_rt_core::Error::CorruptRecord {
             cache: cache.name().to_owned(),
             shard: cache.shard_path(e.shard),
@@ -263,7 +264,7 @@ pub fn slot_size_for(max_sample: u64, batch_size: u64) -> u64 {
 
 /// Decodes what [`encode_metadata`] wrote.
 pub fn decode_metadata(bytes: &[u8]) -> Result<Vec<(&str, MetaRef<'_>)>> {
-    let bad = || ShmError::Protocol("slot metadata is truncated or not UTF-8".into());
+    let bad = || protocol("slot metadata is truncated or not UTF-8".into());
     let mut at = 0usize;
     let mut take = |n: usize| -> Result<&[u8]> {
         let s = bytes.get(at..at + n).ok_or_else(bad)?;

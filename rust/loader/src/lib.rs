@@ -1,0 +1,29 @@
+//! DatasetRT's shared-memory loader, between the bindings and the core + transport crates: the
+//! pass plan, the producer loop that fills the ring, the slot codec (what one batch looks like
+//! in a slot), and the lifecycle of the segments' names.
+//! No Python here: `rust/python/src/loader.rs` binds it; `dataset-rt-shm` moves the bytes.
+
+pub mod batch;
+pub mod lifecycle;
+pub mod plan;
+pub mod producer;
+
+use dataset_rt_shm::ShmError;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A loader error: the transport's, or the core's (reading the caches, the state). Exhaustive on
+/// purpose: the bindings match every variant, so a new one cannot fall into another class.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+
+    #[error(transparent)]
+    Core(#[from] dataset_rt_core::Error),
+}
+
+/// The transport's `Protocol` error: the segments or the slots are not what a party wrote.
+pub(crate) fn protocol(text: String) -> Error {
+    Error::Shm(ShmError::Protocol(text))
+}
