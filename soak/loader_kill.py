@@ -107,6 +107,10 @@ TRAINING = textwrap.dedent(
                 save()
     save()
     print(f"done {{rank}} {{os.getpid()}} {{received}}", flush=True)
+    if dist is not None:
+        # Left to interpreter teardown, gloo's threads sometimes abort the process
+        # ("terminate called without an active exception").
+        dist.destroy_process_group()
     """
 ).format(n=SAMPLES, batch=BATCH_SIZE, epochs=EPOCHS, every=CHECKPOINT_EVERY)
 
