@@ -495,7 +495,9 @@ def test_cli_reports_a_resigned_metadata_footer_as_malformed(cache, capsys, comm
 
 def test_shard_truncated_before_its_first_view_is_a_corrupt_record(runtime, cache):
     """Every record is verified ahead (prefetch), then shard 1 is cut to its header before any of
-    its payloads is handed out: its first record is an error naming it, never an empty view."""
+    its payloads is made into a view: its first record is an error naming it, never an empty
+    view. Batches of shard 0's records make that moment exact: the per-sample iterator builds
+    the views of a whole read chunk at once, here the whole epoch."""
     result = runtime.from_cache_sources(
         source(),
         cache.parent,
@@ -506,13 +508,13 @@ def test_shard_truncated_before_its_first_view_is_a_corrupt_record(runtime, cach
     victim = cache / "shards" / "000001.bin"
     first = next(i for i, (shard, _) in enumerate(shards) if shard == victim)
     size = victim.stat().st_size
-    it = iter(result.dataset)
-    received = [bytes(next(it).data)]  # the whole epoch is read and verified by now
+    it = iter(result.dataset.iter_batches(first))
+    received = [bytes(x) for x in next(it).data]  # the whole epoch is read and verified by now
     os.truncate(victim, 16)
 
     with pytest.raises(CorruptRecordError) as info:
         while True:
-            received.append(bytes(next(it).data))
+            received.extend(bytes(x) for x in next(it).data)
     message = str(info.value)
     assert f"shard {victim} at offset {shards[first][1]}, sample {first}:" in message
     assert f"the shard is 16 bytes now but was {size} bytes when the cache was opened" in message
