@@ -83,15 +83,17 @@ def snapshot(cache_dir: Path) -> dict[str, bytes]:
 
 
 def record_payload_offset(cache_dir: Path, sample: int) -> tuple[Path, int, int]:
-    """(shard path, record offset, payload offset) of `sample`, read the v1 way: index entry
-    `<offset u64, shard u32, ...>` after a 16-byte header, record header of 40 bytes with the
-    metadata length at byte 8, payload aligned to 16."""
+    """(shard path, record offset, payload offset) of `sample`, read the documented way: index
+    entry `<offset u64, shard u32, ...>` after a 16-byte header, record header of 40 bytes with
+    the metadata length at byte 20 (v2; byte 8 in v1), payload aligned to 16."""
     index = (cache_dir / "index.bin").read_bytes()
     offset, shard = struct.unpack_from("<QI", index, 16 + 32 * sample)
     path = cache_dir / "shards" / f"{shard:06d}.bin"
-    header = path.read_bytes()[offset : offset + 40]
+    data = path.read_bytes()
+    (version,) = struct.unpack_from("<I", data, 8)
+    header = data[offset : offset + 40]
     assert header[:4] == b"DRTR"
-    (meta_len,) = struct.unpack_from("<I", header, 8)
+    (meta_len,) = struct.unpack_from("<I", header, 20 if version == 2 else 8)
     return path, offset, offset + (40 + meta_len + 15) // 16 * 16
 
 
@@ -241,7 +243,7 @@ MALFORMED = {
         edit_manifest(set_in("format_version", 99)),
         False,
         "manifest.json",
-        ["unsupported format version 99", "reads version 1"],
+        ["unsupported format version 99", "reads versions 1 and 2"],
     ),
     "version_string": (
         edit_manifest(set_in("format_version", "1")),
