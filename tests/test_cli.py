@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -113,6 +114,17 @@ def flip_byte(path: Path, offset: int) -> None:
 # --- inspect ---------------------------------------------------------------------------------
 
 
+def test_inspect_shows_a_v1_cache_as_v1_and_verifies_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caches of format v1 stay readable; inspect names their version."""
+    cache = tmp_path / "golden"
+    shutil.copytree(Path(__file__).parent / "data" / "golden_v1" / "golden", cache)
+    assert main(["inspect", str(cache)]) == EXIT_OK
+    assert summary(capsys.readouterr().out)["format"] == "dataset-rt-cache v1"
+    assert main(["verify", str(cache)]) == EXIT_OK
+
+
 def test_inspect_summarises_the_manifest(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -124,7 +136,7 @@ def test_inspect_summarises_the_manifest(
 
     raw = sum(len(payload(i)) for i in range(30))
     assert rows["name"] == "train"
-    assert rows["format"] == "dataset-rt-cache v1"
+    assert rows["format"] == "dataset-rt-cache v2"
     assert rows["writer"] == manifest["writer_version"]
     assert rows["samples"] == "30"
     assert rows["schema"] == "sample_id: int, label: str"

@@ -83,15 +83,17 @@ def snapshot(cache_dir: Path) -> dict[str, bytes]:
 
 
 def record_payload_offset(cache_dir: Path, sample: int) -> tuple[Path, int, int]:
-    """(shard path, record offset, payload offset) of `sample`, read the v1 way: index entry
-    `<offset u64, shard u32, ...>` after a 16-byte header, record header of 40 bytes with the
-    metadata length at byte 8, payload aligned to 16."""
+    """(shard path, record offset, payload offset) of `sample`, read the documented way: index
+    entry `<offset u64, shard u32, ...>` after a 16-byte header, record header of 40 bytes with
+    the metadata length at byte 20 (v2; byte 8 in v1), payload aligned to 16."""
     index = (cache_dir / "index.bin").read_bytes()
     offset, shard = struct.unpack_from("<QI", index, 16 + 32 * sample)
     path = cache_dir / "shards" / f"{shard:06d}.bin"
-    header = path.read_bytes()[offset : offset + 40]
+    data = path.read_bytes()
+    (version,) = struct.unpack_from("<I", data, 8)
+    header = data[offset : offset + 40]
     assert header[:4] == b"DRTR"
-    (meta_len,) = struct.unpack_from("<I", header, 8)
+    (meta_len,) = struct.unpack_from("<I", header, 20 if version == 2 else 8)
     return path, offset, offset + (40 + meta_len + 15) // 16 * 16
 
 
@@ -241,7 +243,7 @@ MALFORMED = {
         edit_manifest(set_in("format_version", 99)),
         False,
         "manifest.json",
-        ["unsupported format version 99", "reads version 1"],
+        ["unsupported format version 99", "reads versions 1 and 2"],
     ),
     "version_string": (
         edit_manifest(set_in("format_version", "1")),
@@ -495,7 +497,9 @@ def test_cli_reports_a_resigned_metadata_footer_as_malformed(cache, capsys, comm
 
 def test_shard_truncated_before_its_first_view_is_a_corrupt_record(runtime, cache):
     """Every record is verified ahead (prefetch), then shard 1 is cut to its header before any of
-    its payloads is handed out: its first record is an error naming it, never an empty view."""
+    its payloads is made into a view: its first record is an error naming it, never an empty
+    view. Batches of shard 0's records make that moment exact: the per-sample iterator builds
+    the views of a whole read chunk at once, here the whole epoch."""
     result = runtime.from_cache_sources(
         source(),
         cache.parent,
@@ -506,13 +510,13 @@ def test_shard_truncated_before_its_first_view_is_a_corrupt_record(runtime, cach
     victim = cache / "shards" / "000001.bin"
     first = next(i for i, (shard, _) in enumerate(shards) if shard == victim)
     size = victim.stat().st_size
-    it = iter(result.dataset)
-    received = [bytes(next(it).data)]  # the whole epoch is read and verified by now
+    it = iter(result.dataset.iter_batches(first))
+    received = [bytes(x) for x in next(it).data]  # the whole epoch is read and verified by now
     os.truncate(victim, 16)
 
     with pytest.raises(CorruptRecordError) as info:
         while True:
-            received.append(bytes(next(it).data))
+            received.extend(bytes(x) for x in next(it).data)
     message = str(info.value)
     assert f"shard {victim} at offset {shards[first][1]}, sample {first}:" in message
     assert f"the shard is 16 bytes now but was {size} bytes when the cache was opened" in message

@@ -299,7 +299,7 @@ def test_the_largest_record_is_verified_before_the_ring_is_sized(tmp_path):
     index = (cache / "index.bin").read_bytes()
     offset, shard = struct.unpack_from("<QI", index, 16 + 32 * 11)
     shard_path = cache / "shards" / f"{shard:06d}.bin"
-    meta_len = struct.unpack_from("<I", shard_path.read_bytes(), offset + 8)[0]
+    meta_len = struct.unpack_from("<I", shard_path.read_bytes(), offset + 20)[0]  # format v2
     os.chmod(shard_path, 0o644)
     corrupt_byte(shard_path, offset + ((40 + meta_len + 15) // 16) * 16 + 5)
     with DataLoader(dataset, batch_size=4) as loader:

@@ -82,12 +82,18 @@ def records(shard: Path) -> list[dict[str, int]]:
     """Record headers of a shard, from docs/storage-format (header, metadata, aligned payload)."""
     data = shard.read_bytes()
     assert data[:8] == b"DRTSHARD"
+    (version,) = struct.unpack_from("<I", data, 8)
     found = []
     offset = SHARD_HEADER_LEN
     while offset < len(data):
-        magic, flags, meta_len, stored_len, raw_len = struct.unpack_from("<4sIIII", data, offset)
-        assert magic == b"DRTR", f"no record at {offset}"
-        (sample,) = struct.unpack_from("<Q", data, offset + 24)
+        assert data[offset : offset + 4] == b"DRTR", f"no record at {offset}"
+        if version == 2:
+            flags, meta_len, stored_len, raw_len, sample = struct.unpack_from(
+                "<IIIIQ", data, offset + 16
+            )
+        else:
+            flags, meta_len, stored_len, raw_len = struct.unpack_from("<IIII", data, offset + 4)
+            (sample,) = struct.unpack_from("<Q", data, offset + 24)
         payload_offset = offset + align16(RECORD_HEADER_LEN + meta_len)
         found.append(
             {

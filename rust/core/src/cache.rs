@@ -138,15 +138,16 @@ pub fn parse_manifest(bytes: &[u8], cache: &str, path: &Path) -> Result<Manifest
         }
     }
     match value.get("format_version").and_then(|v| v.as_u64()) {
-        Some(v) if v == u64::from(FORMAT_VERSION) => {}
+        Some(v) if READABLE_VERSIONS.iter().any(|&r| u64::from(r) == v) => {}
         Some(v) => {
             return Err(Error::malformed(
                 &cache,
                 path,
                 format!(
-                "unsupported format version {v}: this DatasetRT reads version {FORMAT_VERSION}; \
-                     upgrade dataset-rt or rebuild the cache"
-            ),
+                    "unsupported format version {v}: this DatasetRT reads versions {} (and \
+                     writes {FORMAT_VERSION}); upgrade dataset-rt or rebuild the cache",
+                    READABLE_VERSIONS.map(|r| r.to_string()).join(" and ")
+                ),
             ))
         }
         None => {
@@ -312,7 +313,8 @@ impl Cache {
         // 3. Contents: checksums, headers, the metadata table.
         let index = map_sized(&name, dir, INDEX_FILE, &index_file, index_len)?;
         check_sum(&name, &index_path, &index, &manifest.index.checksum)?;
-        if index[..INDEX_HEADER_LEN as usize] != index_header() {
+        let version = manifest.format_version;
+        if index[..INDEX_HEADER_LEN as usize] != index_header_of(version) {
             return Err(Error::malformed(&name, &index_path, "bad index header"));
         }
 
@@ -337,7 +339,7 @@ impl Cache {
         for (i, (s, file)) in manifest.shards.iter().zip(&shard_files).enumerate() {
             let path = dir.join(&s.file);
             let map = map_sized(&name, dir, &s.file, file, s.bytes)?;
-            if map[..SHARD_HEADER_LEN as usize] != shard_header(i as u32) {
+            if map[..SHARD_HEADER_LEN as usize] != shard_header_of(version, i as u32) {
                 return Err(Error::malformed(&name, &path, "bad shard header"));
             }
             if validation == Validation::Full {
@@ -460,7 +462,8 @@ impl Cache {
                 "record lies past the end of its shard",
             ));
         }
-        let h = RecordHeader::decode(&shard[start..header_end])
+        let version = self.manifest.format_version;
+        let h = RecordHeader::decode_as(version, &shard[start..header_end])
             .map_err(|r| self.corrupt(e.shard, e.offset, sample, r))?;
         if h.sample != sample
             || h.flags != e.flags
@@ -521,9 +524,14 @@ impl Cache {
         if !checksum {
             return Ok((e, h, payload_start));
         }
-        let meta = &shard[header_end..header_end + h.meta_len as usize];
-        let payload = &shard[payload_start as usize..payload_end as usize];
-        let actual = h.compute_checksum(meta, payload);
+        let actual = if version == 1 {
+            let meta = &shard[header_end..header_end + h.meta_len as usize];
+            let payload = &shard[payload_start as usize..payload_end as usize];
+            h.checksum_as(1, meta, payload)
+        } else {
+            // One shot over one contiguous range: the fields, metadata, padding and payload.
+            hash_bytes(&shard[start + RECORD_V2_HASHED_FROM as usize..payload_end as usize])
+        };
         if actual != h.checksum {
             return Err(self.corrupt(
                 e.shard,

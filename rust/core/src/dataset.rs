@@ -611,6 +611,10 @@ pub struct EpochReader {
     start: u64,
     len: u64,
     submitted: u64,
+    /// Samples given to the consumer (by `next_sample`, `next_batch` or `next_chunk`).
+    taken: u64,
+    /// Samples handed to the user: what `position` reports. Equal to `taken` except while a
+    /// consumer of `next_chunk` still holds samples it has not handed out.
     yielded: u64,
     in_flight: VecDeque<Arc<Chunk>>,
     /// Whether the consumer reads the samples of the chunk it waits for itself.
@@ -627,6 +631,8 @@ pub struct EpochReader {
     /// Called on a pool thread after each sample is read (see [`EpochReader::on_fetched`]).
     on_fetched: Option<FetchHook>,
     failed: bool,
+    /// An error met while refilling the window on a hand-out, reported by the next take.
+    deferred: Option<Error>,
 }
 
 /// What a reader calls on a pool thread after reading each sample.
@@ -655,6 +661,7 @@ impl EpochReader {
             start,
             len,
             submitted: 0,
+            taken: 0,
             yielded: 0,
             in_flight: VecDeque::new(),
             helping: false,
@@ -668,6 +675,7 @@ impl EpochReader {
             costs: VecDeque::new(),
             on_fetched: None,
             failed: false,
+            deferred: None,
         }
     }
 
@@ -755,7 +763,7 @@ impl EpochReader {
         let mut over_budget = false;
         while !over_budget
             && self.submitted < self.len
-            && self.submitted - self.yielded + self.chunk <= self.prefetch.max(self.chunk)
+            && self.submitted - self.taken + self.chunk <= self.prefetch.max(self.chunk)
         {
             let k0 = self.submitted;
             let k1 = (k0 + self.chunk).min(self.len);
@@ -765,7 +773,7 @@ impl EpochReader {
                     .order
                     .at(self.split.global_position(self.epoch_len, self.start, k));
                 let cost = self.dataset.decoded_bytes(g);
-                let nothing_ahead = self.submitted == self.yielded && globals.is_empty();
+                let nothing_ahead = self.submitted == self.taken && globals.is_empty();
                 if !nothing_ahead && self.bytes_in_flight.saturating_add(cost) > self.prefetch_bytes
                 {
                     over_budget = true;
@@ -794,15 +802,16 @@ impl EpochReader {
         Ok(())
     }
 
-    /// The next sample, waiting for the pool if it is not read yet. Call without the GIL.
-    /// Whether `next_sample` would wait for the pool (the caller then releases the GIL; a
-    /// sample already read is handed over without that cost).
+    /// Whether taking the next sample would wait for the pool (the caller then releases the
+    /// GIL; a sample already read is handed over without that cost).
     pub fn must_wait(&self) -> bool {
-        self.ready.is_empty() && !self.failed && self.yielded < self.len
+        self.ready.is_empty() && !self.failed && self.taken < self.len
     }
 
+    /// The next sample, waiting for the pool if it is not read yet (call without the GIL when
+    /// [`EpochReader::must_wait`]). It counts as handed to the user at once.
     pub fn next_sample(&mut self) -> Option<Result<Fetched>> {
-        if self.failed || self.yielded >= self.len {
+        if self.failed || self.taken >= self.len {
             return None;
         }
         // A forked child shares this pass with its parent and lacks the pool's workers.
@@ -815,41 +824,126 @@ impl EpochReader {
 
     /// [`EpochReader::next_sample`] once the process was checked.
     fn next_in_process(&mut self) -> Option<Result<Fetched>> {
-        if self.failed || self.yielded >= self.len {
+        let sample = self.take_one()?;
+        Some(sample.and_then(|s| self.hand_out(1).map(|()| s)))
+    }
+
+    /// Makes sure a read sample (or its error) is ready, taking the next chunk when none is.
+    fn ensure_ready(&mut self) -> Result<()> {
+        if !self.ready.is_empty() {
+            return Ok(());
+        }
+        if let Some(e) = self.deferred.take() {
+            return Err(e);
+        }
+        self.fill()?;
+        let chunk = self
+            .in_flight
+            .pop_front()
+            .expect("fill submitted the next chunk");
+        if self.helping {
+            chunk.work(&self.dataset, self.on_fetched.as_ref());
+        }
+        self.ready.extend(chunk.take());
+        Ok(())
+    }
+
+    /// Takes the next sample without handing it out; an error ends the pass.
+    fn take_one(&mut self) -> Option<Result<Fetched>> {
+        if self.failed || self.taken >= self.len {
             return None;
         }
-        if self.ready.is_empty() {
-            if let Err(e) = self.fill() {
-                self.failed = true;
-                return Some(Err(e));
+        let sample = self
+            .ensure_ready()
+            .and_then(|()| self.ready.pop_front().expect("a chunk is never empty"));
+        match sample {
+            Ok(s) => {
+                self.taken += 1;
+                Some(Ok(s))
             }
-            let chunk = self
-                .in_flight
-                .pop_front()
-                .expect("fill submitted the next chunk");
-            if self.helping {
-                chunk.work(&self.dataset, self.on_fetched.as_ref());
-            }
-            self.ready.extend(chunk.take());
-        }
-        let sample = match self.ready.pop_front().expect("a chunk is never empty") {
-            Ok(s) => s,
             Err(e) => {
                 self.failed = true;
-                return Some(Err(e));
+                Some(Err(e))
             }
-        };
-        self.yielded += 1;
-        self.bytes_in_flight -= self
-            .costs
-            .pop_front()
-            .expect("one cost per submitted sample");
-        // Keep the window full while the consumer works on this sample.
-        if let Err(e) = self.fill() {
+        }
+    }
+
+    /// The samples of the next chunk that are read, all at once (waiting for the pool if none
+    /// is; call without the GIL when [`EpochReader::must_wait`]), for a consumer that builds
+    /// their objects in bulk and gives them to its user one at a time. They count as handed to
+    /// the user only as the consumer reports each with [`EpochReader::hand_out`], so
+    /// [`EpochReader::position`] stays exact. A corrupt sample ends the chunk before it and
+    /// is the error of the next call, so the samples before it are handed out first. One fork
+    /// check per chunk, not per sample.
+    pub fn next_chunk(&mut self) -> Option<Result<Vec<Fetched>>> {
+        if self.failed || self.taken >= self.len {
+            return None;
+        }
+        if let Err(e) = self.pool.check_process() {
             self.failed = true;
             return Some(Err(e));
         }
-        Some(Ok(sample))
+        if let Err(e) = self.ensure_ready() {
+            self.failed = true;
+            return Some(Err(e));
+        }
+        let mut samples = Vec::with_capacity(self.ready.len());
+        while let Some(sample) = self.ready.pop_front() {
+            match sample {
+                Ok(s) => samples.push(s),
+                Err(e) if samples.is_empty() => {
+                    self.failed = true;
+                    return Some(Err(e));
+                }
+                Err(e) => {
+                    self.ready.push_front(Err(e));
+                    break;
+                }
+            }
+        }
+        self.taken += samples.len() as u64;
+        // The window moved: the workers read on while the consumer builds these samples.
+        self.refill();
+        Some(Ok(samples))
+    }
+
+    /// Reports `n` more samples taken by [`EpochReader::next_chunk`] as handed to the user:
+    /// they count in [`EpochReader::position`] from now on. In a forked child it hands out
+    /// nothing and errors (and the pass ends there): the pass belongs to the parent. Until the
+    /// process forks, that check is one atomic load, no system call.
+    ///
+    /// # Panics
+    /// When more samples are handed out than were taken (a bug in the consumer).
+    pub fn hand_out(&mut self, n: u64) -> Result<()> {
+        if let Err(e) = self.pool.check_process() {
+            self.failed = true;
+            return Err(e);
+        }
+        assert!(
+            self.yielded + n <= self.taken,
+            "handing out {n} samples with only {} taken and not handed out",
+            self.taken - self.yielded
+        );
+        self.yielded += n;
+        for _ in 0..n {
+            self.bytes_in_flight -= self
+                .costs
+                .pop_front()
+                .expect("one cost per submitted sample");
+        }
+        // Bytes handed out may make room under the byte budget.
+        self.refill();
+        Ok(())
+    }
+
+    /// Tops up the window; an error (a closed runtime, a forked child) is reported when the
+    /// consumer next needs a chunk, after the samples already read.
+    fn refill(&mut self) {
+        if self.deferred.is_none() && !self.failed {
+            if let Err(e) = self.fill() {
+                self.deferred = Some(e);
+            }
+        }
     }
 
     /// The next `max` samples (fewer at the end of the pass), waiting for the pool as needed;
@@ -857,7 +951,7 @@ impl EpochReader {
     /// read before it in this batch are not returned, so a state taken at the batch's start
     /// resumes at its first sample.
     pub fn next_batch(&mut self, max: usize) -> Option<Result<Vec<Fetched>>> {
-        if self.failed || self.yielded >= self.len {
+        if self.failed || self.taken >= self.len {
             return None;
         }
         // One fork check per batch rather than per sample (it is a system call).
@@ -865,14 +959,14 @@ impl EpochReader {
             self.failed = true;
             return Some(Err(e));
         }
-        let n = self.remaining().min(max.max(1) as u64) as usize;
+        let n = (self.len - self.taken).min(max.max(1) as u64) as usize;
         let mut batch = Vec::with_capacity(n);
         while batch.len() < n {
-            match self.next_in_process()? {
+            match self.take_one()? {
                 Ok(sample) => batch.push(sample),
                 Err(e) => return Some(Err(e)),
             }
         }
-        Some(Ok(batch))
+        Some(self.hand_out(n as u64).map(|()| batch))
     }
 }

@@ -1,5 +1,10 @@
-//! Storage format v1: byte layouts of shards, records and the index, and the manifest.
-//! `docs/storage-format.md` specifies the same thing for readers in other languages.
+//! Storage format v2 (and v1, still read): byte layouts of shards, records and the index, and
+//! the manifest. `docs/storage-format.md` specifies the same thing for readers in other
+//! languages.
+//!
+//! The two versions differ only in the record header: v2 puts the checksum in front of the
+//! fields it covers, so a record's checksum is one xxh3-64 over one contiguous range of the
+//! shard (fields, metadata, padding, payload) instead of three pieces around it.
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
@@ -7,7 +12,10 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 use crate::metadata::{Field, FieldType};
 
 pub const FORMAT_NAME: &str = "dataset-rt-cache";
-pub const FORMAT_VERSION: u32 = 1;
+/// The version this DatasetRT writes.
+pub const FORMAT_VERSION: u32 = 2;
+/// The versions this DatasetRT reads.
+pub const READABLE_VERSIONS: [u32; 2] = [1, 2];
 pub const WRITER_VERSION: &str = concat!("dataset-rt ", env!("CARGO_PKG_VERSION"));
 pub const CHECKSUM_ALGO: &str = "xxh3-64";
 
@@ -27,8 +35,11 @@ pub const INDEX_HEADER_LEN: u64 = 16;
 pub const INDEX_ENTRY_LEN: u64 = 32;
 pub const RECORD_MAGIC: &[u8; 4] = b"DRTR";
 pub const RECORD_HEADER_LEN: u64 = 40;
-/// Bytes of the record header covered by the record checksum (all but the checksum itself).
+/// v1: bytes of the record header covered by the record checksum (all but the checksum itself).
 pub const RECORD_HASHED_HEADER_LEN: usize = 32;
+/// v2: where the range a record's checksum covers starts, relative to the record (after the
+/// magic, 4 reserved bytes and the checksum); it ends with the payload.
+pub const RECORD_V2_HASHED_FROM: u64 = 16;
 
 pub const FLAG_LZ4: u32 = 1;
 pub const KNOWN_FLAGS: u32 = FLAG_LZ4;
@@ -49,18 +60,30 @@ pub fn hash_bytes(bytes: &[u8]) -> u64 {
     xxh3_64(bytes)
 }
 
+/// The header of shard `shard` as this version writes it.
 pub fn shard_header(shard: u32) -> [u8; SHARD_HEADER_LEN as usize] {
+    shard_header_of(FORMAT_VERSION, shard)
+}
+
+/// The header of shard `shard` in a cache of format `version`.
+pub fn shard_header_of(version: u32, shard: u32) -> [u8; SHARD_HEADER_LEN as usize] {
     let mut h = [0u8; SHARD_HEADER_LEN as usize];
     h[..8].copy_from_slice(SHARD_MAGIC);
-    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&version.to_le_bytes());
     h[12..16].copy_from_slice(&shard.to_le_bytes());
     h
 }
 
+/// The header of `index.bin` as this version writes it.
 pub fn index_header() -> [u8; INDEX_HEADER_LEN as usize] {
+    index_header_of(FORMAT_VERSION)
+}
+
+/// The header of `index.bin` in a cache of format `version`.
+pub fn index_header_of(version: u32) -> [u8; INDEX_HEADER_LEN as usize] {
     let mut h = [0u8; INDEX_HEADER_LEN as usize];
     h[..8].copy_from_slice(INDEX_MAGIC);
-    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&version.to_le_bytes());
     h[12..16].copy_from_slice(&(INDEX_ENTRY_LEN as u32).to_le_bytes());
     h
 }
@@ -77,7 +100,8 @@ pub struct RecordHeader {
 }
 
 impl RecordHeader {
-    fn hashed_prefix(&self) -> [u8; RECORD_HASHED_HEADER_LEN] {
+    /// v1: the header bytes the checksum covers (all but the checksum, which follows them).
+    fn v1_hashed_prefix(&self) -> [u8; RECORD_HASHED_HEADER_LEN] {
         let mut h = [0u8; RECORD_HASHED_HEADER_LEN];
         h[..4].copy_from_slice(RECORD_MAGIC);
         h[4..8].copy_from_slice(&self.flags.to_le_bytes());
@@ -89,24 +113,70 @@ impl RecordHeader {
         h
     }
 
-    /// The record checksum: xxh3-64 over the hashed header, the metadata and the stored payload.
+    /// v2: the header's fields after the checksum, where the range the checksum covers starts.
+    fn v2_fields(&self) -> [u8; (RECORD_HEADER_LEN - RECORD_V2_HASHED_FROM) as usize] {
+        let mut h = [0u8; (RECORD_HEADER_LEN - RECORD_V2_HASHED_FROM) as usize];
+        h[..4].copy_from_slice(&self.flags.to_le_bytes());
+        h[4..8].copy_from_slice(&self.meta_len.to_le_bytes());
+        h[8..12].copy_from_slice(&self.stored_len.to_le_bytes());
+        h[12..16].copy_from_slice(&self.raw_len.to_le_bytes());
+        h[16..24].copy_from_slice(&self.sample.to_le_bytes());
+        h
+    }
+
+    /// The record checksum as this version writes it (see [`RecordHeader::checksum_as`]).
     pub fn compute_checksum(&self, metadata: &[u8], payload: &[u8]) -> u64 {
+        self.checksum_as(FORMAT_VERSION, metadata, payload)
+    }
+
+    /// The record checksum in format `version`, from the record's pieces. v1: xxh3-64 over
+    /// the header without its checksum, the metadata and the stored payload. v2: xxh3-64 over
+    /// the record from [`RECORD_V2_HASHED_FROM`] to the payload's end (the header's fields, the
+    /// metadata, its zero padding and the stored payload), which a reader hashes in one shot
+    /// from the shard; the writer, holding the pieces apart, feeds the same bytes in order.
+    pub fn checksum_as(&self, version: u32, metadata: &[u8], payload: &[u8]) -> u64 {
         let mut hasher = Xxh3::new();
-        hasher.update(&self.hashed_prefix());
-        hasher.update(metadata);
+        if version == 1 {
+            hasher.update(&self.v1_hashed_prefix());
+            hasher.update(metadata);
+        } else {
+            hasher.update(&self.v2_fields());
+            hasher.update(metadata);
+            // The zeros from the end of the metadata (`meta_len` bytes) up to the payload.
+            let padding = self.payload_offset() - RECORD_HEADER_LEN - u64::from(self.meta_len);
+            hasher.update(&[0u8; ALIGN as usize][..padding as usize]);
+        }
         hasher.update(payload);
         hasher.digest()
     }
 
+    /// The header as this version writes it.
     pub fn encode(&self) -> [u8; RECORD_HEADER_LEN as usize] {
+        self.encode_as(FORMAT_VERSION)
+    }
+
+    /// The header in format `version`.
+    pub fn encode_as(&self, version: u32) -> [u8; RECORD_HEADER_LEN as usize] {
         let mut h = [0u8; RECORD_HEADER_LEN as usize];
-        h[..RECORD_HASHED_HEADER_LEN].copy_from_slice(&self.hashed_prefix());
-        h[32..40].copy_from_slice(&self.checksum.to_le_bytes());
+        if version == 1 {
+            h[..RECORD_HASHED_HEADER_LEN].copy_from_slice(&self.v1_hashed_prefix());
+            h[32..40].copy_from_slice(&self.checksum.to_le_bytes());
+        } else {
+            h[..4].copy_from_slice(RECORD_MAGIC);
+            // 4..8 reserved, zero
+            h[8..16].copy_from_slice(&self.checksum.to_le_bytes());
+            h[RECORD_V2_HASHED_FROM as usize..].copy_from_slice(&self.v2_fields());
+        }
         h
     }
 
-    /// Parses a header; `Err` says what is wrong with it.
+    /// Parses a header written by this version; `Err` says what is wrong with it.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        Self::decode_as(FORMAT_VERSION, bytes)
+    }
+
+    /// Parses a header in format `version`; `Err` says what is wrong with it.
+    pub fn decode_as(version: u32, bytes: &[u8]) -> Result<Self, String> {
         if bytes.len() < RECORD_HEADER_LEN as usize {
             return Err(format!(
                 "record header truncated: {} of {RECORD_HEADER_LEN} bytes",
@@ -116,18 +186,30 @@ impl RecordHeader {
         if &bytes[..4] != RECORD_MAGIC {
             return Err(format!("bad record magic {:02x?}", &bytes[..4]));
         }
-        if bytes[20..24] != [0, 0, 0, 0] {
+        let reserved = if version == 1 { 20..24 } else { 4..8 };
+        if bytes[reserved] != [0, 0, 0, 0] {
             return Err("reserved record header bytes are not zero".into());
         }
         let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
         let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().unwrap());
-        Ok(RecordHeader {
-            flags: u32_at(4),
-            meta_len: u32_at(8),
-            stored_len: u32_at(12),
-            raw_len: u32_at(16),
-            sample: u64_at(24),
-            checksum: u64_at(32),
+        Ok(if version == 1 {
+            RecordHeader {
+                flags: u32_at(4),
+                meta_len: u32_at(8),
+                stored_len: u32_at(12),
+                raw_len: u32_at(16),
+                sample: u64_at(24),
+                checksum: u64_at(32),
+            }
+        } else {
+            RecordHeader {
+                checksum: u64_at(8),
+                flags: u32_at(16),
+                meta_len: u32_at(20),
+                stored_len: u32_at(24),
+                raw_len: u32_at(28),
+                sample: u64_at(32),
+            }
         })
     }
 
@@ -328,14 +410,70 @@ mod tests {
             sample: 9,
             checksum: 0,
         };
-        h.checksum = h.compute_checksum(b"m", b"p");
-        assert_eq!(RecordHeader::decode(&h.encode()).unwrap(), h);
-        let mut other = h;
-        other.sample = 10;
-        assert_ne!(other.compute_checksum(b"m", b"p"), h.checksum);
-        assert_ne!(h.compute_checksum(b"m", b"q"), h.checksum);
+        for version in READABLE_VERSIONS {
+            h.checksum = h.checksum_as(version, b"m", b"p");
+            assert_eq!(
+                RecordHeader::decode_as(version, &h.encode_as(version)).unwrap(),
+                h
+            );
+            for field in 0..5 {
+                let mut other = h;
+                match field {
+                    0 => other.flags = 0,
+                    1 => other.meta_len = 18,
+                    2 => other.stored_len = 101,
+                    3 => other.raw_len = 301,
+                    _ => other.sample = 10,
+                }
+                assert_ne!(
+                    other.checksum_as(version, b"m", b"p"),
+                    h.checksum,
+                    "v{version} field {field}"
+                );
+            }
+            assert_ne!(h.checksum_as(version, b"m", b"q"), h.checksum);
+            assert_ne!(h.checksum_as(version, b"n", b"p"), h.checksum);
+        }
+        assert_ne!(h.checksum_as(1, b"m", b"p"), h.checksum_as(2, b"m", b"p"));
         assert_eq!(h.payload_offset(), 64);
         assert_eq!(h.padded_len(), 176);
+    }
+
+    #[test]
+    fn v2_checksum_is_one_xxh3_over_the_record_from_its_fields_to_the_payload_end() {
+        let meta = br#"{"label":3}"#;
+        let payload: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        let mut h = RecordHeader {
+            flags: 0,
+            meta_len: meta.len() as u32,
+            stored_len: payload.len() as u32,
+            raw_len: payload.len() as u32,
+            sample: 42,
+            checksum: 0,
+        };
+        h.checksum = h.checksum_as(2, meta, &payload);
+        // The record as the writer lays it out: header, metadata, zero padding, payload.
+        let mut record = h.encode_as(2).to_vec();
+        record.extend_from_slice(meta);
+        record.resize(h.payload_offset() as usize, 0);
+        record.extend_from_slice(&payload);
+        assert_eq!(
+            hash_bytes(&record[RECORD_V2_HASHED_FROM as usize..]),
+            h.checksum
+        );
+        assert_eq!(&record[..4], RECORD_MAGIC);
+        assert_eq!(record[8..16], h.checksum.to_le_bytes());
+        // Read as v1, a v2 header has its meta_len where v1 keeps reserved zero bytes.
+        assert!(RecordHeader::decode_as(1, &h.encode_as(2)).is_err());
+    }
+
+    #[test]
+    fn headers_carry_the_version() {
+        assert_eq!(shard_header_of(1, 3)[8..12], 1u32.to_le_bytes());
+        assert_eq!(shard_header(3), shard_header_of(FORMAT_VERSION, 3));
+        assert_eq!(index_header_of(1)[8..12], 1u32.to_le_bytes());
+        assert_eq!(index_header(), index_header_of(FORMAT_VERSION));
+        assert_eq!(FORMAT_VERSION, 2);
     }
 
     #[test]

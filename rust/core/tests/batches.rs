@@ -209,3 +209,116 @@ fn rows_gather_the_table_rows_of_any_indices() {
         0
     );
 }
+
+/// Reads a pass through `next_chunk`, handing the samples out one at a time: the globals, and
+/// the position after each hand-out.
+fn chunked(mut reader: EpochReader) -> (Vec<u64>, Vec<u64>) {
+    let mut got = Vec::new();
+    let mut positions = Vec::new();
+    while let Some(chunk) = reader.next_chunk() {
+        let chunk = chunk.unwrap();
+        assert!(!chunk.is_empty(), "a chunk is never empty");
+        // Taking a chunk hands nothing out: the position is still the last hand-out's.
+        let before = reader.position();
+        assert_eq!(Some(&before), positions.last().or(Some(&before)));
+        for f in &chunk {
+            reader.hand_out(1).unwrap();
+            got.push(global(f));
+            positions.push(reader.position());
+        }
+    }
+    assert_eq!(reader.remaining(), 0);
+    (got, positions)
+}
+
+#[test]
+fn chunks_handed_out_one_by_one_give_the_per_sample_order_and_positions() {
+    for world_size in [1, 3] {
+        for rank in 0..world_size {
+            let opts = options(rank, world_size);
+            for start in [0, 1, 7, 20] {
+                let mut r = reader(&opts, start);
+                let mut expected = Vec::new();
+                let mut expected_positions = Vec::new();
+                while let Some(f) = r.next_sample() {
+                    expected.push(global(&f.unwrap()));
+                    expected_positions.push(r.position());
+                }
+                let (got, positions) = chunked(reader(&opts, start));
+                assert_eq!(got, expected, "rank {rank}/{world_size} start {start}");
+                assert_eq!(positions, expected_positions);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_chunk_taken_but_not_handed_out_does_not_move_the_position() {
+    let opts = options(0, 1);
+    let mut r = reader(&opts, 3);
+    let start = r.position();
+    let chunk = r.next_chunk().unwrap().unwrap();
+    assert!(chunk.len() > 1);
+    assert_eq!(r.position(), start);
+    assert_eq!(r.remaining(), r.len());
+    r.hand_out(1).unwrap();
+    assert_eq!(r.remaining(), r.len() - 1);
+    // A state taken now resumes at the second sample of the chunk.
+    let mut resumed = reader(&opts, r.position());
+    let next = resumed.next_sample().unwrap().unwrap();
+    assert_eq!(global(&next), global(&chunk[1]));
+}
+
+#[test]
+#[should_panic(expected = "handing out 2 samples with only 1 taken")]
+fn handing_out_more_than_was_taken_is_a_bug_caught_at_once() {
+    let mut r = reader(&options(0, 1), 0);
+    let chunk = r.next_chunk().unwrap().unwrap();
+    r.hand_out(chunk.len() as u64 - 1).unwrap();
+    let _ = r.hand_out(2);
+}
+
+#[test]
+fn a_corrupt_record_in_a_chunk_comes_after_the_samples_before_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Pool::new(2).unwrap();
+    write(&pool, dir.path(), "c", 12, false);
+    let path = dir.path().join("c");
+    let bad = 5u64;
+    {
+        let cache = Cache::open(&path, Validation::Full).unwrap();
+        let (entry, _, payload_start) = cache.check_record(bad, true).unwrap();
+        let shard = cache.shard_path(entry.shard);
+        let mut bytes = std::fs::read(&shard).unwrap();
+        bytes[payload_start as usize] ^= 0xff;
+        std::fs::write(&shard, bytes).unwrap();
+    }
+    let cache = Arc::new(Cache::open(&path, Validation::Structure).unwrap());
+    let dataset = Arc::new(Dataset::new(vec![cache]));
+    let opts = ReadOptions {
+        shuffle: false,
+        prefetch_size: 8,
+        ..options(0, 1)
+    };
+    let order = dataset
+        .try_order(&opts, &WeightTable::uniform(), 0)
+        .unwrap();
+    let mut r = EpochReader::new(pool, dataset, Arc::new(order), &opts, 0, 0);
+    let mut got = Vec::new();
+    let err = loop {
+        match r.next_chunk().expect("the pass fails before it ends") {
+            Ok(chunk) => {
+                for f in chunk {
+                    r.hand_out(1).unwrap();
+                    got.push(f.row);
+                }
+            }
+            Err(e) => break e.to_string(),
+        }
+    };
+    assert_eq!(got, (0..bad).collect::<Vec<_>>());
+    assert_eq!(r.position(), bad);
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert!(err.contains(&format!("sample {bad}")), "{err}");
+    assert!(r.next_chunk().is_none(), "an error ends the pass");
+}

@@ -112,7 +112,9 @@ fn unknown_format_version_is_refused_with_both_versions() {
     );
     assert_eq!(file, Path::new("manifest.json"));
     assert!(
-        reason.starts_with("unsupported format version 99: this DatasetRT reads version 1"),
+        reason.starts_with(
+            "unsupported format version 99: this DatasetRT reads versions 1 and 2 (and writes 2)"
+        ),
         "{reason}"
     );
 }
@@ -425,12 +427,13 @@ fn resigned_lz4_raw_length_beyond_what_lz4_can_expand_is_a_corrupt_record() {
     let shard = dir.join(format!("shards/{:06}.bin", e.shard));
     let bytes = std::fs::read(&shard).unwrap();
     let meta_start = e.offset as usize + 40;
-    let checksum = forged.compute_checksum(
+    let checksum = forged.checksum_as(
+        1,
         &bytes[meta_start..meta_start + h.meta_len as usize],
         &bytes[payload_start as usize..payload_start as usize + h.stored_len as usize],
     );
     let forged = RecordHeader { checksum, ..forged };
-    write_at(&shard, e.offset as usize, &forged.encode());
+    write_at(&shard, e.offset as usize, &forged.encode_as(1));
     let entry_at = 16 + 32 * sample as usize;
     write_at(
         &dir.join("index.bin"),

@@ -52,14 +52,15 @@ fn forge_raw_len(dir: &Path, sample: u64, raw_len: u32) {
     let shard = u32::from_le_bytes(index[e + 8..e + 12].try_into().unwrap());
     let shard_path = dir.join(format!("shards/{shard:06}.bin"));
     let mut bytes = std::fs::read(&shard_path).unwrap();
-    let mut h = RecordHeader::decode(&bytes[offset..]).unwrap();
+    // The golden cache is format v1.
+    let mut h = RecordHeader::decode_as(1, &bytes[offset..]).unwrap();
     h.raw_len = raw_len;
     let meta_start = offset + RECORD_HEADER_LEN as usize;
     let meta = &bytes[meta_start..meta_start + h.meta_len as usize];
     let payload_start = offset + h.payload_offset() as usize;
     let payload = &bytes[payload_start..payload_start + h.stored_len as usize];
-    h.checksum = h.compute_checksum(meta, payload);
-    bytes[offset..offset + RECORD_HEADER_LEN as usize].copy_from_slice(&h.encode());
+    h.checksum = h.checksum_as(1, meta, payload);
+    bytes[offset..offset + RECORD_HEADER_LEN as usize].copy_from_slice(&h.encode_as(1));
     index[e + 20..e + 24].copy_from_slice(&raw_len.to_le_bytes());
     index[e + 24..e + 32].copy_from_slice(&h.checksum.to_le_bytes());
     std::fs::write(&shard_path, &bytes).unwrap();

@@ -2,6 +2,7 @@
 //! Python-owned `mmap` of the shard: zero-copy under the abi3 limited API, and the slice keeps
 //! the map alive for as long as the user holds it.
 
+use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -361,6 +362,9 @@ impl Dataset {
             dataset: self.inner.clone(),
             py_side: self.py_side.clone(),
             progress: pass.progress,
+            built: VecDeque::new(),
+            build_error: None,
+            failed: false,
         })
     }
 
@@ -456,12 +460,65 @@ impl Dataset {
     }
 }
 
+/// A pass read sample by sample. The samples of a chunk the pool has read are made into Python
+/// objects in one go, with the GIL taken once; `__next__` then hands them out one at a time,
+/// and only a sample handed out counts in `state_dict()`.
 #[pyclass(module = "dataset_rt._native")]
 pub struct DatasetIterator {
     reader: EpochReader,
     dataset: Arc<core::Dataset>,
     py_side: Arc<PySide>,
     progress: Arc<Progress>,
+    /// The samples built and not handed out yet, in order.
+    built: VecDeque<Py<CachedSample>>,
+    /// The error that stopped building the current chunk: raised after the samples before it.
+    build_error: Option<PyErr>,
+    /// Set once an error was raised: the pass ends there, as a reader error ends it.
+    failed: bool,
+}
+
+impl DatasetIterator {
+    /// Takes the next chunk of read samples from the reader (waiting for the pool without the
+    /// GIL when none is read yet) and builds their objects. `Ok(false)`: the pass is over.
+    fn build_chunk(&mut self, py: Python<'_>) -> PyResult<bool> {
+        let reader = &mut self.reader;
+        let next = if reader.must_wait() {
+            py.detach(|| reader.next_chunk())
+        } else {
+            reader.next_chunk()
+        };
+        let Some(fetched) = next else {
+            return Ok(false);
+        };
+        for f in fetched.py_err()? {
+            let made = self
+                .py_side
+                .payload(py, &self.dataset, &f)
+                .and_then(|data| {
+                    Py::new(
+                        py,
+                        CachedSample {
+                            data: data.unbind(),
+                            metadata: OnceLock::new(),
+                            origin: Some(Origin {
+                                dataset: self.dataset.clone(),
+                                py_side: self.py_side.clone(),
+                                cache: f.cache as usize,
+                                row: f.row,
+                            }),
+                        },
+                    )
+                });
+            match made {
+                Ok(sample) => self.built.push_back(sample),
+                Err(e) => {
+                    self.build_error = Some(e);
+                    break;
+                }
+            }
+        }
+        Ok(true)
+    }
 }
 
 #[pymethods]
@@ -479,36 +536,37 @@ impl DatasetIterator {
         self.reader.epoch
     }
 
-    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<CachedSample>> {
-        let reader = &mut self.reader;
-        let next = if reader.must_wait() {
-            py.detach(|| reader.next_sample())
-        } else {
-            reader.next_sample()
-        };
-        let Some(fetched) = next else {
-            self.progress.finished.store(true, Ordering::Release);
-            return Ok(None);
-        };
-        let fetched = fetched.py_err()?;
-        let c = fetched.cache as usize;
-        let data = self.py_side.payload(py, &self.dataset, &fetched)?;
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<Py<CachedSample>>> {
+        if self.built.is_empty() {
+            if let Some(e) = self.build_error.take() {
+                self.failed = true;
+                return Err(e);
+            }
+            let more = !self.failed
+                && self.build_chunk(py).inspect_err(|_| self.failed = true)?
+                && !self.built.is_empty();
+            if !more {
+                if let Some(e) = self.build_error.take() {
+                    self.failed = true;
+                    return Err(e);
+                }
+                self.progress.finished.store(true, Ordering::Release);
+                return Ok(None);
+            }
+        }
+        if let Err(e) = self.reader.hand_out(1) {
+            // A forked child: nothing is handed out, the parent's pass is left as it was.
+            self.failed = true;
+            return Err(e).py_err();
+        }
+        let sample = self.built.pop_front().expect("checked above");
         self.progress
             .position
             .store(self.reader.position(), Ordering::Release);
         if self.reader.remaining() == 0 {
             self.progress.finished.store(true, Ordering::Release);
         }
-        Ok(Some(CachedSample {
-            data: data.unbind(),
-            metadata: OnceLock::new(),
-            origin: Some(Origin {
-                dataset: self.dataset.clone(),
-                py_side: self.py_side.clone(),
-                cache: c,
-                row: fetched.row,
-            }),
-        }))
+        Ok(Some(sample))
     }
 }
 
