@@ -458,6 +458,11 @@ class CacheMapDataset:
 
         self.cache_dir = cache_dir
         self.transform = transform
+        # The record header keeps meta_len at byte 8 in format v1 and at byte 20 in v2.
+        version = json.loads((cache_dir / "manifest.json").read_text())["format_version"]
+        if version not in (1, 2):
+            raise ValueError(f"{cache_dir}: format version {version}; this reader knows 1 and 2")
+        meta_at = 8 if version == 1 else 20
         index = np.fromfile(cache_dir / "index.bin", dtype=np.uint8)[16:]
         entries = index.view(
             np.dtype(
@@ -484,7 +489,7 @@ class CacheMapDataset:
                 words = np.frombuffer(mm, dtype="<u4", count=len(mm) // 4)
                 sel = shard_ids == shard
                 off = entries["offset"][sel].astype(np.int64)
-                meta_len = words[(off + 8) // 4].astype(np.int64)
+                meta_len = words[(off + meta_at) // 4].astype(np.int64)
                 del words
             # payload = record start + align16(40-byte header + metadata)
             starts[sel] = off + (40 + meta_len + 15) // 16 * 16
