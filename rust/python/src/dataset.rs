@@ -479,8 +479,8 @@ pub struct DatasetIterator {
 
 impl DatasetIterator {
     /// Takes the next chunk of read samples from the reader (waiting for the pool without the
-    /// GIL when none is read yet) and builds their objects. `Ok(false)`: the pass is over.
-    fn build_chunk(&mut self, py: Python<'_>) -> PyResult<bool> {
+    /// GIL when none is read yet) and builds their objects; builds nothing once the pass is over.
+    fn build_chunk(&mut self, py: Python<'_>) -> PyResult<()> {
         let reader = &mut self.reader;
         let next = if reader.must_wait() {
             py.detach(|| reader.next_chunk())
@@ -488,7 +488,7 @@ impl DatasetIterator {
             reader.next_chunk()
         };
         let Some(fetched) = next else {
-            return Ok(false);
+            return Ok(());
         };
         for f in fetched.py_err()? {
             let made = self
@@ -517,7 +517,7 @@ impl DatasetIterator {
                 }
             }
         }
-        Ok(true)
+        Ok(())
     }
 }
 
@@ -537,22 +537,17 @@ impl DatasetIterator {
     }
 
     fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<Py<CachedSample>>> {
+        // A chunk's error waits until the samples built before it are handed out.
+        if self.built.is_empty() && self.build_error.is_none() && !self.failed {
+            self.build_chunk(py).inspect_err(|_| self.failed = true)?;
+        }
         if self.built.is_empty() {
             if let Some(e) = self.build_error.take() {
                 self.failed = true;
                 return Err(e);
             }
-            let more = !self.failed
-                && self.build_chunk(py).inspect_err(|_| self.failed = true)?
-                && !self.built.is_empty();
-            if !more {
-                if let Some(e) = self.build_error.take() {
-                    self.failed = true;
-                    return Err(e);
-                }
-                self.progress.finished.store(true, Ordering::Release);
-                return Ok(None);
-            }
+            self.progress.finished.store(true, Ordering::Release);
+            return Ok(None);
         }
         if let Err(e) = self.reader.hand_out(1) {
             // A forked child: nothing is handed out, the parent's pass is left as it was.
