@@ -33,6 +33,7 @@ __all__ = [
     "head_records",
     "inspect_cache",
     "reap_shm_leftovers",
+    "retain_worker_heap",
     "run_producer",
     "set_parent_death_signal",
     "verify_cache",
@@ -276,4 +277,5 @@ class ResultArena:
 
 def run_producer(spec_path: str | PathLike[str], owner_pid: int) -> None: ...
 def set_parent_death_signal(owner_pid: int) -> None: ...
+def retain_worker_heap() -> bool: ...
 def reap_shm_leftovers() -> list[str]: ...

@@ -4,6 +4,7 @@ lifetime of what the loop holds, and the documented fallback when the memory is 
 from __future__ import annotations
 
 import gc
+import itertools
 import mmap
 import os
 import warnings
@@ -227,6 +228,79 @@ def test_result_bytes_zero_pickles_everything(dataset):
 def test_bad_result_bytes_is_refused(dataset, value):
     with pytest.raises(ConfigError, match=r"DataLoader\.result_bytes"):
         DataLoader(dataset, num_workers=1, result_bytes=value)
+
+
+def new_image(sample):
+    """What a decoding transform does: a new 150,528-byte array per sample."""
+    return np.full(150_528, sample.metadata["i"] % 256, np.uint8)
+
+
+def faults_so_far(images):
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.parametrize("user_setting", [None, "MALLOC_MMAP_THRESHOLD_"])
+def test_a_worker_reuses_its_freed_heap_unless_the_user_set_glibcs(
+    dataset, monkeypatch, user_setting
+):
+    if user_setting is not None:
+        # glibc's default threshold, set by hand: arrays of 150,528 bytes get mappings of their
+        # own, faulted in anew each time. glibc reads it when a process starts, hence spawn.
+        monkeypatch.setenv(user_setting, "131072")
+    with DataLoader(
+        dataset,
+        batch_size=10,
+        num_workers=1,
+        transform=new_image,
+        collate_fn=faults_so_far,
+        multiprocessing_context="spawn",
+    ) as loader:
+        counts = list(loader)
+    # Each batch allocates and frees 10 x 37 pages. A worker that keeps its freed heap faults
+    # them in for its first batches only; the user's setting is kept, and then they fault in
+    # again for every batch.
+    per_batch = [b - a for a, b in itertools.pairwise(counts[1:])]
+    if user_setting is None:
+        assert max(per_batch) < 100, per_batch
+    else:
+        assert min(per_batch) > 300, per_batch
+
+
+def test_numpy_stack_as_collate_fn_writes_the_batch_into_result_memory_once():
+    from dataset_rt._loader import workers
+
+    owner = results.RegionOwner(1 << 20)
+    fd, capacity, frees = owner.worker_args()
+    writer = results.RegionWriter(results._SharedFd(os.dup(fd.fd)), capacity, frees)
+    try:
+        parts = [np.full((4, 4), k, dtype=np.float32) for k in range(8)]
+        sizes: list[int] = []
+        real_alloc = writer.alloc
+
+        def counted(n):
+            sizes.append(n)
+            return real_alloc(n)
+
+        writer.alloc = counted  # type: ignore[method-assign]
+        with results.writing(writer):
+            stacked = workers.apply(parts, None, np.stack)
+            assert writer.owned(stacked.__array_interface__["data"][0], stacked.nbytes)
+            message = writer.encode(0, stacked, list(range(8)))
+            # What the fast path cannot take is numpy's business, with numpy's result or error.
+            mixed = workers.apply([np.zeros(2, np.uint8), np.ones(2, np.float64)], None, np.stack)
+            with pytest.raises(ValueError, match="same shape"):
+                workers.apply([np.zeros(2), np.zeros(3)], None, np.stack)
+        assert sizes == [8 * 16 * 4]  # the stack's one write; encoding copied nothing
+        assert np.array_equal(stacked, np.stack(parts)) and stacked.dtype == np.float32
+        assert len(message) < 400  # the skeleton only
+        assert mixed.dtype == np.float64 and mixed.tolist() == [[0, 0], [1, 1]]
+    finally:
+        writer.__dict__.pop("alloc", None)  # no cycle: the writer's mapping goes with this frame
+        owner.close()
+    # Outside a worker: numpy's own stack.
+    assert workers.apply([np.ones(2), np.zeros(2)], None, np.stack).tolist() == [[1, 1], [0, 0]]
 
 
 @pytest.mark.torch

@@ -400,3 +400,24 @@ def result_buffer(nbytes: int) -> memoryview | None:
         return None
     got = writer.alloc(nbytes)
     return None if got is None else got[2]
+
+
+def stack_arrays(items: list[Any]) -> Any:
+    """``numpy.stack(items)`` written straight into the result memory (one write, and nothing
+    more to copy when the result is sent), or ``None`` when it cannot be: outside a worker, when
+    the items are not all plain arrays of one dtype and one shape, or when the region is full.
+    The caller then runs ``numpy.stack`` itself, which gives the same values and errors."""
+    numpy = sys.modules.get("numpy")
+    if _current is None or numpy is None or not items:
+        return None
+    first = items[0]
+    if type(first) is not numpy.ndarray or first.dtype.hasobject:
+        return None
+    dtype, shape = first.dtype, first.shape
+    if any(type(a) is not numpy.ndarray or a.dtype != dtype or a.shape != shape for a in items):
+        return None
+    buffer = result_buffer(first.nbytes * len(items))
+    if buffer is None:
+        return None
+    out = numpy.frombuffer(buffer, dtype).reshape((len(items), *shape))
+    return numpy.stack(items, out=out)

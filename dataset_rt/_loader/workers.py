@@ -23,7 +23,15 @@ def apply(
     collate_fn: Callable[[list[Any]], Any] | None,
 ) -> Any:
     items: list[Any] = samples if transform is None else [transform(s) for s in samples]
-    return items if collate_fn is None else collate_fn(items)
+    if collate_fn is None:
+        return items
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and collate_fn is numpy.stack:
+        # The common collate of arrays: stacked where the training loop will read it.
+        stacked = results.stack_arrays(items)
+        if stacked is not None:
+            return stacked
+    return collate_fn(items)
 
 
 def consumer_main(
@@ -54,6 +62,8 @@ def consumer_main(
             report = ("loader", traceback.format_exc())
             conn.send_bytes(results.dumps(("fatal", index, report, [])))
         sys.exit(1)
+    # A transform that makes new arrays per sample reuses the last batch's warm heap pages.
+    _native.retain_worker_heap()
     stage = "loader"
     try:
         ring = _native.RingHandle.attach(ctl_name, index)

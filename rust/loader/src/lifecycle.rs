@@ -219,3 +219,69 @@ pub fn new_stem(owner_pid: u64) -> String {
     let nonce = (t ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)) & 0xFFFF_FFFF_FFFF;
     format!("{NAME_PREFIX}{owner_pid}-{nonce:012x}{n:x}")
 }
+
+/// Freed heap a loader worker keeps for reuse: a transform that makes new arrays per sample
+/// frees a batch's worth at a time, which glibc would otherwise hand back to the kernel and
+/// fault in again (zeroed) for the next batch.
+pub const WORKER_RETAINED_HEAP: usize = 64 << 20;
+/// Allocations below this size come from that heap rather than a mapping of their own (glibc's
+/// own cap on 64-bit).
+pub const WORKER_DIRECT_ALLOC: usize = 32 << 20;
+
+/// The C allocator's settings for a loader worker process (see [`WORKER_RETAINED_HEAP`]),
+/// unless the user chose their own through glibc's environment (`env` reads a variable). Says
+/// whether they were applied.
+pub fn retain_worker_heap(env: impl Fn(&str) -> Option<String>) -> bool {
+    let user_set = [
+        "MALLOC_TRIM_THRESHOLD_",
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_TOP_PAD_",
+    ]
+    .iter()
+    .any(|name| env(name).is_some())
+        || env("GLIBC_TUNABLES").is_some_and(|t| {
+            ["trim_threshold", "mmap_threshold", "top_pad"]
+                .iter()
+                .any(|k| t.contains(k))
+        });
+    !user_set && os::retain_freed_heap(WORKER_RETAINED_HEAP, WORKER_DIRECT_ALLOC)
+}
+
+#[cfg(test)]
+mod worker_heap_tests {
+    use super::*;
+
+    fn env_of(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn the_users_own_allocator_settings_win() {
+        assert!(!retain_worker_heap(env_of(&[(
+            "MALLOC_TRIM_THRESHOLD_",
+            "0"
+        )])));
+        assert!(!retain_worker_heap(env_of(&[(
+            "MALLOC_MMAP_THRESHOLD_",
+            "1"
+        )])));
+        assert!(!retain_worker_heap(env_of(&[(
+            "GLIBC_TUNABLES",
+            "glibc.malloc.trim_threshold=0"
+        )])));
+    }
+
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn a_worker_keeps_its_freed_heap_on_glibc() {
+        assert!(retain_worker_heap(env_of(&[(
+            "GLIBC_TUNABLES",
+            "glibc.pthread.rseq=0"
+        )])));
+        assert!(retain_worker_heap(env_of(&[])));
+    }
+}

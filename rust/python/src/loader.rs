@@ -46,6 +46,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ResultArena>()?;
     m.add_function(wrap_pyfunction!(run_producer, m)?)?;
     m.add_function(wrap_pyfunction!(set_parent_death_signal, m)?)?;
+    m.add_function(wrap_pyfunction!(retain_worker_heap, m)?)?;
     m.add_function(wrap_pyfunction!(reap_shm_leftovers, m)?)?;
     Ok(())
 }
@@ -738,6 +739,13 @@ pub fn set_parent_death_signal(owner_pid: u64) -> PyResult<()> {
         )));
     }
     Ok(())
+}
+
+/// Gives a loader worker process the C allocator settings that keep its freed heap for reuse
+/// (unless the environment sets glibc's own); says whether they were applied.
+#[pyfunction]
+pub fn retain_worker_heap() -> bool {
+    lifecycle::retain_worker_heap(|name| std::env::var(name).ok())
 }
 
 /// Removes /dev/shm segments left by dead loader owners (never a live one's); returns their names.
