@@ -15,8 +15,9 @@ Workloads (batches of 64, shuffled, the page cache warm):
 Contenders (a contender's key names its ``num_workers``):
 
 - ``drt_w0`` / ``drt_w1`` / ``drt_w2``: ``dataset_rt.DataLoader``; with ``num_workers=0`` the
-  training process reads the ring itself (each ``sample.data`` a memoryview into the slot, no
-  copy); with workers, results are pickled back (raw bytes: one ``bytes`` copy per payload);
+  training process reads the ring itself (the cache is uncompressed, so each slot entry is a
+  reference and each ``sample.data`` a memoryview of the shard's map, no copy); with workers,
+  results come back through the workers' result memory (raw bytes: one copy per payload);
 - ``drt_w2_len``: 2 workers whose transform returns ``len()`` xor the first byte (an int), so
   the bytes stay in the workers: the ring's rate into worker processes;
 - ``drt_lz4_w0`` / ``drt_lz4_w2`` (raw-bytes workloads): the same loader over a copy of the
@@ -162,17 +163,17 @@ BASELINE_ARRAYS = "torch_flat_w2"
 # each code path (memcpy-like passes in user space and the kernel's copies through pipes).
 COPIES_RAW = {
     "drt_w0": (
-        "1 (Rust producer: shard mmap -> ring slot, checksum verified); 0 in Python: "
-        "the loop gets memoryviews into the slot"
+        "0: the Rust producer verifies the record's checksum and puts a reference to it in the "
+        "ring slot; the loop gets memoryviews of its own map of the shard"
     ),
     "drt_w2": (
-        "2: producer -> slot; worker: slot -> its result memory; 0 in the trainer: "
-        "memoryviews of that memory"
+        "1: the producer writes references; worker: its shard map -> its result memory; 0 in "
+        "the trainer: memoryviews of that memory"
     ),
-    "drt_w2_len": "1 into the ring (the workers read views; ints cross the pipe)",
+    "drt_w2_len": "0 (references in the ring; the workers read views; ints cross the pipe)",
     "drt_lz4_w0": "1 (Rust producer: LZ4 decode -> buffer -> ring slot); 0 in Python",
     "drt_lz4_w0_t1": "1 (as drt_lz4_w0)",
-    "drt_lz4_w2": "~7: as drt_w2, after the producer's LZ4 decode",
+    "drt_lz4_w2": "2: the producer's LZ4 decode -> slot; worker: slot -> its result memory",
     "torch_lz4_w2": "~6: as torch_cache_w2, the LZ4 decode instead of the mmap slice copy",
     "torch_cache_w0": "1 (mmap slice -> bytes, in the training process)",
     "torch_cache_w2": (
@@ -184,13 +185,13 @@ COPIES_RAW = {
     "litdata_w2": "~6-7: chunk file read -> bytes (+ slice), then torch's worker queue (5)",
 }
 COPIES_NUM = {
-    "drt_w0": 1,
+    "drt_w0": 0,
     "drt_lz4_w0": 1,
     "drt_lz4_w0_t1": 1,
     "drt_lz4_w2": 2,
     "torch_lz4_w2": 6,
-    "drt_w2": 2,
-    "drt_w2_len": 1,
+    "drt_w2": 1,
+    "drt_w2_len": 0,
     "torch_cache_w0": 1,
     "torch_cache_w2": 6,
     "torch_files_w2": 6,
@@ -207,13 +208,14 @@ COPIES_ARRAYS = {
     ),
     "torch_cache_w2": (3, "as torch_flat_w2, after an mmap slice -> bytes"),
     "drt_w2": (
-        3,
-        "producer: shard mmap -> ring slot (+ xxh3 checksum pass); worker: flip, torch.stack "
-        "straight into its result memory; trainer: a view of it, 0 copies",
+        2,
+        "producer: xxh3 checksum pass, a reference in the ring slot; worker: flip (its shard "
+        "map -> array), torch.stack straight into its result memory; trainer: a view of it, "
+        "0 copies",
     ),
     "drt_np_w2": (
-        4,
-        "producer: shard mmap -> ring slot (+ xxh3 checksum pass); worker: flip, np.stack, "
+        3,
+        "producer: xxh3 checksum pass, a reference in the ring slot; worker: flip, np.stack, "
         "the stacked array -> its result memory; trainer: a view of it, 0 copies",
     ),
 }

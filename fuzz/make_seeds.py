@@ -78,12 +78,13 @@ def ring_attach() -> None:
     put("I", 1280, 2)  # slot 0: batch 0 READY
     slot = bytearray(slot_size)
     meta = struct.pack("<IH", 1, 5) + b"label" + b"\x01" + struct.pack("<q", -3)
-    meta_at, data_at = 64 + 48, 256
+    meta_at, data_at = 64 + 56, 256
     data = b"payload!"
     used = data_at + len(data)
     slot[0:8] = b"DRTBATCH"
     struct.pack_into("<QIIQ", slot, 8, 0, 1, 2, used)
-    struct.pack_into("<QIIQQQQ", slot, 64, 7, 0, len(meta), 7, meta_at, data_at, len(data))
+    # The payload in the slot (kind 0, shard 0).
+    struct.pack_into("<QIIQQQQII", slot, 64, 7, 0, len(meta), 7, meta_at, data_at, len(data), 0, 0)
     slot[meta_at : meta_at + len(meta)] = meta
     slot[data_at:used] = data
     ring = bytes(slot) + bytes(slot_size)

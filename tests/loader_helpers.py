@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dataset_rt import DatasetRuntime, ReaderConfig, WriterConfig
+from dataset_rt import DatasetRuntime, ReaderConfig, ShardCompression, WriterConfig
 from dataset_rt.testing import make_source
 
 SEED = 7
@@ -21,6 +21,29 @@ def payload(i: int, size: int | None = None) -> bytes:
     if size is not None:
         return random.Random(i).randbytes(size + i)
     return bytes((i * 7 + j) % 251 for j in range(1 + (i * 37) % 200))
+
+
+def payload_lz4(i: int, size: int) -> bytes:
+    """Sample `i`'s payload in an LZ4 cache (`load_lz4`): `size + i` bytes that LZ4 shrinks, so
+    the loader carries it decompressed in its ring slot, not as a reference to its shard."""
+    return i.to_bytes(8, "little") + bytes([i % 251]) * (size + i - 8)
+
+
+def load_lz4(base: Path, n: int, size: int, **reader):
+    """As `load`, an LZ4 cache of `n` samples of `payload_lz4(i, size)`."""
+    reader.setdefault("seed", SEED)
+    if not _runtime:
+        _runtime.append(DatasetRuntime(num_workers=2))
+    result = _runtime[0].from_cache_sources(
+        make_source("loader", [(payload_lz4(i, size), {"i": i}) for i in range(n)]),
+        base,
+        reader_config=ReaderConfig(**reader),
+        writer_config=WriterConfig(
+            show_progress=False, shard_compression=ShardCompression(algo="lz4", ratio=0.5)
+        ),
+    )
+    assert result.dataset is not None
+    return result.dataset
 
 
 def source(n: int, size: int | None = None):

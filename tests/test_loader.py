@@ -19,9 +19,11 @@ from loader_helpers import (  # noqa: F401
     SEED,
     gone,
     load,
+    load_lz4,
     no_leaks,
     own_segments,
     payload,
+    payload_lz4,
     wait_until,
 )
 
@@ -138,7 +140,7 @@ def where_is(sample):
     return type(data).__name__, type(getattr(data, "obj", None)).__name__, len(data)
 
 
-def test_worker_transforms_get_views_over_the_ring(dataset):
+def test_worker_transforms_get_zero_copy_views(dataset):
     with DataLoader(dataset, batch_size=8, num_workers=2, transform=where_is) as loader:
         seen = {(kind, owner) for b in loader for kind, owner, _ in b}
     assert seen == {("memoryview", "mmap")}
@@ -155,12 +157,13 @@ def mapping_of(address: int) -> str:
 
 
 def test_a_kept_batch_is_read_in_place_until_its_slot_is_reused_then_privately(tmp_path):
+    # LZ4 records travel decompressed in the slot (raw ones as views of their shard's map).
     size = 64 * 1024
-    dataset = load(tmp_path, 24, size=size)
+    dataset = load_lz4(tmp_path, 24, size=size)
     with DataLoader(dataset, batch_size=4, num_workers=0) as loader:
         it = iter(loader)
         first = next(it)
-        expected = [payload(s.metadata["i"], size) for s in first]
+        expected = [payload_lz4(s.metadata["i"], size) for s in first]
         kept = np.frombuffer(first[1].data, dtype=np.uint8)  # exports the slot's view
         address = kept.ctypes.data
         # Zero copy: the view reads the ring segment itself.
@@ -176,11 +179,15 @@ def test_a_kept_batch_is_read_in_place_until_its_slot_is_reused_then_privately(t
         assert kept.ctypes.data == address
         assert kept.tobytes() == expected[1]
         assert [bytes(s.data) for s in first] == expected
-        assert [bytes(s.data) for s in second] == [payload(s.metadata["i"], size) for s in second]
+        assert [bytes(s.data) for s in second] == [
+            payload_lz4(s.metadata["i"], size) for s in second
+        ]
     assert kept.tobytes() == expected[1]  # and after the loader closed
 
 
-def test_batches_the_loop_drops_are_handed_back_without_a_copy(dataset, monkeypatch):
+def test_batches_the_loop_drops_are_handed_back_without_a_copy(tmp_path, monkeypatch):
+    size = 4096
+    dataset = load_lz4(tmp_path, N, size=size)
     unmapped: dict[int, list[bool]] = {}
     release = slots.SlotMap.release
 
@@ -199,7 +206,7 @@ def test_batches_the_loop_drops_are_handed_back_without_a_copy(dataset, monkeypa
     assert sorted(unmapped) == list(range(15))
     assert all(unmapped[seq] == [False, True] for seq in range(14)), unmapped
     assert unmapped[14] == [False]
-    assert bytes(batch[0].data) == payload(batch[0].metadata["i"])
+    assert bytes(batch[0].data) == payload_lz4(batch[0].metadata["i"], size)
 
 
 @pytest.fixture(scope="module")
@@ -593,9 +600,9 @@ KEEPER = textwrap.dedent(
     import os, resource, sys
     from pathlib import Path
     sys.path.insert(0, {tests!r})
-    from loader_helpers import load, payload
+    from loader_helpers import load_lz4, payload_lz4
     from dataset_rt._loader import DataLoader
-    dataset = load(Path({base!r}), 64, size={size})
+    dataset = load_lz4(Path({base!r}), 64, size={size})
     it = iter(DataLoader(dataset, batch_size=1))
     print(os.getpid(), it.pids["producer"], flush=True)
     kept = [next(it), next(it)]
@@ -612,7 +619,7 @@ KEEPER = textwrap.dedent(
         resource.setrlimit(resource.RLIMIT_AS, limit)
         assert 2 < len(kept) < 64, len(kept)
         for (sample,) in kept:
-            assert bytes(sample.data) == payload(sample.metadata["i"], {size})
+            assert bytes(sample.data) == payload_lz4(sample.metadata["i"], {size})
         print(e, flush=True)
     """
 )
@@ -622,7 +629,7 @@ def test_keeping_batches_past_the_memory_limit_raises_memory_error(tmp_path):
     """Kept batches cost memory: where the process can get no more, `next()` raises
     MemoryError naming the batch; nothing hangs or leaks, and the batches kept stay valid."""
     size = 256 * 1024
-    load(tmp_path, 64, size=size)
+    load_lz4(tmp_path, 64, size=size)  # decompressed into the slots: each kept batch costs
     script = KEEPER.format(tests=os.path.dirname(__file__), base=str(tmp_path), size=size)
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
@@ -648,7 +655,11 @@ def test_slots_are_sized_from_the_data(dataset, tmp_path):
         assert 4 * 100_011 < it.slot_size <= 4 * 100_011 + 4096 + 4 * 4096
     assert sorted(i for i, _ in got) == list(range(12))
     assert all(data == payload(i, 100_000) for i, data in got)
-    with DataLoader(big, batch_size=4, slot_size_bytes=300_000) as loader:
+    # Raw records travel as references: a batch of them needs no room for their payloads.
+    with DataLoader(big, batch_size=4, slot_size_bytes=4096, transform=keyed) as loader:
+        assert sorted(i for b in loader for i, _ in b) == list(range(12))
+    lz4 = load_lz4(tmp_path / "lz4", 12, size=100_000)
+    with DataLoader(lz4, batch_size=4, slot_size_bytes=300_000) as loader:
         it = iter(loader)
         assert it.slot_size == 303_104  # rounded up to a multiple of 4096
         with pytest.raises(LoaderError, match=r"needs \d+ bytes but a ring slot holds 303104"):

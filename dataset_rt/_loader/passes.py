@@ -104,6 +104,7 @@ class LoaderIterator(Iterator[Any]):
             producer.command(self._owner, ring.spec_path), stdin=subprocess.DEVNULL
         )
         arena = results.arena_bytes(self._result_bytes, num_workers)
+        shard_table = ring.shard_table if num_workers else ""
         for i in range(num_workers):
             region = results.RegionOwner(arena) if arena else None
             self._regions.append(region)
@@ -112,6 +113,7 @@ class LoaderIterator(Iterator[Any]):
                 target=workers.consumer_main,
                 args=(
                     ring.ctl_name,
+                    shard_table,
                     i,
                     self._owner,
                     self._transform,
@@ -313,7 +315,9 @@ class LoaderIterator(Iterator[Any]):
             self._check(seq, started)
             taken = ring.take_batch(seq, _POLL_S, fd)
         slot_map, samples, indices = taken
-        self._held = slots.SlotMap(seq, slot_map)
+        # None: every payload is a view of a shard map, and the slot is already handed back.
+        if slot_map is not None:
+            self._held = slots.SlotMap(seq, slot_map)
         batch = workers.apply(samples, self._transform, self._collate_fn)
         self.last_indices = indices
         return batch

@@ -50,7 +50,8 @@ class DataLoader:
     - ``prefetch_factor``: ring slots per worker (at least 2 slots in all, plus one with
       ``num_workers=0``): how far the producer may run ahead of the training loop.
     - With ``num_workers=0``, ``sample.data`` views stay valid as long as they are referenced
-      (a batch kept past the next one is copied once when its slot is reused).
+      (views of an uncompressed record are views of its shard file; a batch of decompressed
+      records kept past the next one is copied once when its slot is reused).
     - ``slot_size_bytes``: bytes of one slot; ``None`` sizes slots from the data, so that a
       batch of the dataset's largest samples fits. A batch that does not fit an explicit size
       raises ``LoaderError`` naming both sizes (it is never truncated).

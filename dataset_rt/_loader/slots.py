@@ -20,25 +20,39 @@ def open_ring(name: str) -> int:
 
 
 class BatchViews:
-    """One batch's zero-copy views: slices of a Python-owned ``mmap`` of just its slot (abi3
-    has no buffer protocol for Rust). Releasing unmaps it, so a kept view raises ValueError
-    and nothing can ever read the slot once it is reused."""
+    """One batch's zero-copy views. A record the slot references is a slice of this process's
+    map of its shard file (the Rust handle's, kept for the process's life); a payload carried in
+    the slot (decompressed) is a slice of a Python-owned ``mmap`` of just the slot (abi3 has no
+    buffer protocol for Rust), mapped only when the batch has one. Releasing unmaps the slot, so
+    a kept view of it raises ValueError and nothing can ever read the slot once it is reused."""
 
     __slots__ = ("map", "seq", "views", "whole")
 
     def __init__(self, fd: int, seq: int, slot_offset: int, used: int, entries: list[Any]) -> None:
         self.seq = seq
-        self.map = mmap.mmap(fd, used, offset=slot_offset, access=mmap.ACCESS_READ)
-        self.whole = memoryview(self.map)
-        self.views = [self.whole[offset : offset + length] for offset, length, _ in entries]
+        self.map: mmap.mmap | None = None
+        self.whole: memoryview | None = None
+        if any(view is None for *_, view in entries):
+            self.map = mmap.mmap(fd, used, offset=slot_offset, access=mmap.ACCESS_READ)
+            self.whole = memoryview(self.map)
+        self.views: list[memoryview] = []
+        for offset, length, _, view in entries:
+            if view is None:
+                assert self.whole is not None
+                view = self.whole[offset : offset + length]
+            self.views.append(view)
 
     def release(self) -> None:
         """Raises LoaderError when something still exports the slot (numpy.frombuffer of a
         view, say): the slot is then not handed back."""
+        if self.map is None:
+            return  # nothing refers to the slot: the shard maps live on with their views
+        assert self.whole is not None
         for attempt in range(2):
             try:
                 for view in self.views:
-                    view.release()
+                    if view.obj is self.map:
+                        view.release()
                 self.whole.release()
                 self.map.close()
                 return

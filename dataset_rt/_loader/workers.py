@@ -36,6 +36,7 @@ def apply(
 
 def consumer_main(
     ctl_name: str,
+    shard_table: str,
     index: int,
     owner_pid: int,
     transform: Callable[[CachedSample], Any] | None,
@@ -45,7 +46,8 @@ def consumer_main(
     region: tuple[Any, int, Any] | None = None,
     persistent: bool = False,
 ) -> None:
-    """A consumer process: takes tickets, runs the user's functions on zero-copy views, sends
+    """A consumer process: takes tickets, runs the user's functions on zero-copy views (of the
+    slot, or of the shard files named by ``shard_table``, the owner handle's), sends
     results (their buffers written to ``region``, the worker's result memory), releases slots.
     Exits with code 0 when the pass ends (``persistent``: waits for the next pass instead), on
     close, or with its owner. Anything else that ends
@@ -66,7 +68,7 @@ def consumer_main(
     _native.retain_worker_heap()
     stage = "loader"
     try:
-        ring = _native.RingHandle.attach(ctl_name, index)
+        ring = _native.RingHandle.attach(ctl_name, index, shard_table)
         fd = slots.open_ring(ring.ring_name)
         ring.mark_attached()
         writer = None if region is None else results.RegionWriter(*region)
@@ -104,7 +106,7 @@ def consume(
         views = slots.BatchViews(fd, seq, slot_offset, used, items)
         try:
             samples = [
-                CachedSample(v, meta) for v, (_, _, meta) in zip(views.views, items, strict=True)
+                CachedSample(v, meta) for v, (_, _, meta, _) in zip(views.views, items, strict=True)
             ]
             if writer is None:
                 result = apply(samples, transform, collate_fn)

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use dataset_rt_fuzz::guarded;
-use dataset_rt_loader::batch::{decode_metadata, read_batch};
+use dataset_rt_loader::batch::{decode_metadata, read_batch, Payload};
 use dataset_rt_loader::lifecycle;
 use dataset_rt_shm::layout::*;
 use dataset_rt_loader::lifecycle::NAME_PREFIX;
@@ -134,13 +134,22 @@ fuzz_target!(|data: &[u8]| {
         // A consumer takes batch 0 when its slot says READY, and decodes it.
         if let Ok(true) = r.wait_ready(0, Duration::ZERO, Role::Owner, None) {
             let slot = r.slot(0);
-            if let Ok(entries) = read_batch(slot, 0) {
+            // Two caches of a few shards: references are checked against these sizes.
+            let shard_lens = [vec![4096, 1 << 20], vec![64]];
+            if let Ok(entries) = read_batch(slot, 0, &shard_lens) {
                 for e in entries {
                     let start = e.meta_off as usize;
                     let meta = &slot[start..start + e.meta_len as usize];
                     std::hint::black_box(decode_metadata(meta).map(|m| m.len()).ok());
-                    let data = &slot[e.data_off as usize..(e.data_off + e.data_len) as usize];
-                    std::hint::black_box(data.len());
+                    match e.payload {
+                        Payload::Slot { off, len } => {
+                            std::hint::black_box(slot[off as usize..(off + len) as usize].len());
+                        }
+                        Payload::Shard(r) => {
+                            let size = shard_lens[e.cache as usize][r.shard as usize];
+                            assert!(r.offset + r.len <= size, "{r:?} past {size}");
+                        }
+                    }
                 }
             }
             let _ = r.release(0, None);

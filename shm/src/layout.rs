@@ -4,7 +4,7 @@
 
 pub const CTL_MAGIC: &[u8; 8] = b"DRTCTL\0\0";
 pub const SLOT_MAGIC: &[u8; 8] = b"DRTBATCH";
-pub const LAYOUT_VERSION: u32 = 5;
+pub const LAYOUT_VERSION: u32 = 6;
 
 pub const SHM_DIR: &str = "/dev/shm";
 
@@ -103,8 +103,12 @@ pub const B_VERSION: usize = 20; // u32
 pub const B_USED: usize = 24; // u64
 pub const B_HEADER_LEN: u64 = 64;
 /// Per sample: global index u64, cache u32, meta_len u32, row u64, meta_off u64, data_off u64,
-/// data_len u64 (offsets from the slot's start).
-pub const B_ENTRY_LEN: u64 = 48;
+/// data_len u64 (offsets from the slot's start), payload kind u32, shard u32.
+pub const B_ENTRY_LEN: u64 = 56;
+/// Payload kinds of an offsets entry: the bytes are in the slot at `data_off`, or they are
+/// bytes `data_off .. data_off + data_len` of shard file `shard` of the entry's cache.
+pub const PAYLOAD_IN_SLOT: u32 = 0;
+pub const PAYLOAD_SHARD_REF: u32 = 1;
 
 pub const META_BOOL: u8 = 0;
 pub const META_INT: u8 = 1;
@@ -212,10 +216,13 @@ mod tests {
                 ("number of samples", "u32", B_NUM_SAMPLES),
                 ("layout version", "u32", B_VERSION),
                 ("bytes used", "u64", B_USED),
-                ("offsets table", "48 × n", B_HEADER_LEN as usize),
+                ("offsets table", "56 × n", B_HEADER_LEN as usize),
             ],
         );
-        assert_eq!(B_ENTRY_LEN, 48);
+        assert_eq!(B_ENTRY_LEN, 56);
+        assert!(SPEC.contains(&format!(
+            "payload kind: {PAYLOAD_IN_SLOT} in the slot, {PAYLOAD_SHARD_REF} a shard reference"
+        )));
     }
 
     /// `+offset type` pairs of an inline entry description, e.g. "`+8 u64` batch in the slot".
@@ -250,6 +257,8 @@ mod tests {
             (24, "u64"),
             (32, "u64"),
             (40, "u64"),
+            (48, "u32"),
+            (52, "u32"),
         ];
         let fields = entry_fields("Slot table entry (64 bytes)");
         let want: Vec<(usize, String)> = slot_entry
@@ -259,7 +268,7 @@ mod tests {
             .collect();
         assert_eq!(fields, want);
         assert_eq!((SLOT_ENTRY, CONSUMER_ENTRY), (64, 64));
-        let fields = entry_fields("Offsets table entry (48 bytes");
+        let fields = entry_fields("Offsets table entry (56 bytes");
         let want: Vec<(usize, String)> = offsets_entry
             .iter()
             .map(|(o, t)| (*o, t.to_string()))

@@ -1,5 +1,7 @@
-//! The content of one slot: a header, the offsets table, the samples' metadata and their
-//! payloads (decompressed, each aligned to [`PAYLOAD_ALIGN`]). See `shm/LAYOUT.md`.
+//! The content of one slot: a header, the offsets table, the samples' metadata and the payloads
+//! carried in the slot (decompressed, each aligned to [`PAYLOAD_ALIGN`]); a payload stored
+//! uncompressed in a shard file travels as a reference to its bytes there instead (no copy).
+//! See `shm/LAYOUT.md`.
 
 use std::borrow::Cow;
 
@@ -11,13 +13,49 @@ use dataset_rt_shm::layout::*;
 
 use crate::{protocol, Error, Result};
 
+/// Bytes `offset .. offset + len` of shard file `shard` of the entry's cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardRef {
+    pub shard: u32,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// A sample's payload as the producer writes it: bytes copied into the slot (a decompressed
+/// record), or a reference to a verified record's bytes in its shard file.
+pub enum PayloadOut<'a> {
+    Bytes(Cow<'a, [u8]>),
+    Shard(ShardRef),
+}
+
 /// One sample as the producer writes it.
 pub struct SampleOut<'a> {
     pub global: u64,
     pub cache: u32,
     pub row: u64,
     pub meta: Vec<u8>,
-    pub data: Cow<'a, [u8]>,
+    pub data: PayloadOut<'a>,
+}
+
+/// Where an entry's payload is, as read from a slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Payload {
+    /// Bytes `off .. off + len` of the slot.
+    Slot { off: u64, len: u64 },
+    /// A reference into a shard file of the entry's cache, checked against its size.
+    Shard(ShardRef),
+}
+
+impl Payload {
+    pub fn len(&self) -> u64 {
+        match *self {
+            Payload::Slot { len, .. } | Payload::Shard(ShardRef { len, .. }) => len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// One entry of a slot's offsets table; offsets are from the slot's start.
@@ -28,16 +66,23 @@ pub struct Entry {
     pub row: u64,
     pub meta_off: u64,
     pub meta_len: u32,
-    pub data_off: u64,
-    pub data_len: u64,
+    pub payload: Payload,
+}
+
+/// Bytes the slot holds of a payload (a reference takes none beyond its entry).
+fn slot_len(data: &PayloadOut<'_>) -> Option<u64> {
+    match data {
+        PayloadOut::Bytes(bytes) => Some(bytes.len() as u64),
+        PayloadOut::Shard(_) => None,
+    }
 }
 
 /// Bytes a slot needs for these samples.
 pub fn batch_bytes(samples: &[SampleOut<'_>]) -> u64 {
     let mut end = B_HEADER_LEN + B_ENTRY_LEN * samples.len() as u64;
     end += samples.iter().map(|s| s.meta.len() as u64).sum::<u64>();
-    for s in samples {
-        end = align(end, PAYLOAD_ALIGN) + s.data.len() as u64;
+    for len in samples.iter().filter_map(|s| slot_len(&s.data)) {
+        end = align(end, PAYLOAD_ALIGN) + len;
     }
     end
 }
@@ -53,7 +98,6 @@ pub fn write_batch(slot: &mut [u8], seq: u64, samples: &[SampleOut<'_>]) -> u64 
     let mut meta_at = B_HEADER_LEN + B_ENTRY_LEN * samples.len() as u64;
     let mut data_at = meta_at + samples.iter().map(|s| s.meta.len() as u64).sum::<u64>();
     for (i, s) in samples.iter().enumerate() {
-        data_at = align(data_at, PAYLOAD_ALIGN);
         let e = B_HEADER_LEN + B_ENTRY_LEN * i as u64;
         put(slot, e, &s.global.to_le_bytes());
         put(slot, e + 8, &s.cache.to_le_bytes());
@@ -61,12 +105,22 @@ pub fn write_batch(slot: &mut [u8], seq: u64, samples: &[SampleOut<'_>]) -> u64 
         put(slot, e + 12, &meta_len.to_le_bytes());
         put(slot, e + 16, &s.row.to_le_bytes());
         put(slot, e + 24, &meta_at.to_le_bytes());
-        put(slot, e + 32, &data_at.to_le_bytes());
-        put(slot, e + 40, &(s.data.len() as u64).to_le_bytes());
+        let (kind, shard, off, len) = match &s.data {
+            PayloadOut::Bytes(bytes) => {
+                data_at = align(data_at, PAYLOAD_ALIGN);
+                put(slot, data_at, bytes);
+                let off = data_at;
+                data_at += bytes.len() as u64;
+                (PAYLOAD_IN_SLOT, 0, off, bytes.len() as u64)
+            }
+            PayloadOut::Shard(r) => (PAYLOAD_SHARD_REF, r.shard, r.offset, r.len),
+        };
+        put(slot, e + 32, &off.to_le_bytes());
+        put(slot, e + 40, &len.to_le_bytes());
+        put(slot, e + 48, &kind.to_le_bytes());
+        put(slot, e + 52, &shard.to_le_bytes());
         put(slot, meta_at, &s.meta);
-        put(slot, data_at, &s.data);
         meta_at += s.meta.len() as u64;
-        data_at += s.data.len() as u64;
     }
     put(slot, B_MAGIC as u64, SLOT_MAGIC);
     put(slot, B_SEQ as u64, &seq.to_le_bytes());
@@ -88,8 +142,10 @@ fn u64_at(b: &[u8], at: u64) -> u64 {
     u64::from_le_bytes(b[at as usize..at as usize + 8].try_into().unwrap())
 }
 
-/// Reads and checks a slot's header and offsets table.
-pub fn read_batch(slot: &[u8], seq: u64) -> Result<Vec<Entry>> {
+/// Reads and checks a slot's header and offsets table. `shard_lens[cache][shard]` is the
+/// validated size of each shard file (`ShardTable::lens`): a reference must name a shard that
+/// exists and lie within it.
+pub fn read_batch(slot: &[u8], seq: u64, shard_lens: &[Vec<u64>]) -> Result<Vec<Entry>> {
     let bad = |reason: String| protocol(format!("slot of batch {seq}: {reason}"));
     if slot.len() < B_HEADER_LEN as usize || &slot[..8] != SLOT_MAGIC {
         return Err(bad("bad magic".into()));
@@ -108,23 +164,61 @@ pub fn read_batch(slot: &[u8], seq: u64) -> Result<Vec<Entry>> {
     (0..n)
         .map(|i| {
             let e = B_HEADER_LEN + B_ENTRY_LEN * i;
+            let cache = u32_at(slot, e + 8);
+            let (off, len) = (u64_at(slot, e + 32), u64_at(slot, e + 40));
+            let payload = match (u32_at(slot, e + 48), u32_at(slot, e + 52)) {
+                (PAYLOAD_IN_SLOT, _) => match off.checked_add(len) {
+                    Some(end) if end <= used => Payload::Slot { off, len },
+                    _ => return Err(bad(format!("sample {i} lies past the used bytes"))),
+                },
+                (PAYLOAD_SHARD_REF, shard) => {
+                    let Some(size) = shard_lens
+                        .get(cache as usize)
+                        .and_then(|c| c.get(shard as usize))
+                    else {
+                        return Err(bad(format!(
+                            "sample {i} references shard {shard} of cache {cache}, which the \
+                             dataset does not have"
+                        )));
+                    };
+                    match off.checked_add(len) {
+                        Some(end) if end <= *size => Payload::Shard(ShardRef {
+                            shard,
+                            offset: off,
+                            len,
+                        }),
+                        _ => {
+                            return Err(bad(format!(
+                                "sample {i} references bytes {off} + {len} of shard {shard} of \
+                                 cache {cache}, which holds {size} bytes"
+                            )))
+                        }
+                    }
+                }
+                (kind, _) => return Err(bad(format!("sample {i} has payload kind {kind}"))),
+            };
             let entry = Entry {
                 global: u64_at(slot, e),
-                cache: u32_at(slot, e + 8),
+                cache,
                 meta_len: u32_at(slot, e + 12),
                 row: u64_at(slot, e + 16),
                 meta_off: u64_at(slot, e + 24),
-                data_off: u64_at(slot, e + 32),
-                data_len: u64_at(slot, e + 40),
+                payload,
             };
-            let meta_end = entry.meta_off.checked_add(u64::from(entry.meta_len));
-            let data_end = entry.data_off.checked_add(entry.data_len);
-            match (meta_end, data_end) {
-                (Some(m), Some(d)) if m <= used && d <= used => Ok(entry),
+            match entry.meta_off.checked_add(u64::from(entry.meta_len)) {
+                Some(m) if m <= used => Ok(entry),
                 _ => Err(bad(format!("sample {i} lies past the used bytes"))),
             }
         })
         .collect()
+}
+
+/// Whether any of `entries` has its payload in the slot (else the slot's bytes are needed for
+/// nothing once the entries and metadata are read).
+pub fn any_in_slot(entries: &[Entry]) -> bool {
+    entries
+        .iter()
+        .any(|e| matches!(e.payload, Payload::Slot { .. }))
 }
 
 /// A length that the slot encoding stores as u32, or the error naming what is too long.
@@ -303,7 +397,40 @@ mod tests {
             cache: (global % 3) as u32,
             row: global / 3,
             meta: encode_metadata(meta.iter().copied()).unwrap(),
-            data: Cow::Owned(data.to_vec()),
+            data: PayloadOut::Bytes(Cow::Owned(data.to_vec())),
+        }
+    }
+
+    fn reference(global: u64, cache: u32, r: ShardRef) -> SampleOut<'static> {
+        SampleOut {
+            global,
+            cache,
+            row: global,
+            meta: encode_metadata([("i", MetaRef::Int(global as i64))].into_iter()).unwrap(),
+            data: PayloadOut::Shard(r),
+        }
+    }
+
+    impl SampleOut<'_> {
+        fn clone_ref(&self) -> SampleOut<'static> {
+            let PayloadOut::Shard(r) = self.data else {
+                panic!("not a reference")
+            };
+            SampleOut {
+                global: self.global,
+                cache: self.cache,
+                row: self.row,
+                meta: self.meta.clone(),
+                data: PayloadOut::Shard(r),
+            }
+        }
+    }
+
+    /// The payload bytes a slot entry holds in the slot.
+    fn in_slot<'s>(slot: &'s [u8], e: &Entry) -> &'s [u8] {
+        match e.payload {
+            Payload::Slot { off, len } => &slot[off as usize..(off + len) as usize],
+            other => panic!("a shard reference: {other:?}"),
         }
     }
 
@@ -325,20 +452,21 @@ mod tests {
         let needed = batch_bytes(&samples);
         let mut slot = vec![0xEEu8; 4096];
         assert_eq!(write_batch(&mut slot, 42, &samples), needed);
-        let entries = read_batch(&slot, 42).unwrap();
+        let entries = read_batch(&slot, 42, &[]).unwrap();
         assert_eq!(entries.len(), 3);
         for (e, s) in entries.iter().zip(&samples) {
             assert_eq!((e.global, e.cache, e.row), (s.global, s.cache, s.row));
-            assert_eq!(
-                e.data_off % PAYLOAD_ALIGN,
-                0,
-                "payloads are 64-byte aligned"
-            );
-            let data = &slot[e.data_off as usize..(e.data_off + e.data_len) as usize];
-            assert_eq!(data, &s.data[..]);
+            let Payload::Slot { off, len } = e.payload else {
+                panic!("{e:?}")
+            };
+            assert_eq!(off % PAYLOAD_ALIGN, 0, "payloads are 64-byte aligned");
+            let PayloadOut::Bytes(bytes) = &s.data else {
+                unreachable!()
+            };
+            assert_eq!(in_slot(&slot, e), &bytes[..]);
             let meta = &slot[e.meta_off as usize..e.meta_off as usize + e.meta_len as usize];
             assert_eq!(meta, &s.meta[..]);
-            assert!(e.data_off + e.data_len <= needed);
+            assert!(off + len <= needed);
         }
         let meta = &slot[entries[0].meta_off as usize..][..entries[0].meta_len as usize];
         assert_eq!(
@@ -364,29 +492,131 @@ mod tests {
         let samples = vec![sample(1, &[("i", MetaRef::Int(1))], b"payload")];
         let mut slot = vec![0u8; 512];
         write_batch(&mut slot, 5, &samples);
-        assert!(read_batch(&slot, 6)
+        assert!(read_batch(&slot, 6, &[])
             .unwrap_err()
             .to_string()
             .contains("holds batch 5"));
         let mut bad = slot.clone();
         bad[0] = b'X';
-        assert!(read_batch(&bad, 5)
+        assert!(read_batch(&bad, 5, &[])
             .unwrap_err()
             .to_string()
             .contains("bad magic"));
         let mut bad = slot.clone();
         bad[B_USED..B_USED + 8].copy_from_slice(&10_000u64.to_le_bytes());
-        assert!(read_batch(&bad, 5)
+        assert!(read_batch(&bad, 5, &[])
             .unwrap_err()
             .to_string()
             .contains("do not fit"));
         let mut bad = slot.clone();
         let len_at = (B_HEADER_LEN + 40) as usize;
         bad[len_at..len_at + 8].copy_from_slice(&1000u64.to_le_bytes());
-        assert!(read_batch(&bad, 5)
+        assert!(read_batch(&bad, 5, &[])
             .unwrap_err()
             .to_string()
             .contains("past the used bytes"));
+    }
+
+    #[test]
+    fn shard_references_round_trip_beside_payloads_in_the_slot() {
+        let shard_lens = vec![vec![1000, 5000], vec![300]];
+        let samples = vec![
+            reference(
+                0,
+                0,
+                ShardRef {
+                    shard: 1,
+                    offset: 4000,
+                    len: 1000,
+                },
+            ),
+            sample(3, &[("i", MetaRef::Int(3))], b"decompressed"),
+            reference(
+                4,
+                1,
+                ShardRef {
+                    shard: 0,
+                    offset: 17,
+                    len: 0,
+                },
+            ),
+        ];
+        let needed = batch_bytes(&samples);
+        // A reference takes its entry and metadata only: nothing of its payload.
+        let refs_only = batch_bytes(&[samples[0].clone_ref(), samples[2].clone_ref()]);
+        let metas: u64 = [&samples[0], &samples[2]]
+            .iter()
+            .map(|s| s.meta.len() as u64)
+            .sum();
+        assert_eq!(refs_only, B_HEADER_LEN + 2 * B_ENTRY_LEN + metas);
+        let mut slot = vec![0u8; 4096];
+        assert_eq!(write_batch(&mut slot, 9, &samples), needed);
+        let entries = read_batch(&slot, 9, &shard_lens).unwrap();
+        assert_eq!(
+            entries[0].payload,
+            Payload::Shard(ShardRef {
+                shard: 1,
+                offset: 4000,
+                len: 1000
+            })
+        );
+        assert_eq!(in_slot(&slot, &entries[1]), b"decompressed");
+        assert_eq!(
+            entries[2].payload,
+            Payload::Shard(ShardRef {
+                shard: 0,
+                offset: 17,
+                len: 0
+            })
+        );
+        assert_eq!((entries[2].cache, entries[2].global), (1, 4));
+        assert!(any_in_slot(&entries));
+        assert!(!any_in_slot(&[entries[0], entries[2]]));
+        for e in &entries {
+            let meta = &slot[e.meta_off as usize..][..e.meta_len as usize];
+            assert_eq!(
+                decode_metadata(meta).unwrap(),
+                vec![("i", MetaRef::Int(e.global as i64))]
+            );
+        }
+    }
+
+    #[test]
+    fn bad_shard_references_are_refused() {
+        let shard_lens = vec![vec![1000, 5000]];
+        let write = |r: ShardRef, cache: u32| {
+            let mut slot = vec![0u8; 1024];
+            write_batch(&mut slot, 1, &[reference(0, cache, r)]);
+            slot
+        };
+        let at = |shard, offset, len| ShardRef { shard, offset, len };
+        let refused = |slot: &[u8]| read_batch(slot, 1, &shard_lens).unwrap_err().to_string();
+        // Ends exactly at the shard's end: fine; one byte more is not.
+        assert!(read_batch(&write(at(1, 4000, 1000), 0), 1, &shard_lens).is_ok());
+        let text = refused(&write(at(1, 4000, 1001), 0));
+        assert!(
+            text.contains("bytes 4000 + 1001 of shard 1 of cache 0, which holds 5000 bytes"),
+            "{text}"
+        );
+        let text = refused(&write(at(0, u64::MAX, 2), 0));
+        assert!(text.contains("which holds 1000 bytes"), "{text}");
+        let text = refused(&write(at(2, 0, 1), 0));
+        assert!(
+            text.contains("shard 2 of cache 0, which the dataset does not have"),
+            "{text}"
+        );
+        let text = refused(&write(at(0, 0, 1), 1));
+        assert!(
+            text.contains("shard 0 of cache 1, which the dataset does not have"),
+            "{text}"
+        );
+        // No shard table at all (a consumer that knows no caches) refuses every reference.
+        assert!(read_batch(&write(at(0, 0, 1), 0), 1, &[]).is_err());
+        // An unknown payload kind.
+        let mut slot = write(at(0, 0, 1), 0);
+        let kind_at = (B_HEADER_LEN + 48) as usize;
+        slot[kind_at..kind_at + 4].copy_from_slice(&7u32.to_le_bytes());
+        assert!(refused(&slot).contains("sample 0 has payload kind 7"));
     }
 
     #[test]

@@ -1,12 +1,14 @@
 //! DatasetRT's shared-memory loader, between the bindings and the core + transport crates: the
 //! pass plan, the producer loop that fills the ring, the slot codec (what one batch looks like
-//! in a slot), and the lifecycle of the segments' names.
+//! in a slot, with references into the caches' shard files and the table of those files), and
+//! the lifecycle of the segments' names.
 //! No Python here: `rust/python/src/loader.rs` binds it; `dataset-rt-shm` moves the bytes.
 
 pub mod batch;
 pub mod lifecycle;
 pub mod plan;
 pub mod producer;
+pub mod shards;
 
 use dataset_rt_shm::ShmError;
 

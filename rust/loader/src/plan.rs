@@ -15,6 +15,7 @@ use dataset_rt_shm::ShmError;
 use crate::batch::{max_sample_bytes, slot_size_for};
 use crate::lifecycle;
 use crate::producer::{self, ProducerSpec};
+use crate::shards::ShardTable;
 use crate::{protocol, Result};
 
 /// The most producer threads a loader takes: beyond it threads only contend for the disk.
@@ -161,10 +162,11 @@ impl Plan {
         opts: &ReadOptions,
         weights: &WeightTable,
         persistent: bool,
-    ) -> ProducerSpec {
-        ProducerSpec {
+    ) -> Result<ProducerSpec> {
+        Ok(ProducerSpec {
             ctl_name: String::new(),
             cache_dirs: ds.caches.iter().map(|c| c.dir.clone()).collect(),
+            shards: ShardTable::of(ds)?,
             fingerprint: ds.fingerprint().to_owned(),
             weights_fingerprint: weights.fingerprint.clone(),
             weights_file: None,
@@ -175,7 +177,7 @@ impl Plan {
             verify: ds.verify_policy(),
             threads: self.producer_threads,
             persistent,
-        }
+        })
     }
 
     /// Plans the next pass over `ds` as it reads now, with `consumers` workers,
@@ -205,7 +207,7 @@ impl Plan {
                 slot_size,
                 max_consumers: consumers.max(1),
             },
-            spec: self.spec(ds, opts, weights, persistent),
+            spec: self.spec(ds, opts, weights, persistent)?,
             weights_fingerprint: weights.fingerprint.clone(),
         })
     }
@@ -261,7 +263,7 @@ impl Plan {
         opts: &ReadOptions,
         weights: &WeightTable,
     ) -> Result<Option<PassPlan>> {
-        let mut spec = self.spec(ds, opts, weights, true);
+        let mut spec = self.spec(ds, opts, weights, true)?;
         spec.ctl_name = previous.spec.ctl_name.clone();
         spec.weights_file = previous.spec.weights_file.clone();
         if spec != previous.spec {

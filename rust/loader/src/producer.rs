@@ -21,8 +21,13 @@ use serde::{Deserialize, Serialize};
 use dataset_rt_shm::ring::{Party, Ring};
 use dataset_rt_shm::ShmError;
 
-use crate::batch::{batch_bytes, encode_metadata, write_batch, SampleOut};
+use std::borrow::Cow;
+
+use dataset_rt_core::dataset::Payload;
+
+use crate::batch::{batch_bytes, encode_metadata, write_batch, PayloadOut, SampleOut, ShardRef};
 use crate::lifecycle;
+use crate::shards::ShardTable;
 use crate::{protocol, Error, Result};
 
 /// What the producer needs beyond the control segment: written by the training process into a
@@ -32,6 +37,9 @@ use crate::{protocol, Error, Result};
 pub struct ProducerSpec {
     pub ctl_name: String,
     pub cache_dirs: Vec<PathBuf>,
+    /// The shard files the training process validated: the producer reads exactly these
+    /// (references in the slots point into them), else refuses to start.
+    pub shards: ShardTable,
     /// The dataset's fingerprint: the producer refuses caches that changed under the loader.
     pub fingerprint: String,
     pub weights_fingerprint: String,
@@ -243,12 +251,20 @@ fn fill(
                     protocol(format!("the reader ended before sample {k} of the pass"))
                 })??;
                 let (c, row) = (fetched.cache as usize, fetched.row);
+                // A record stored uncompressed, verified under the policy by the reader, travels
+                // as a reference: the consumers map its shard, the producer copies nothing.
+                let data = match fetched.payload {
+                    Payload::Mapped { shard, offset, len } => {
+                        PayloadOut::Shard(ShardRef { shard, offset, len })
+                    }
+                    Payload::Owned(bytes) => PayloadOut::Bytes(Cow::Owned(bytes)),
+                };
                 Ok(SampleOut {
                     global: ds.cache_start(c) + row,
                     cache: fetched.cache,
                     row,
                     meta: encode_metadata(ds.caches[c].metadata.row(row))?,
-                    data: ds.fetched_data(fetched),
+                    data,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -328,6 +344,7 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
         ))
         .into());
     }
+    spec.shards.check(&ds)?;
     let weights = match weights {
         Some(w) => {
             if w.len() as u64 != ds.len() {

@@ -4,6 +4,7 @@
 //! value against the caches.
 
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -14,8 +15,11 @@ use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
-use dataset_rt_loader::batch::{encode_metadata, max_sample_bytes, read_batch, slot_size_for};
+use dataset_rt_loader::batch::{
+    encode_metadata, max_sample_bytes, read_batch, slot_size_for, Payload,
+};
 use dataset_rt_loader::producer::{self, ProducerSpec};
+use dataset_rt_loader::shards::ShardTable;
 use dataset_rt_loader::{lifecycle, plan};
 use dataset_rt_shm::layout::{B_USED, POLICY_PAD};
 use dataset_rt_shm::ring::{Geometry, Pass, Ring, Role, Ticket, POLL};
@@ -102,6 +106,7 @@ fn setup_sized(raw: u64, lz4: u64) -> Setup {
     let spec = ProducerSpec {
         ctl_name: String::new(),
         cache_dirs: dirs,
+        shards: ShardTable::of(&ds).unwrap(),
         fingerprint: ds.fingerprint().to_owned(),
         weights_fingerprint: WeightTable::uniform().fingerprint,
         weights_file: None,
@@ -148,13 +153,14 @@ fn create_ring(s: &Setup, slot_size: u64) -> Ring {
     lifecycle::create_ring(owner, geometry, pass).unwrap()
 }
 
-/// (global index, cache, row, metadata bytes, payload) of every sample the consumer received,
-/// in order.
-type Received = Vec<(u64, u32, u64, Vec<u8>, Vec<u8>)>;
+/// (global index, cache, row, metadata bytes, payload, whether it came as a shard reference)
+/// of every sample the consumer received, in order.
+type Received = Vec<(u64, u32, u64, Vec<u8>, Vec<u8>, bool)>;
 
 /// What the consumer received, the bytes each batch used in its slot (in batch order), and the
 /// error that ended the pass.
-fn consume(ctl_name: &str) -> (Received, Vec<Vec<u8>>, Option<ShmError>) {
+fn consume(ctl_name: &str, shards: &ShardTable) -> (Received, Vec<Vec<u8>>, Option<ShmError>) {
+    let lens = shards.lens();
     let ring = lifecycle::attach(ctl_name).unwrap();
     ring.register_consumer(0, u64::from(std::process::id()))
         .unwrap();
@@ -172,10 +178,20 @@ fn consume(ctl_name: &str) -> (Received, Vec<Vec<u8>>, Option<ShmError>) {
         let slot = ring.slot(t);
         let used = u64::from_le_bytes(slot[B_USED..B_USED + 8].try_into().unwrap());
         slots.push(slot[..used as usize].to_vec());
-        for e in read_batch(slot, t).unwrap() {
+        for e in read_batch(slot, t, &lens).unwrap() {
             let meta = slot[e.meta_off as usize..][..e.meta_len as usize].to_vec();
-            let data = slot[e.data_off as usize..][..e.data_len as usize].to_vec();
-            got.push((e.global, e.cache, e.row, meta, data));
+            let (data, is_ref) = match e.payload {
+                Payload::Slot { off, len } => {
+                    (slot[off as usize..][..len as usize].to_vec(), false)
+                }
+                Payload::Shard(r) => {
+                    let mut data = vec![0u8; r.len as usize];
+                    let file = shards.open(e.cache, r.shard).unwrap();
+                    file.read_exact_at(&mut data, r.offset).unwrap();
+                    (data, true)
+                }
+            };
+            got.push((e.global, e.cache, e.row, meta, data, is_ref));
         }
         ring.release(t, Some(0)).unwrap();
         // The single consumer plays the training loop too: batches arrive in order.
@@ -205,7 +221,7 @@ fn run_pass_with(
     spec.ctl_name = ring.ctl_name().to_owned();
     std::thread::scope(|scope| {
         let producer = scope.spawn(|| producer::run(&spec, None));
-        let consumer = scope.spawn(|| consume(ring.ctl_name()));
+        let consumer = scope.spawn(|| consume(ring.ctl_name(), &spec.shards));
         let (got, slots, error) = consumer.join().unwrap();
         (producer.join().unwrap(), got, slots, error)
     })
@@ -231,11 +247,15 @@ fn a_pass_delivers_the_epoch_order_with_every_byte() {
         got.iter().map(|g| g.0).collect::<Vec<_>>(),
         order.iter().collect::<Vec<_>>()
     );
-    for (global, cache, row, meta, data) in &got {
+    for (global, cache, row, meta, data, is_ref) in &got {
         let (c, r) = s.ds.locate(*global);
         assert_eq!((*cache as usize, *row), (c, r));
         let source = &s.ds.caches[c];
         assert_eq!(data, &payload(c, r), "payload of sample {global}");
+        // The raw cache's records travel as references, the LZ4 cache's decompressed.
+        let compressed = source.entry(r).stored_len < source.entry(r).raw_len;
+        assert_eq!(*is_ref, !compressed, "sample {global}");
+        assert_eq!(*is_ref, c == 0 || !compressed, "sample {global}");
         assert_eq!(data[..], source.payload(r).unwrap()[..]);
         assert_eq!(meta, &encode_metadata(source.metadata.row(r)).unwrap());
     }
@@ -354,12 +374,12 @@ fn a_spec_without_threads_is_refused() {
 
 /// Takes, receives and delivers every batch of the current pass on `ring`: the global indices
 /// in the order received.
-fn receive_pass(ring: &Ring) -> Vec<u64> {
+fn receive_pass(ring: &Ring, shard_lens: &[Vec<u64>]) -> Vec<u64> {
     let mut got = Vec::new();
     while let Ticket::Batch(t) = ring.take_ticket() {
         while !ring.wait_ready(t, POLL, Role::Child, Some(0)).unwrap() {}
         got.extend(
-            read_batch(ring.slot(t), t)
+            read_batch(ring.slot(t), t, shard_lens)
                 .unwrap()
                 .iter()
                 .map(|e| e.global),
@@ -391,7 +411,7 @@ fn a_persistent_producer_fills_pass_after_pass_until_stopped() {
             .register_consumer(0, u64::from(std::process::id()))
             .unwrap();
         consumer.mark_attached();
-        assert_eq!(receive_pass(&consumer), order(EPOCH));
+        assert_eq!(receive_pass(&consumer, &s.spec.shards.lens()), order(EPOCH));
         // The next epoch, then a resume in the middle of a later one, on the same segments.
         let full = order(EPOCH + 1);
         ring.begin_next_pass(Pass {
@@ -399,7 +419,7 @@ fn a_persistent_producer_fills_pass_after_pass_until_stopped() {
             ..first
         })
         .unwrap();
-        assert_eq!(receive_pass(&consumer), full);
+        assert_eq!(receive_pass(&consumer, &s.spec.shards.lens()), full);
         let start = 7;
         let rank_samples = first.epoch_len - start;
         ring.begin_next_pass(Pass {
@@ -410,7 +430,10 @@ fn a_persistent_producer_fills_pass_after_pass_until_stopped() {
             ..first
         })
         .unwrap();
-        assert_eq!(receive_pass(&consumer), order(EPOCH + 5)[start as usize..]);
+        assert_eq!(
+            receive_pass(&consumer, &s.spec.shards.lens()),
+            order(EPOCH + 5)[start as usize..]
+        );
         assert_eq!(ring.progress(), (EPOCH + 5, first.epoch_len, true));
         // Idle between passes, the producer leaves at once when stopped.
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -421,4 +444,95 @@ fn a_persistent_producer_fills_pass_after_pass_until_stopped() {
         ring.stop();
         producer.join().unwrap().unwrap();
     });
+}
+
+/// Makes shard `shard` of `cache` writable (published files are read-only).
+fn writable(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
+}
+
+#[test]
+fn the_shard_table_names_the_files_the_core_reads() {
+    let s = setup();
+    let table = &s.spec.shards;
+    assert_eq!(table.caches.len(), 2);
+    for (c, cache) in s.ds.caches.iter().enumerate() {
+        assert_eq!(table.caches[c].shards.len(), cache.num_shards());
+        for shard in 0..cache.num_shards() as u32 {
+            assert_eq!(
+                table.path(c as u32, shard).unwrap(),
+                cache.shard_path(shard)
+            );
+            assert_eq!(table.lens()[c][shard as usize], cache.shard_len(shard));
+            table.open(c as u32, shard).unwrap();
+        }
+    }
+    assert!(table.path(0, cache_shards(&s, 0)).is_none());
+    assert!(table.path(2, 0).is_none());
+    let text = table.open(2, 0).unwrap_err().to_string();
+    assert!(text.contains("not in the loader's shard table"), "{text}");
+    // The spec carries it to the producer as JSON.
+    let json = serde_json::to_string(&s.spec).unwrap();
+    let back: ProducerSpec = serde_json::from_str(&json).unwrap();
+    assert_eq!(&back.shards, table);
+}
+
+fn cache_shards(s: &Setup, c: usize) -> u32 {
+    s.ds.caches[c].num_shards() as u32
+}
+
+#[test]
+fn a_replaced_shard_file_is_refused_by_the_consumers_and_the_producer() {
+    let s = setup();
+    let path = s.ds.caches[0].shard_path(0);
+    // The same bytes in a new file renamed over the old one: the caches still open and match
+    // the fingerprint, but the file is not the one the training process validated.
+    let copy = path.with_extension("new");
+    std::fs::copy(&path, &copy).unwrap();
+    std::fs::rename(&copy, &path).unwrap();
+    let text = s.spec.shards.open(0, 0).unwrap_err().to_string();
+    assert!(
+        text.contains("is malformed")
+            && text.contains(&path.display().to_string())
+            && text.contains("replaced since the dataset was opened"),
+        "{text}"
+    );
+    // The other cache's shards are untouched.
+    s.spec.shards.open(1, 0).unwrap();
+
+    let ring = create_ring(&s, 64 * 1024);
+    let (produced, got, error) = run_pass(&s, &ring);
+    assert!(got.is_empty());
+    let text = produced.unwrap_err().to_string();
+    assert!(
+        text.contains("replaced since the dataset was opened"),
+        "{text}"
+    );
+    match error {
+        Some(ShmError::ProducerFailed { kind, text, .. }) => {
+            assert_eq!(kind, dataset_rt_core::ErrorKind::Malformed.code());
+            assert!(text.contains("replaced"), "{text}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_truncated_shard_file_is_refused_by_the_consumers() {
+    let s = setup();
+    let path = s.ds.caches[0].shard_path(0);
+    let len = s.ds.caches[0].shard_len(0);
+    writable(&path);
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len(len - 1).unwrap();
+    let text = s.spec.shards.open(0, 0).unwrap_err().to_string();
+    assert!(
+        text.contains("truncated since the dataset was opened")
+            && text.contains(&format!("{} bytes", len - 1)),
+        "{text}"
+    );
+    // Grown is fine: references are bounded by the validated size, and that much is there.
+    file.set_len(len + 10).unwrap();
+    s.spec.shards.open(0, 0).unwrap();
 }

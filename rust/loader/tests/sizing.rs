@@ -120,7 +120,7 @@ fn slots_are_sized_from_the_largest_record_once_it_is_read() {
         let ds = open(&write_cache(dir.path(), algo, algo, 8));
         let largest = payload(7, algo == "lz4").len() as u64;
         // Offsets entry, the metadata ({"i": int}: 4 + 4 + 1 + 1 + 8) and alignment padding.
-        let expected = 48 + 18 + 63 + largest;
+        let expected = 56 + 18 + 63 + largest;
         assert_eq!(max_sample_bytes(&ds).unwrap(), expected, "{algo}");
     }
 }

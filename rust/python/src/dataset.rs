@@ -91,29 +91,36 @@ impl PySide {
         if now < len {
             return Err(truncated(now));
         }
-        let mmap = py.import("mmap")?;
-        let kwargs = PyDict::new(py);
-        kwargs.set_item("access", mmap.getattr("ACCESS_READ")?)?;
-        let map = mmap
-            .getattr("mmap")?
-            .call((file.as_raw_fd(), len), Some(&kwargs));
-        let map = match map {
-            Ok(map) => map,
-            // Python refuses a length past the end of the file: truncated after the check above.
-            Err(e) if e.is_instance_of::<pyo3::exceptions::PyValueError>(py) => {
-                let now = file.metadata().map(|m| m.len()).unwrap_or(0);
-                return Err(truncated(now));
-            }
-            Err(e) => return Err(e),
-        };
+        let view = map_read_only(py, &file, len, || {
+            truncated(file.metadata().map(|m| m.len()).unwrap_or(0))
+        })?;
         drop(file);
-        let view = py
-            .import("builtins")?
-            .getattr("memoryview")?
-            .call1((map,))?;
         let _ = cell.set(view.clone().unbind());
         Ok(cell.get().expect("set above").bind(py).clone())
     }
+}
+
+/// A read-only Python `mmap` of the first `len` bytes of `file` (which keeps its own duplicate
+/// of the descriptor), as a `memoryview`: slices of it keep the map alive. `truncated` is the
+/// error when the file turns out shorter than `len` (Python refuses to map past its end).
+pub(crate) fn map_read_only<'py>(
+    py: Python<'py>,
+    file: &std::fs::File,
+    len: u64,
+    truncated: impl FnOnce() -> PyErr,
+) -> PyResult<Bound<'py, PyAny>> {
+    let mmap = py.import("mmap")?;
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("access", mmap.getattr("ACCESS_READ")?)?;
+    let map = match mmap
+        .getattr("mmap")?
+        .call((file.as_raw_fd(), len), Some(&kwargs))
+    {
+        Ok(map) => map,
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyValueError>(py) => return Err(truncated()),
+        Err(e) => return Err(e),
+    };
+    py.import("builtins")?.getattr("memoryview")?.call1((map,))
 }
 
 impl PySide {
@@ -704,6 +711,40 @@ pub(crate) struct SampleMaker {
 }
 
 impl SampleMaker {
+    /// Bytes `offset .. offset + len` of shard `shard` of cache `cache` (record `row`'s
+    /// payload): a zero-copy slice of this dataset's own map of the shard, the one in-process
+    /// iteration serves, or `None` when the dataset has no such row or shard.
+    pub(crate) fn shard_data<'py>(
+        &self,
+        py: Python<'py>,
+        cache: u32,
+        row: u64,
+        (shard, offset, len): (u32, u64, u64),
+    ) -> Option<PyResult<Bound<'py, PyAny>>> {
+        let c = self.dataset.caches.get(cache as usize)?;
+        if c.len() <= row
+            || shard as usize >= c.num_shards()
+            || offset.checked_add(len)? > c.shard_len(shard)
+        {
+            return None;
+        }
+        let fetched = Fetched {
+            cache,
+            row,
+            payload: Payload::Mapped { shard, offset, len },
+        };
+        Some(self.py_side.payload(py, &self.dataset, &fetched))
+    }
+
+    /// The validated size of every shard of every cache (the bound of slot references).
+    pub(crate) fn shard_lens(&self) -> Vec<Vec<u64>> {
+        self.dataset
+            .caches
+            .iter()
+            .map(|c| (0..c.num_shards() as u32).map(|s| c.shard_len(s)).collect())
+            .collect()
+    }
+
     /// The sample at (`cache`, `row`) with payload `data`, or `None` when the dataset has no such
     /// sample.
     pub(crate) fn sample(&self, data: Py<PyAny>, cache: u32, row: u64) -> Option<CachedSample> {

@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use dataset_rt_core::dataset::State;
@@ -14,10 +14,11 @@ use dataset_rt_core::error::io_errno;
 use dataset_rt_core::metadata::MetaRef;
 use dataset_rt_core::os::{self, own_pid};
 use dataset_rt_core::ErrorKind;
-use dataset_rt_loader::batch::{decode_metadata, read_batch};
+use dataset_rt_loader::batch::{any_in_slot, decode_metadata, read_batch, Entry, Payload};
 use dataset_rt_loader::lifecycle;
 use dataset_rt_loader::plan::{self, PassPlan, Plan};
 use dataset_rt_loader::producer;
+use dataset_rt_loader::shards::ShardTable;
 use dataset_rt_shm::layout::*;
 use dataset_rt_shm::private_copy::replace_with_private_copy;
 use dataset_rt_shm::results;
@@ -286,12 +287,77 @@ struct OwnerPass {
     samples: SampleMaker,
 }
 
+/// A consumer process's maps of the shard files that slot references point into: each file
+/// is opened by its path, checked against the training process's [`ShardTable`] (the same
+/// file, not cut short) and mapped read-only on first use, then kept for the life of the
+/// handle (every pass of a persistent worker). Views of a record are slices of the map's
+/// `memoryview`, so they keep it alive however long they are kept.
+struct ShardViews {
+    table: ShardTable,
+    views: Vec<Vec<OnceLock<Py<PyAny>>>>,
+}
+
+impl ShardViews {
+    fn new(table: ShardTable) -> Self {
+        let views = table
+            .caches
+            .iter()
+            .map(|c| c.shards.iter().map(|_| OnceLock::new()).collect())
+            .collect();
+        ShardViews { table, views }
+    }
+
+    /// The view of record bytes `offset .. offset + len` of shard `shard` of cache `cache`
+    /// (checked against the table by `read_batch`).
+    fn record<'py>(
+        &self,
+        py: Python<'py>,
+        cache: u32,
+        (shard, offset, len): (u32, u64, u64),
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let cell = &self.views[cache as usize][shard as usize];
+        let view = match cell.get() {
+            Some(view) => view.bind(py).clone(),
+            None => {
+                let file = py.detach(|| self.table.open(cache, shard)).py_shm()?;
+                let size = self.table.caches[cache as usize].shards[shard as usize].len;
+                let view = crate::dataset::map_read_only(py, &file, size, || {
+                    loader_err(
+                        dataset_rt_core::Error::malformed(
+                            &self.table.caches[cache as usize].name,
+                            self.table.path(cache, shard).unwrap_or_default(),
+                            format!(
+                                "the file was truncated below its {size} bytes while the loader \
+                                 mapped it: a published cache must not be modified while it is \
+                                 read"
+                            ),
+                        )
+                        .into(),
+                    )
+                })?;
+                let _ = cell.set(view.unbind());
+                cell.get().expect("set above").bind(py).clone()
+            }
+        };
+        view.get_item(PySlice::new(
+            py,
+            offset as isize,
+            (offset + len) as isize,
+            1,
+        ))
+    }
+}
+
 /// One party's view of a pass's segments.
 #[pyclass(module = "dataset_rt._native", frozen)]
 pub struct RingHandle {
     ring: Arc<Ring>,
     role: Role,
     consumer: Option<usize>,
+    /// The validated size of every shard, per cache: the bound of every slot reference.
+    shard_lens: Vec<Vec<u64>>,
+    /// A consumer's maps of the shards references point into (the owner reads its dataset's).
+    shard_views: Option<ShardViews>,
     /// A consumer's heartbeat thread, from attach until `retire`.
     heartbeat: Mutex<Option<Heartbeat>>,
     /// The generation of the last pass `take_ticket` found over (`wait_next_pass` waits past it).
@@ -307,6 +373,8 @@ impl RingHandle {
             ring,
             role: Role::Owner,
             consumer: None,
+            shard_lens: owner.samples.shard_lens(),
+            shard_views: None,
             heartbeat: Mutex::new(None),
             last_generation: AtomicU32::new(0),
             owner: Some(owner),
@@ -318,9 +386,18 @@ impl RingHandle {
 impl RingHandle {
     /// Attaches a consumer process by the control segment's name (checks magic, version and
     /// geometry) and starts its heartbeat thread, which proves the process alive while user
-    /// code runs. Call `mark_attached` once the ring is mapped on the Python side too.
+    /// code runs. `shard_table` is the owner handle's: the shard files that slot references
+    /// point into. Call `mark_attached` once the ring is mapped on the Python side too.
     #[staticmethod]
-    fn attach(py: Python<'_>, ctl_name: &str, consumer: usize) -> PyResult<RingHandle> {
+    fn attach(
+        py: Python<'_>,
+        ctl_name: &str,
+        consumer: usize,
+        shard_table: &str,
+    ) -> PyResult<RingHandle> {
+        let table: ShardTable = serde_json::from_str(shard_table).map_err(|e| {
+            LoaderError::new_err(format!("a loader worker's shard table is not valid: {e}"))
+        })?;
         let ring = Arc::new(py.detach(|| lifecycle::attach(ctl_name)).py_shm()?);
         ring.register_consumer(consumer, own_pid()).py_shm()?;
         let heartbeat = ring.keep_alive(Party::Consumer(consumer)).py_shm()?;
@@ -328,6 +405,8 @@ impl RingHandle {
             ring,
             role: Role::Child,
             consumer: Some(consumer),
+            shard_lens: table.lens(),
+            shard_views: Some(ShardViews::new(table)),
             heartbeat: Mutex::new(Some(heartbeat)),
             last_generation: AtomicU32::new(0),
             owner: None,
@@ -358,6 +437,16 @@ impl RingHandle {
                 (index, s.silent.as_secs_f64())
             })
             .collect()
+    }
+
+    /// The shard files of the owner's dataset (JSON, for `attach`): the consumers map the
+    /// slots' references from these very files.
+    #[getter]
+    fn shard_table(&self) -> PyResult<String> {
+        let Some(owner) = &self.owner else {
+            return Err(LoaderError::new_err("shard_table needs the owner's handle"));
+        };
+        Ok(serde_json::to_string(&owner.plan.spec.shards).expect("plain data"))
     }
 
     /// Bytes of one slot (a multiple of 4096).
@@ -458,16 +547,26 @@ impl RingHandle {
     }
 
     /// Waits up to `timeout` seconds for batch `ticket` and takes it: (slot offset in the ring
-    /// segment, bytes used, [(offset in the slot, length, metadata dict) per sample], the
+    /// segment, bytes used, [(offset in the slot, length, metadata dict, view) per sample], the
     /// samples' global indices as the producer wrote them), or `None` when it is not ready yet.
-    /// Raises `RingClosed` when this party must exit, or the producer's error (owner).
+    /// A sample's `view` is its payload when the slot carries a reference to its record (a
+    /// read-only slice of this process's map of the shard file), else `None` and the payload is
+    /// the slot's bytes at the offset and length. Raises `RingClosed` when this party must exit,
+    /// or the producer's error (owner).
     #[allow(clippy::type_complexity)]
     fn wait_batch<'py>(
         &self,
         py: Python<'py>,
         ticket: u64,
         timeout: f64,
-    ) -> PyResult<Option<(u64, u64, Vec<(u64, u64, Bound<'py, PyDict>)>, Vec<u64>)>> {
+    ) -> PyResult<
+        Option<(
+            u64,
+            u64,
+            Vec<(u64, u64, Bound<'py, PyDict>, Option<Bound<'py, PyAny>>)>,
+            Vec<u64>,
+        )>,
+    > {
         let timeout = Duration::from_secs_f64(timeout.max(0.0));
         let ring = &self.ring;
         let taken = py.detach(|| ring.wait_ready(ticket, timeout, self.role, self.consumer));
@@ -482,31 +581,36 @@ impl RingHandle {
         }
         let slot = ring.slot(ticket);
         let base = ring.slot_offset(ticket);
-        let entries = read_batch(slot, ticket).py_shm()?;
+        let entries = read_batch(slot, ticket, &self.shard_lens).py_shm()?;
         let mut out = Vec::with_capacity(entries.len());
         let indices = entries.iter().map(|e| e.global).collect();
         for e in entries {
-            let meta = &slot[e.meta_off as usize..e.meta_off as usize + e.meta_len as usize];
-            let dict = PyDict::new(py);
-            for (key, value) in decode_metadata(meta).py_shm()? {
-                match value {
-                    MetaRef::Bool(b) => dict.set_item(key, b)?,
-                    MetaRef::Int(i) => dict.set_item(key, i)?,
-                    MetaRef::Float(f) => dict.set_item(key, f)?,
-                    MetaRef::Str(s) => dict.set_item(key, s)?,
+            let dict = metadata_dict(py, slot, &e)?;
+            match e.payload {
+                Payload::Slot { off, len } => out.push((off, len, dict, None)),
+                Payload::Shard(r) => {
+                    let Some(views) = &self.shard_views else {
+                        return Err(LoaderError::new_err("wait_batch needs a consumer's handle"));
+                    };
+                    let view = views.record(py, e.cache, (r.shard, r.offset, r.len))?;
+                    out.push((0, r.len, dict, Some(view)));
                 }
             }
-            out.push((e.data_off, e.data_len, dict));
         }
         let used = u64::from_le_bytes(slot[B_USED..B_USED + 8].try_into().expect("8 bytes"));
         Ok(Some((base, used, out, indices)))
     }
 
     /// The training process's own take of batch `ticket` (`num_workers=0`, owner only): waits up
-    /// to `timeout` seconds for it and takes it, maps its slot (`mmap.mmap` of the used bytes of
-    /// the ring file `fd`, `ACCESS_READ`) and returns `(map, samples, indices)`: one
-    /// `CachedSample` per sample, its `data` a slice of `memoryview(map)` (no copy), its metadata
-    /// built on first access, and the samples' global indices as the producer wrote them. `None` when the batch is not ready yet; raises as `wait_batch` does.
+    /// to `timeout` seconds for it and takes it, and returns `(map, samples, indices)`: one
+    /// `CachedSample` per sample, its metadata built on first access, and the samples' global
+    /// indices as the producer wrote them. A sample whose record the slot references has as
+    /// `data` a slice of the dataset's own map of the shard file, as in-process iteration
+    /// serves it; one whose payload is in the slot (decompressed) a slice of `memoryview(map)`,
+    /// `map` being the `mmap.mmap` of the slot's used bytes of the ring file `fd` (`ACCESS_READ`,
+    /// no copy). When no payload is in the slot, nothing can reference it: `map` is `None` and
+    /// the slot is given back at once. `None` when the batch is not ready yet; raises as
+    /// `wait_batch` does.
     #[allow(clippy::type_complexity)]
     fn take_batch<'py>(
         &self,
@@ -514,7 +618,7 @@ impl RingHandle {
         ticket: u64,
         timeout: f64,
         fd: i32,
-    ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyList>, Vec<u64>)>> {
+    ) -> PyResult<Option<(Option<Bound<'py, PyAny>>, Bound<'py, PyList>, Vec<u64>)>> {
         let Some(owner) = &self.owner else {
             return Err(LoaderError::new_err("take_batch needs the owner's handle"));
         };
@@ -527,49 +631,47 @@ impl RingHandle {
             return Ok(None);
         }
         let slot = ring.slot(ticket);
-        let entries = read_batch(slot, ticket).py_shm()?;
-        let used = u64::from_le_bytes(slot[B_USED..B_USED + 8].try_into().expect("8 bytes"));
-        let mmap = py.import("mmap")?;
-        let kwargs = PyDict::new(py);
-        kwargs.set_item("offset", ring.slot_offset(ticket))?;
-        kwargs.set_item("access", mmap.getattr("ACCESS_READ")?)?;
-        let map = match mmap.getattr("mmap")?.call((fd, used), Some(&kwargs)) {
-            Ok(map) => map,
-            Err(e) if is_enomem(py, &e) => {
-                return Err(PyMemoryError::new_err(format!(
-                    "mapping the ring slot of batch {ticket} failed: {e}. The process is out \
-                     of memory or of mappings: each batch the training loop keeps holds its \
-                     bytes and is one mapping, and Linux allows a process vm.max_map_count of \
-                     them (65,530 by default): keep fewer batches, or copy what must be kept \
-                     (bytes(sample.data))"
-                )))
-            }
-            Err(e) => return Err(e),
+        let entries = read_batch(slot, ticket, &self.shard_lens).py_shm()?;
+        let map = if any_in_slot(&entries) {
+            Some(self.map_slot(py, ticket, fd)?)
+        } else {
+            None
         };
-        let whole = py
-            .import("builtins")?
-            .getattr("memoryview")?
-            .call1((&map,))?;
+        let whole = map
+            .as_ref()
+            .map(|map| py.import("builtins")?.getattr("memoryview")?.call1((map,)))
+            .transpose()?;
+        let unknown = |i: usize, e: &Entry| {
+            shm_err(ShmError::Protocol(format!(
+                "slot of batch {ticket}: sample {i} names row {} of cache {}, which this \
+                 dataset does not have",
+                e.row, e.cache
+            )))
+        };
         let samples = PyList::empty(py);
         for (i, e) in entries.iter().enumerate() {
-            // read_batch checked that every payload lies within the used bytes.
-            let slice = PySlice::new(
-                py,
-                e.data_off as isize,
-                (e.data_off + e.data_len) as isize,
-                1,
-            );
-            let data = whole.get_item(slice)?.unbind();
-            let sample = owner.samples.sample(data, e.cache, e.row).ok_or_else(|| {
-                shm_err(ShmError::Protocol(format!(
-                    "slot of batch {ticket}: sample {i} names row {} of cache {}, which this \
-                     dataset does not have",
-                    e.row, e.cache
-                )))
-            })?;
+            let data = match (e.payload, &whole) {
+                // read_batch checked that every payload lies within the used bytes.
+                (Payload::Slot { off, len }, Some(whole)) => {
+                    whole.get_item(PySlice::new(py, off as isize, (off + len) as isize, 1))?
+                }
+                (Payload::Slot { .. }, None) => unreachable!("mapped when any payload is in it"),
+                (Payload::Shard(r), _) => owner
+                    .samples
+                    .shard_data(py, e.cache, e.row, (r.shard, r.offset, r.len))
+                    .ok_or_else(|| unknown(i, e))??,
+            };
+            let sample = owner
+                .samples
+                .sample(data.unbind(), e.cache, e.row)
+                .ok_or_else(|| unknown(i, e))?;
             samples.append(sample)?;
         }
         let indices = entries.iter().map(|e| e.global).collect();
+        if map.is_none() {
+            // Every payload is a view of a shard map: nothing refers to the slot any more.
+            self.ring.release(ticket, self.consumer).py_shm()?;
+        }
         Ok(Some((map, samples, indices)))
     }
 
@@ -650,6 +752,44 @@ impl RingHandle {
             .error()
             .map(|e| format!("batch {}: {}", e.batch, e.text))
     }
+}
+
+impl RingHandle {
+    /// A read-only `mmap.mmap` of the used bytes of batch `ticket`'s slot in the ring file `fd`.
+    fn map_slot<'py>(&self, py: Python<'py>, ticket: u64, fd: i32) -> PyResult<Bound<'py, PyAny>> {
+        let slot = self.ring.slot(ticket);
+        let used = u64::from_le_bytes(slot[B_USED..B_USED + 8].try_into().expect("8 bytes"));
+        let mmap = py.import("mmap")?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("offset", self.ring.slot_offset(ticket))?;
+        kwargs.set_item("access", mmap.getattr("ACCESS_READ")?)?;
+        match mmap.getattr("mmap")?.call((fd, used), Some(&kwargs)) {
+            Ok(map) => Ok(map),
+            Err(e) if is_enomem(py, &e) => Err(PyMemoryError::new_err(format!(
+                "mapping the ring slot of batch {ticket} failed: {e}. The process is out \
+                 of memory or of mappings: each batch the training loop keeps holds its \
+                 bytes and is one mapping, and Linux allows a process vm.max_map_count of \
+                 them (65,530 by default): keep fewer batches, or copy what must be kept \
+                 (bytes(sample.data))"
+            ))),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The metadata dict of slot entry `e`, decoded from the slot.
+fn metadata_dict<'py>(py: Python<'py>, slot: &[u8], e: &Entry) -> PyResult<Bound<'py, PyDict>> {
+    let meta = &slot[e.meta_off as usize..e.meta_off as usize + e.meta_len as usize];
+    let dict = PyDict::new(py);
+    for (key, value) in decode_metadata(meta).py_shm()? {
+        match value {
+            MetaRef::Bool(b) => dict.set_item(key, b)?,
+            MetaRef::Int(i) => dict.set_item(key, i)?,
+            MetaRef::Float(f) => dict.set_item(key, f)?,
+            MetaRef::Str(s) => dict.set_item(key, s)?,
+        }
+    }
+    Ok(dict)
 }
 
 fn is_enomem(py: Python<'_>, err: &PyErr) -> bool {

@@ -1,0 +1,159 @@
+//! The shard files that slot references point into (see "Slot content" in `shm/LAYOUT.md`).
+//!
+//! The training process opened and validated the dataset's caches; the producer verifies the
+//! records it references and the consumers map the bytes. All three must read the very same
+//! files, so the training process records each shard's identity (device, inode and validated
+//! size) in a [`ShardTable`], hands it to the producer (in its spec) and to the consumers, and
+//! each refuses a shard file that is not that one: a cache replaced or truncated under the
+//! loader is an error naming the file, never another file's bytes or a SIGBUS.
+
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+
+use dataset_rt_core::cache::Cache;
+use dataset_rt_core::dataset::Dataset;
+use dataset_rt_core::format::shard_file_name;
+use dataset_rt_core::Error as CoreError;
+use serde::{Deserialize, Serialize};
+
+use crate::Result;
+
+/// One shard file as the training process validated it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardFile {
+    /// Validated size in bytes: what is mapped, and the bound of every reference into it.
+    pub len: u64,
+    pub dev: u64,
+    pub ino: u64,
+}
+
+/// The shard files of one cache.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheShards {
+    pub name: String,
+    pub dir: PathBuf,
+    pub shards: Vec<ShardFile>,
+}
+
+/// The shard files of every cache of a dataset, in the dataset's cache order.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardTable {
+    pub caches: Vec<CacheShards>,
+}
+
+/// The identity of an open file: (device, inode, current size).
+fn identity(file: &File, path: &std::path::Path) -> Result<(u64, u64, u64)> {
+    let meta = file
+        .metadata()
+        .map_err(|e| CoreError::io("stat", path, e))?;
+    Ok((meta.dev(), meta.ino(), meta.len()))
+}
+
+impl ShardTable {
+    /// The table of `ds`'s caches: the files the core validated and keeps open.
+    pub fn of(ds: &Dataset) -> Result<ShardTable> {
+        let caches = ds
+            .caches
+            .iter()
+            .map(|cache| {
+                let shards = (0..cache.num_shards() as u32)
+                    .map(|s| {
+                        let (dev, ino, _) = identity(cache.shard_file(s), &cache.shard_path(s))?;
+                        Ok(ShardFile {
+                            len: cache.shard_len(s),
+                            dev,
+                            ino,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(CacheShards {
+                    name: cache.name().to_owned(),
+                    dir: cache.dir.clone(),
+                    shards,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ShardTable { caches })
+    }
+
+    /// The validated size of every shard, per cache: what `read_batch` checks references
+    /// against.
+    pub fn lens(&self) -> Vec<Vec<u64>> {
+        self.caches
+            .iter()
+            .map(|c| c.shards.iter().map(|s| s.len).collect())
+            .collect()
+    }
+
+    /// The path of shard `shard` of cache `cache` (the storage format's name for it), or `None`
+    /// when the table has no such shard.
+    pub fn path(&self, cache: u32, shard: u32) -> Option<PathBuf> {
+        let c = self.caches.get(cache as usize)?;
+        c.shards.get(shard as usize)?;
+        Some(c.dir.join(shard_file_name(shard)))
+    }
+
+    /// Why `file`, opened as shard `shard` of cache `cache`, is not the file in the table.
+    fn check_file(&self, cache: u32, shard: u32, file: &File) -> Result<()> {
+        let c = &self.caches[cache as usize];
+        let want = c.shards[shard as usize];
+        let path = c.dir.join(shard_file_name(shard));
+        let (dev, ino, len) = identity(file, &path)?;
+        let reason = if (dev, ino) != (want.dev, want.ino) {
+            "the file was replaced since the dataset was opened"
+        } else if len < want.len {
+            "the file was truncated since the dataset was opened"
+        } else {
+            return Ok(());
+        };
+        Err(CoreError::malformed(
+            &c.name,
+            &path,
+            format!(
+                "{reason} (device {dev}, inode {ino}, {len} bytes; the loader reads device {}, \
+                 inode {}, {} bytes): a published cache must not be modified while it is read; \
+                 open the dataset again",
+                want.dev, want.ino, want.len
+            ),
+        )
+        .into())
+    }
+
+    /// Opens shard `shard` of cache `cache` by its path and checks that it is the file in the
+    /// table (same device and inode, not shorter than its validated size). The caller maps
+    /// exactly the table's `len` bytes of it.
+    pub fn open(&self, cache: u32, shard: u32) -> Result<File> {
+        let path = self.path(cache, shard).ok_or_else(|| {
+            crate::protocol(format!(
+                "shard {shard} of cache {cache} is not in the loader's shard table"
+            ))
+        })?;
+        let file = File::open(&path).map_err(|e| CoreError::io("open", &path, e))?;
+        self.check_file(cache, shard, &file)?;
+        Ok(file)
+    }
+
+    /// Checks that `ds` (the producer's own opening of the caches) reads the table's files.
+    pub fn check(&self, ds: &Dataset) -> Result<()> {
+        let counts = |caches: &[std::sync::Arc<Cache>]| -> Vec<usize> {
+            caches.iter().map(|c| c.num_shards()).collect()
+        };
+        let table_counts: Vec<usize> = self.caches.iter().map(|c| c.shards.len()).collect();
+        if counts(&ds.caches) != table_counts {
+            return Err(crate::protocol(format!(
+                "the shard table has {table_counts:?} shards per cache, the caches {:?}",
+                counts(&ds.caches)
+            )));
+        }
+        for (c, cache) in ds.caches.iter().enumerate() {
+            for s in 0..cache.num_shards() as u32 {
+                self.check_file(c as u32, s, cache.shard_file(s))?;
+            }
+        }
+        Ok(())
+    }
+}

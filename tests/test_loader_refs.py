@@ -1,0 +1,152 @@
+"""Records stored uncompressed travel through the loader's ring as references to their shard
+file: the producer copies nothing, and every consumer serves a read-only view of its own map of
+the shard (LZ4 records still travel decompressed in the slot)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+
+import pytest
+from loader_helpers import (  # noqa: F401
+    load,
+    load_lz4,
+    no_leaks,
+    own_segments,
+    payload,
+    payload_lz4,
+)
+
+from dataset_rt import DatasetRTError
+from dataset_rt._loader import DataLoader, slots
+
+SIZE = 16 * 1024
+N = 40
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("refs-cache")
+    load(path, N, size=SIZE)
+    return path
+
+
+def mapped_file(address: int) -> str:
+    """The file (or pseudo-file) this process maps at `address`."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return fields[5] if len(fields) > 5 else ""
+    raise AssertionError(f"{address:#x} is not mapped")
+
+
+def address_of(view: memoryview) -> int:
+    import numpy as np
+
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
+def where_is(sample):
+    """What a worker's transform sees as ``sample.data``: its type, what it views, the file
+    mapped under it (read in the worker), read-only or not, and whether the bytes are right."""
+    data = sample.data
+    i = sample.metadata["i"]
+    return (
+        type(data).__name__,
+        type(data.obj).__name__,
+        mapped_file(address_of(data)),
+        data.readonly,
+        i,
+        bytes(data) == payload(i, SIZE),
+    )
+
+
+def test_views_at_num_workers_0_are_slices_of_the_shard_map(base, monkeypatch):
+    dataset = load(base, N, size=SIZE)
+    shard = str(base / "loader" / "shards" / "000000.bin")
+    expected = [(s.metadata["i"], bytes(s.data)) for s in dataset]
+    dataset.set_epoch(0)
+    slot_maps = []
+    init = slots.SlotMap.__init__
+
+    def recording(self, seq, slot_map):
+        slot_maps.append(seq)
+        init(self, seq, slot_map)
+
+    monkeypatch.setattr(slots.SlotMap, "__init__", recording)
+    kept = []
+    with DataLoader(dataset, batch_size=6, num_workers=0) as loader:
+        for batch in loader:
+            for s in batch:
+                view = s.data
+                assert isinstance(view, memoryview) and view.readonly
+                # The base chain ends in a Python mmap of the shard file, not of the ring.
+                assert isinstance(view.obj, mmap.mmap)
+                assert mapped_file(address_of(view)) == shard
+                kept.append((s.metadata["i"], view))
+    # No slot was mapped: every payload was a reference, its slot handed back at once.
+    assert slot_maps == []
+    assert [(i, bytes(v)) for i, v in kept] == expected
+    # Kept views are views of the shard map: valid after the loader closed, no copy made.
+    assert all(bytes(v) == payload(i, SIZE) for i, v in kept)
+    assert own_segments() == []
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_worker_transforms_receive_views_of_the_shard_map(base, persistent):
+    dataset = load(base, N, size=SIZE)
+    shard = str(base / "loader" / "shards" / "000000.bin")
+    with DataLoader(
+        dataset,
+        batch_size=5,
+        num_workers=2,
+        transform=where_is,
+        persistent_workers=persistent,
+    ) as loader:
+        for epoch in range(2):
+            dataset.set_epoch(epoch)
+            expected = [s.metadata["i"] for s in dataset]
+            got = [x for b in loader for x in b]
+            assert [i for *_, i, _ in got] == expected
+            assert {(k, o, f, ro, ok) for k, o, f, ro, _, ok in got} == {
+                ("memoryview", "mmap", shard, True, True)
+            }
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_lz4_records_still_travel_in_the_slot(tmp_path, num_workers):
+    size = 8192
+    dataset = load_lz4(tmp_path, 20, size=size)
+    assert sum(f.stat().st_size for f in (tmp_path / "loader" / "shards").iterdir()) < 20 * size
+    dataset.set_epoch(0)
+    expected = [s.metadata["i"] for s in dataset]
+    with DataLoader(
+        dataset, batch_size=3, num_workers=num_workers, transform=lz4_where_is
+    ) as loader:
+        got = [x for b in loader for x in b]
+    assert [i for i, *_ in got] == expected
+    assert all(ok and mapped.startswith("/dev/shm/dataset-rt-") for _, ok, mapped in got), got
+
+
+def lz4_where_is(sample):
+    i = sample.metadata["i"]
+    return i, bytes(sample.data) == payload_lz4(i, 8192), mapped_file(address_of(sample.data))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_shard_replaced_under_the_loader_is_an_error(tmp_path, num_workers):
+    dataset = load(tmp_path, 12, size=1024)
+    shard = tmp_path / "loader" / "shards" / "000000.bin"
+    # The same bytes in a new file: only the file's identity tells it apart.
+    shutil.copyfile(shard, tmp_path / "copy.bin")
+    os.replace(tmp_path / "copy.bin", shard)
+    with (
+        DataLoader(dataset, batch_size=4, num_workers=num_workers) as loader,
+        pytest.raises(DatasetRTError, match="replaced since the dataset was opened") as caught,
+    ):
+        next(iter(loader))
+    assert str(shard) in str(caught.value)
+    assert own_segments() == []
