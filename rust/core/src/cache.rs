@@ -68,11 +68,11 @@ fn map_sized(cache: &str, dir: &Path, rel: &str, file: &File, len: u64) -> Resul
     // SAFETY: `Mmap` hands out `&[u8]` over the file, which Rust assumes nobody changes while
     // it is borrowed. DatasetRT never modifies a published file (they are read-only, 0444), but
     // another process with write access can, and nothing here can stop it:
-    // - bytes changed in place are seen by every later read; under the default verify policy a
+    // - bytes changed in place are seen by every later read; under `VerifyPolicy::Always` a
     //   record is verified against its checksum each time it is fetched, so a change made before
     //   that fetch is an error, but a change made after it (for example under a zero-copy view
-    //   already handed out, or after the first fetch under `VerifyPolicy::Once`) is not
-    //   detected;
+    //   already handed out, or after the first fetch under `VerifyPolicy::Once`, the default of
+    //   `ReaderConfig`) is not detected;
     // - a file truncated while mapped makes any access to the lost pages raise SIGBUS, which
     //   kills the process.
     // Both are documented in docs/storage-format.md ("Reading while files change"). Replacing

@@ -257,9 +257,10 @@ impl Dataset {
         }
     }
 
-    /// Reads under `policy` (the default is [`VerifyPolicy::Always`]). Under `Once` the dataset
-    /// keeps one bit per sample, shared by all its readers: a sample whose record passed its
-    /// checksum is not hashed again by this dataset.
+    /// Reads under `policy` ([`Dataset::new`] reads under [`VerifyPolicy::Always`]; the default
+    /// of `ReaderConfig` is `Once`). Under `Once` the dataset keeps one bit per sample, shared by
+    /// all its readers: a sample whose record passed its checksum is not hashed again by this
+    /// dataset.
     pub fn with_verify(mut self, policy: VerifyPolicy) -> Self {
         self.verify = match policy {
             VerifyPolicy::Always => Verifier::Always,
