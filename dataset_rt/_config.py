@@ -40,8 +40,8 @@ class ReaderConfig:
     - ``shuffle``: ``False`` reads in storage order, caches in source order.
     - ``validate_cache``: also hash every shard when loading (structure, index and metadata
       checksums are always checked; record checksums follow ``verify``).
-    - ``verify``: when a record's checksum is checked as it is read. ``"always"`` (the default):
-      on every read. ``"once"``: the first time this process reads the record (one bit per sample
+    - ``verify``: when a record's checksum is checked as it is read. ``"always"``: on every read.
+      ``"once"`` (the default): the first time this process reads the record (one bit per sample
       remembers it, shared by the dataset's readers; the loader's producer process keeps its own).
       ``"never"``: not at read time. Under every policy the record's header is checked against the
       index on every read, so a damaged record cannot make a read or LZ4 decoding go out of bounds;
@@ -60,7 +60,7 @@ class ReaderConfig:
     prefetch_size: int = 64
     shuffle: bool = True
     validate_cache: bool = False
-    verify: Literal["always", "once", "never"] = "always"
+    verify: Literal["always", "once", "never"] = "once"
     rank: int | None = None
     world_size: int | None = None
     drop_last: bool = False

@@ -67,8 +67,8 @@ def assert_names_the_record(err: CorruptRecordError, cache_dir: Path, sample: in
     assert "checksum mismatch" in message
 
 
-def test_verify_defaults_to_always_and_takes_only_the_three_policies():
-    assert ReaderConfig().verify == "always"
+def test_verify_defaults_to_once_and_takes_only_the_three_policies():
+    assert ReaderConfig().verify == "once"
     for policy in ("always", "once", "never"):
         assert ReaderConfig(verify=policy).verify == policy  # type: ignore[arg-type]
     for bad in ("Always", "sometimes", "", 1, None, True):

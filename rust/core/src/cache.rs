@@ -68,11 +68,11 @@ fn map_sized(cache: &str, dir: &Path, rel: &str, file: &File, len: u64) -> Resul
     // SAFETY: `Mmap` hands out `&[u8]` over the file, which Rust assumes nobody changes while
     // it is borrowed. DatasetRT never modifies a published file (they are read-only, 0444), but
     // another process with write access can, and nothing here can stop it:
-    // - bytes changed in place are seen by every later read; under the default verify policy a
+    // - bytes changed in place are seen by every later read; under `VerifyPolicy::Always` a
     //   record is verified against its checksum each time it is fetched, so a change made before
     //   that fetch is an error, but a change made after it (for example under a zero-copy view
-    //   already handed out, or after the first fetch under `VerifyPolicy::Once`) is not
-    //   detected;
+    //   already handed out, or after the first fetch under `VerifyPolicy::Once`, the default of
+    //   `ReaderConfig`) is not detected;
     // - a file truncated while mapped makes any access to the lost pages raise SIGBUS, which
     //   kills the process.
     // Both are documented in docs/storage-format.md ("Reading while files change"). Replacing
@@ -369,9 +369,36 @@ impl Cache {
         self.len() == 0
     }
 
+    /// Whether any record may be stored compressed: not in a cache written without compression
+    /// (`check_record` refuses a record that claims otherwise).
+    pub fn may_hold_compressed(&self) -> bool {
+        self.manifest.compression.algo != CompressionAlgo::None
+    }
+
     pub fn entry(&self, sample: u64) -> IndexEntry {
         let start = (INDEX_HEADER_LEN + sample * INDEX_ENTRY_LEN) as usize;
         IndexEntry::decode(&self.index[start..start + INDEX_ENTRY_LEN as usize])
+    }
+
+    /// Asks the CPU to bring in the header of record `sample` (a hint: nothing is read, no
+    /// fault is taken, a bad index entry is ignored here and reported by the read).
+    pub fn prefetch_record(&self, sample: u64) {
+        let e = self.entry(sample);
+        let Some(shard) = self.shards.get(e.shard as usize) else {
+            return;
+        };
+        let Some(header) = usize::try_from(e.offset).ok().and_then(|o| shard.get(o..)) else {
+            return;
+        };
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            // SAFETY: a prefetch is a hint: it reads no data and cannot fault, and the address
+            // lies in the shard's map anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(header.as_ptr().cast()) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = header;
     }
 
     pub fn shard_path(&self, shard: u32) -> PathBuf {
@@ -498,6 +525,17 @@ impl Cache {
                     "payload stored raw, but stored_len {} and raw_len {} differ",
                     h.stored_len, h.raw_len
                 ),
+            ));
+        }
+        if lz4 && self.manifest.compression.algo == CompressionAlgo::None {
+            // Readers size their read-ahead on this: a cache written without compression has
+            // nothing to decompress.
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                "the record is stored LZ4-compressed, but the manifest says the cache was \
+                 written without compression",
             ));
         }
         if lz4 && u64::from(h.raw_len) > LZ4_MAX_RATIO * u64::from(h.stored_len) {

@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
@@ -178,6 +178,9 @@ pub struct Dataset {
     fingerprint: String,
     id_indexes: Vec<OnceLock<IdIndex>>,
     verify: Verifier,
+    /// Whether any cache may hold compressed records; if none does, every sample is served from
+    /// the map and costs no read-ahead bytes.
+    may_decompress: bool,
 }
 
 /// A [`VerifyPolicy`] with what it needs: under `Once`, the samples already verified.
@@ -243,18 +246,21 @@ impl Dataset {
         }
         starts.push(total);
         let id_indexes = caches.iter().map(|_| OnceLock::new()).collect();
+        let may_decompress = caches.iter().any(|c| c.may_hold_compressed());
         Dataset {
             caches,
             starts,
             fingerprint: format!("{:032x}", h.digest128()),
+            may_decompress,
             id_indexes,
             verify: Verifier::Always,
         }
     }
 
-    /// Reads under `policy` (the default is [`VerifyPolicy::Always`]). Under `Once` the dataset
-    /// keeps one bit per sample, shared by all its readers: a sample whose record passed its
-    /// checksum is not hashed again by this dataset.
+    /// Reads under `policy` ([`Dataset::new`] reads under [`VerifyPolicy::Always`]; the default
+    /// of `ReaderConfig` is `Once`). Under `Once` the dataset keeps one bit per sample, shared by
+    /// all its readers: a sample whose record passed its checksum is not hashed again by this
+    /// dataset.
     pub fn with_verify(mut self, policy: VerifyPolicy) -> Self {
         self.verify = match policy {
             VerifyPolicy::Always => Verifier::Always,
@@ -479,6 +485,9 @@ impl Dataset {
     /// cache was opened); `fetch` refuses a record whose header disagrees with it, and
     /// decompresses into at most this many bytes.
     pub fn decoded_bytes(&self, global: u64) -> u64 {
+        if !self.may_decompress {
+            return 0; // without a look at the index: a shuffled read's entry is a memory miss
+        }
         let (c, row) = self.locate(global);
         let e = self.caches[c].entry(row);
         if e.flags & FLAG_LZ4 != 0 {
@@ -497,6 +506,12 @@ impl Dataset {
             }
             Payload::Owned(bytes) => Cow::Owned(bytes),
         }
+    }
+
+    /// Asks the CPU to bring in the header of sample `global`'s record, without waiting for it.
+    pub fn prefetch_record(&self, global: u64) {
+        let (c, row) = self.locate(global);
+        self.caches[c].prefetch_record(row);
     }
 
     /// Checks (under the verification policy) and, when compressed, decompresses one sample.
@@ -538,12 +553,22 @@ impl Dataset {
 /// time, so a consumer that needs the chunk never sleeps until a worker is scheduled for it.
 struct Chunk {
     globals: Vec<u64>,
+    /// Set by the first thread to work on the chunk, which then brings in its record headers.
+    warmed: AtomicBool,
     claimed: AtomicUsize,
     done: AtomicUsize,
     /// One result per sample: a corrupt record fails only when its turn comes.
     results: Vec<Mutex<Option<Result<Fetched>>>>,
-    complete: Mutex<bool>,
+    completion: Mutex<Completion>,
     completed: Condvar,
+}
+
+/// Whether a chunk is complete, and whether its consumer sleeps until it is: the thread that
+/// completes it signals only a consumer that sleeps (a signal is a system call).
+#[derive(Default)]
+struct Completion {
+    complete: bool,
+    waiting: bool,
 }
 
 impl Chunk {
@@ -551,16 +576,24 @@ impl Chunk {
         let results = globals.iter().map(|_| Mutex::new(None)).collect();
         Chunk {
             globals,
+            warmed: AtomicBool::new(false),
             claimed: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
             results,
-            complete: Mutex::new(false),
+            completion: Mutex::new(Completion::default()),
             completed: Condvar::new(),
         }
     }
 
     /// Reads samples of this chunk until none is left to claim.
     fn work(&self, dataset: &Dataset, hook: Option<&FetchHook>) {
+        if !self.warmed.swap(true, Ordering::Relaxed) {
+            // Shuffled records are scattered over the shards: asking for all their headers at
+            // once overlaps the memory misses that reading them one by one would wait for in turn.
+            for &g in &self.globals {
+                dataset.prefetch_record(g);
+            }
+        }
         loop {
             let i = self.claimed.fetch_add(1, Ordering::AcqRel);
             let Some(&g) = self.globals.get(i) else {
@@ -574,19 +607,34 @@ impl Chunk {
             }
             *self.results[i].lock().unwrap() = Some(fetched);
             if self.done.fetch_add(1, Ordering::AcqRel) + 1 == self.globals.len() {
-                *self.complete.lock().unwrap() = true;
-                self.completed.notify_all();
+                let mut completion = self.completion.lock().unwrap();
+                completion.complete = true;
+                if completion.waiting {
+                    self.completed.notify_all();
+                }
             }
         }
     }
 
-    /// Waits until every sample was read, then takes the results in order.
+    fn is_complete(&self) -> bool {
+        self.done.load(Ordering::Acquire) == self.globals.len()
+    }
+
+    /// Waits until every sample was read, then takes the results in order. The samples still
+    /// being read take about a microsecond each: it spins (then yields) a little before it
+    /// sleeps, since a sleep and its wake-up cost more than that.
     fn take(&self) -> Vec<Result<Fetched>> {
-        let mut complete = self.complete.lock().unwrap();
-        while !*complete {
-            complete = self.completed.wait(complete).unwrap();
+        let backoff = crossbeam_utils::Backoff::new();
+        while !self.is_complete() && !backoff.is_completed() {
+            backoff.snooze();
         }
-        drop(complete);
+        if !self.is_complete() {
+            let mut completion = self.completion.lock().unwrap();
+            while !completion.complete {
+                completion.waiting = true;
+                completion = self.completed.wait(completion).unwrap();
+            }
+        }
         self.results
             .iter()
             .map(|r| {
@@ -791,11 +839,8 @@ impl EpochReader {
             let job = chunk.clone();
             let dataset = self.dataset.clone();
             let hook = self.on_fetched.clone();
-            // The job's slot is not needed: the chunk itself tells when it is complete.
-            self.pool.submit(move || {
-                job.work(&dataset, hook.as_ref());
-                Ok(())
-            })?;
+            // No result slot: the chunk itself tells when it is complete.
+            self.pool.spawn(move || job.work(&dataset, hook.as_ref()))?;
             self.in_flight.push_back(chunk);
             self.submitted = k1;
         }

@@ -105,6 +105,23 @@ impl Pool {
         Ok(slot)
     }
 
+    /// Runs `f` on a worker and tells nobody when it is done: for a job that reports through
+    /// what it shares with its submitter. No result slot is made or signalled, so a hand-off
+    /// costs a queue push (and a wake-up only when every worker sleeps). A panic in `f` is
+    /// caught and dropped: `f` must leave what it shares complete even when it panics.
+    pub fn spawn<F>(&self, f: F) -> Result<()>
+    where
+        F: FnOnce() + Send + 'static,
+    {
+        let sender = self.sender()?;
+        let job: Job = Box::new(move || {
+            let _ = catch_unwind(AssertUnwindSafe(f));
+        });
+        sender
+            .send(job)
+            .map_err(|_| Error::Runtime("the DatasetRuntime is closed".into()))
+    }
+
     /// Runs `f` on a worker and waits for it.
     pub fn run<T, F>(&self, f: F) -> Result<T>
     where
@@ -224,6 +241,22 @@ mod tests {
         assert_eq!(pool.run(|| Ok(1)).unwrap(), 1);
         pool.close();
         assert!(pool.run(|| Ok(1)).is_err());
+    }
+
+    #[test]
+    fn spawned_jobs_run_and_a_panic_leaves_the_pool_working() {
+        let pool = Pool::new(1).unwrap();
+        pool.spawn(|| panic!("boom")).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        pool.spawn(move || tx.send(7).unwrap()).unwrap();
+        let got = rx.recv_timeout(std::time::Duration::from_secs(10));
+        assert_eq!(
+            got,
+            Ok(7),
+            "the job after a panicking one ran on the same worker"
+        );
+        pool.close();
+        assert!(pool.spawn(|| ()).is_err());
     }
 
     #[test]

@@ -478,3 +478,51 @@ fn resigned_lz4_raw_length_beyond_what_lz4_can_expand_is_a_corrupt_record() {
         }
     }
 }
+
+/// A record flagged LZ4 in a cache whose manifest says it was written without compression is
+/// refused under every verify policy: readers size their read-ahead on that manifest setting
+/// (nothing to decompress), so such a record must not be decompressed.
+#[test]
+fn resigned_manifest_without_compression_refuses_a_compressed_record() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = golden_copy(tmp.path());
+    let cache = Cache::open(&dir, Validation::Structure).unwrap();
+    let sample = (0..cache.len())
+        .find(|&s| cache.entry(s).flags & dataset_rt_core::format::FLAG_LZ4 != 0)
+        .expect("the golden cache has a compressed record");
+    let offset = cache.entry(sample).offset;
+    drop(cache);
+    resign(&dir, |m| {
+        m.compression = dataset_rt_core::format::Compression::NONE;
+    });
+
+    let cache = Arc::new(Cache::open(&dir, Validation::Full).unwrap());
+    assert!(!cache.may_hold_compressed());
+    let never = Dataset::new(vec![cache.clone()]).with_verify(VerifyPolicy::Never);
+    assert_eq!(never.decoded_bytes(sample), 0);
+    let errors = [
+        cache.payload(sample).unwrap_err(),
+        never
+            .fetch(sample)
+            .err()
+            .expect("refused under verify=\"never\""),
+    ];
+    for err in errors {
+        match err {
+            Error::CorruptRecord {
+                sample: s,
+                offset: o,
+                reason,
+                ..
+            } => {
+                assert_eq!((s, o), (sample, offset));
+                assert_eq!(
+                    reason,
+                    "the record is stored LZ4-compressed, but the manifest says the cache was \
+                     written without compression"
+                );
+            }
+            other => panic!("expected CorruptRecord, got {other:?}"),
+        }
+    }
+}

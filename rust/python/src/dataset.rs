@@ -30,8 +30,11 @@ struct PyCache {
     keys: Vec<Py<PyString>>,
 }
 
+/// The Python side of a dataset, with the core dataset it belongs to: what a sample needs to
+/// build its metadata later, behind one reference count.
 struct PySide {
     caches: Vec<PyCache>,
+    dataset: Arc<core::Dataset>,
 }
 
 impl PySide {
@@ -137,11 +140,10 @@ impl PySide {
         Ok(match fetched.payload {
             Payload::Mapped { shard, offset, len } => {
                 let view = self.shard_view(py, cache, c, shard, fetched.row)?;
-                let slice = PySlice::new(py, offset as isize, (offset + len) as isize, 1);
-                let data = view.get_item(slice)?;
                 // The view has the validated size and the core checked the record against it,
                 // so this holds; it is checked because a short slice would be silently wrong.
-                if data.len()? as u64 != len {
+                let view_len = cache.shard_len(shard);
+                if offset.checked_add(len).is_none_or(|end| end > view_len) {
                     return Err(crate::errors::to_py(
                         dataset_rt_core::Error::CorruptRecord {
                             cache: cache.name().to_owned(),
@@ -149,13 +151,14 @@ impl PySide {
                             offset: cache.entry(fetched.row).offset,
                             sample: fetched.row,
                             reason: format!(
-                                "the payload's view holds {} bytes, the record {len}",
-                                data.len()?
+                                "the payload at {offset}..{offset} + {len} lies past the end of \
+                                 the shard's view of {view_len} bytes"
                             ),
                         },
                     ));
                 }
-                data
+                let slice = PySlice::new(py, offset as isize, (offset + len) as isize, 1);
+                view.get_item(slice)?
             }
             Payload::Owned(ref bytes) => PyBytes::new(py, bytes).into_any(),
         })
@@ -212,8 +215,10 @@ impl Dataset {
         opts: ReadOptions,
         verify: VerifyPolicy,
     ) -> PyResult<Self> {
+        let inner = Arc::new(core::Dataset::new(caches).with_verify(verify));
         let py_side = PySide {
-            caches: caches
+            caches: inner
+                .caches
                 .iter()
                 .map(|c| PyCache {
                     shards: (0..c.num_shards()).map(|_| OnceLock::new()).collect(),
@@ -225,10 +230,11 @@ impl Dataset {
                         .collect(),
                 })
                 .collect(),
+            dataset: inner.clone(),
         };
         Ok(Dataset {
             pool,
-            inner: Arc::new(core::Dataset::new(caches).with_verify(verify)),
+            inner,
             opts,
             weights: Mutex::new(WeightTable::uniform()),
             control: Mutex::new(EpochControl {
@@ -365,7 +371,9 @@ impl Dataset {
     fn __iter__(&self, py: Python<'_>) -> PyResult<DatasetIterator> {
         let pass = self.start_pass(py, 1)?;
         Ok(DatasetIterator {
-            reader: pass.reader,
+            // The iterator waits for a chunk without the GIL: reading its samples beside the
+            // workers then costs less than sleeping until they are done.
+            reader: pass.reader.consumer_helps(),
             dataset: self.inner.clone(),
             py_side: self.py_side.clone(),
             progress: pass.progress,
@@ -508,7 +516,6 @@ impl DatasetIterator {
                             data: data.unbind(),
                             metadata: OnceLock::new(),
                             origin: Some(Origin {
-                                dataset: self.dataset.clone(),
                                 py_side: self.py_side.clone(),
                                 cache: f.cache as usize,
                                 row: f.row,
@@ -695,7 +702,6 @@ impl Batch {
 
 /// Where a sample's metadata lives, so its dict is built only when first asked for.
 struct Origin {
-    dataset: Arc<core::Dataset>,
     py_side: Arc<PySide>,
     cache: usize,
     row: u64,
@@ -756,7 +762,6 @@ impl SampleMaker {
             data,
             metadata: OnceLock::new(),
             origin: Some(Origin {
-                dataset: self.dataset.clone(),
                 py_side: self.py_side.clone(),
                 cache: c,
                 row,
@@ -796,7 +801,7 @@ impl CachedSample {
             .as_ref()
             .expect("a sample without a dict has an origin");
         let dict = PyDict::new(py);
-        let cache = &origin.dataset.caches[origin.cache];
+        let cache = &origin.py_side.dataset.caches[origin.cache];
         let keys = &origin.py_side.caches[origin.cache].keys;
         for (key, (_, value)) in keys.iter().zip(cache.metadata.row(origin.row)) {
             match value {
