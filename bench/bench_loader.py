@@ -17,7 +17,8 @@ Contenders (a contender's key names its ``num_workers``):
 - ``drt_w0`` / ``drt_w1`` / ``drt_w2``: ``dataset_rt.DataLoader``; with ``num_workers=0`` the
   training process reads the ring itself (the cache is uncompressed, so each slot entry is a
   reference and each ``sample.data`` a memoryview of the shard's map, no copy); with workers,
-  results come back through the workers' result memory (raw bytes: one copy per payload);
+  results come back through the workers' result memory, except views of the shard maps, which
+  come back as references (raw bytes: no copy);
 - ``drt_w2_len``: 2 workers whose transform returns ``len()`` xor the first byte (an int), so
   the bytes stay in the workers: the ring's rate into worker processes;
 - ``drt_lz4_w0`` / ``drt_lz4_w2`` (raw-bytes workloads): the same loader over a copy of the
@@ -167,8 +168,8 @@ COPIES_RAW = {
         "ring slot; the loop gets memoryviews of its own map of the shard"
     ),
     "drt_w2": (
-        "1: the producer writes references; worker: its shard map -> its result memory; 0 in "
-        "the trainer: memoryviews of that memory"
+        "0: the producer writes references, the workers send them back (their results view "
+        "their shard maps); the trainer: memoryviews of its own map of the shard"
     ),
     "drt_w2_len": "0 (references in the ring; the workers read views; ints cross the pipe)",
     "drt_lz4_w0": "1 (Rust producer: LZ4 decode -> buffer -> ring slot); 0 in Python",
@@ -190,7 +191,7 @@ COPIES_NUM = {
     "drt_lz4_w0_t1": 1,
     "drt_lz4_w2": 2,
     "torch_lz4_w2": 6,
-    "drt_w2": 1,
+    "drt_w2": 0,
     "drt_w2_len": 0,
     "torch_cache_w0": 1,
     "torch_cache_w2": 6,

@@ -651,14 +651,22 @@ def test_slots_are_sized_from_the_data(dataset, tmp_path):
     with DataLoader(big, batch_size=4, num_workers=1, transform=keyed) as loader:
         it = iter(loader)
         got = [x for b in it for x in b]
-        # Four of the largest sample (100 011 bytes) and their overheads, rounded to a page.
-        assert 4 * 100_011 < it.slot_size <= 4 * 100_011 + 4096 + 4 * 4096
+        # Raw records travel as references: slots hold no payload bytes, only entries and
+        # metadata, so 100 KB samples take the smallest slot.
+        assert it.slot_size == 64 * 1024
     assert sorted(i for i, _ in got) == list(range(12))
     assert all(data == payload(i, 100_000) for i, data in got)
-    # Raw records travel as references: a batch of them needs no room for their payloads.
     with DataLoader(big, batch_size=4, slot_size_bytes=4096, transform=keyed) as loader:
         assert sorted(i for b in loader for i, _ in b) == list(range(12))
     lz4 = load_lz4(tmp_path / "lz4", 12, size=100_000)
+    with DataLoader(lz4, batch_size=4, num_workers=1, transform=keyed) as loader:
+        it = iter(loader)
+        got = [x for b in it for x in b]
+        # LZ4 records travel decompressed in the slot: four of the largest (100 011 bytes)
+        # and their overheads, rounded to a page.
+        assert 4 * 100_011 < it.slot_size <= 4 * 100_011 + 4096 + 4 * 4096
+    assert sorted(i for i, _ in got) == list(range(12))
+    assert all(data == payload_lz4(i, 100_000) for i, data in got)
     with DataLoader(lz4, batch_size=4, slot_size_bytes=300_000) as loader:
         it = iter(loader)
         assert it.slot_size == 303_104  # rounded up to a multiple of 4096

@@ -14,7 +14,7 @@ import sys
 import textwrap
 
 import pytest
-from loader_helpers import gone, load, no_leaks, own_segments  # noqa: F401
+from loader_helpers import gone, load, load_lz4, no_leaks, own_segments  # noqa: F401
 
 import dataset_rt
 from dataset_rt import CorruptRecordError, DatasetRuntime, WriterConfig
@@ -291,21 +291,39 @@ def test_metadata_keys_longer_than_64_kib_arrive_whole(tmp_path, num_workers):
     assert got == [{long_key: i, "k" * 70_000: f"v{i}"} for i in range(4)]
 
 
-def test_the_largest_record_is_verified_before_the_ring_is_sized(tmp_path):
-    """Slots are sized from the largest record's length, which only its record can prove: a
-    damaged one is reported by `iter(loader)`, before any segment exists."""
-    dataset = load(tmp_path, 12, size=10_000)  # sample i has 10,000 + i bytes
-    cache = tmp_path / "loader"
+def damage_largest_record(cache) -> None:
+    """Flips a byte of the stored payload of sample 11, the largest of `load`/`load_lz4`."""
     index = (cache / "index.bin").read_bytes()
     offset, shard = struct.unpack_from("<QI", index, 16 + 32 * 11)
     shard_path = cache / "shards" / f"{shard:06d}.bin"
     meta_len = struct.unpack_from("<I", shard_path.read_bytes(), offset + 20)[0]  # format v2
     os.chmod(shard_path, 0o644)
     corrupt_byte(shard_path, offset + ((40 + meta_len + 15) // 16) * 16 + 5)
+
+
+def test_the_largest_record_is_verified_before_the_ring_is_sized(tmp_path):
+    """Slots are sized from the largest record that travels in a slot (decompressed LZ4), whose
+    length only its record can prove: a damaged one is reported by `iter(loader)`, before any
+    segment exists."""
+    dataset = load_lz4(tmp_path, 12, size=10_000)  # sample i has 10,000 + i bytes
+    damage_largest_record(tmp_path / "loader")
     with DataLoader(dataset, batch_size=4) as loader:
         with pytest.raises(CorruptRecordError, match="sample 11"):
             iter(loader)
         assert own_segments() == []
+
+
+def test_a_damaged_raw_record_sizes_nothing_and_is_refused_when_read(tmp_path):
+    """Raw records travel as references, so none sizes the ring; the damaged one is reported
+    when the producer reads it."""
+    dataset = load(tmp_path, 12, size=10_000)
+    damage_largest_record(tmp_path / "loader")
+    with DataLoader(dataset, batch_size=4) as loader:
+        it = iter(loader)
+        assert it.slot_size == 64 * 1024
+        with pytest.raises(CorruptRecordError, match="sample 11"):
+            list(it)
+    assert own_segments() == []
 
 
 def test_the_producer_imports_only_the_native_module_of_the_package():

@@ -150,3 +150,102 @@ def test_a_shard_replaced_under_the_loader_is_an_error(tmp_path, num_workers):
         next(iter(loader))
     assert str(shard) in str(caught.value)
     assert own_segments() == []
+
+
+def used_result_memory() -> int:
+    """Bytes of loader result memory that hold data (pages a worker wrote), over this
+    process's descriptors of it."""
+    from loader_helpers import result_fds
+
+    return sum(os.stat(f"/proc/self/fd/{e.split()[0]}").st_blocks * 512 for e in result_fds())
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_raw_records_leave_workers_as_references(base, start_method):
+    dataset = load(base, N, size=SIZE)
+    shard = str(base / "loader" / "shards" / "000000.bin")
+    dataset.set_epoch(0)
+    expected = [(s.metadata["i"], bytes(s.data)) for s in dataset]
+    with DataLoader(
+        dataset, batch_size=6, num_workers=2, multiprocessing_context=start_method
+    ) as loader:
+        samples = [s for batch in loader for s in batch]
+        # Not a byte of result memory was written: every sample came as a reference.
+        assert used_result_memory() == 0
+    assert len(samples) == N
+    assert [(s.metadata["i"], bytes(s.data)) for s in samples] == expected
+    for s in samples:
+        assert isinstance(s.data, memoryview) and s.data.readonly
+        assert isinstance(s.data.obj, mmap.mmap)
+        assert mapped_file(address_of(s.data)) == shard
+    assert own_segments() == []
+
+
+def tail(sample):
+    return sample.data[3:]
+
+
+def copied(sample):
+    return bytes(sample.data[3:])
+
+
+@pytest.mark.parametrize(("transform", "by_reference"), [(tail, True), (copied, False)])
+def test_a_slice_of_a_record_travels_by_reference_and_a_copy_does_not(
+    base, transform, by_reference
+):
+    from loader_helpers import in_result_memory
+
+    dataset = load(base, N, size=SIZE)
+    shard = str(base / "loader" / "shards" / "000000.bin")
+    dataset.set_epoch(0)
+    expected = [bytes(s.data[3:]) for s in dataset]
+    with DataLoader(dataset, batch_size=4, num_workers=2, transform=transform) as loader:
+        items = [x for batch in loader for x in batch]
+        assert [bytes(x) for x in items] == expected
+        for x in items:
+            assert isinstance(x, memoryview) and x.readonly
+            if by_reference:
+                assert mapped_file(address_of(x)) == shard
+            else:
+                assert in_result_memory(address_of(x), len(x))
+
+
+def mixed(sample):
+    import numpy as np
+
+    i = sample.metadata["i"]
+    return {
+        "i": i,
+        "view": sample.data[:100],
+        "array": np.frombuffer(sample.data, np.uint8)[8 : 8 + 4 * 16].view(np.uint32).reshape(4, 4),
+        "copy": np.frombuffer(sample.data, np.uint8)[:64].copy(),
+        "pair": (sample, bytes(sample.data[:5])),
+    }
+
+
+def test_nested_results_mix_references_and_result_memory(base):
+    import numpy as np
+    from loader_helpers import in_result_memory
+
+    dataset = load(base, N, size=SIZE)
+    shard = str(base / "loader" / "shards" / "000000.bin")
+    with DataLoader(dataset, batch_size=5, num_workers=2, transform=mixed) as loader:
+        items = [x for batch in loader for x in batch]
+    assert len(items) == N
+    for x in items:
+        data = payload(x["i"], SIZE)
+        assert bytes(x["view"]) == data[:100] and mapped_file(address_of(x["view"])) == shard
+        array = x["array"]
+        assert array.shape == (4, 4) and array.dtype == np.uint32
+        assert array.tobytes() == data[8:72]
+        # A view of a read-only shard map comes back read-only.
+        assert not array.flags.writeable
+        assert mapped_file(array.__array_interface__["data"][0]) == shard
+        with pytest.raises(ValueError, match="read-only"):
+            array[0, 0] = 1
+        assert x["copy"].tobytes() == data[:64] and x["copy"].flags.writeable
+        assert in_result_memory(x["copy"].__array_interface__["data"][0], 64)
+        sample, head = x["pair"]
+        assert sample.metadata["i"] == x["i"] and bytes(sample.data) == data
+        assert mapped_file(address_of(sample.data)) == shard
+        assert bytes(head) == data[:5]

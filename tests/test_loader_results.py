@@ -14,6 +14,7 @@ import pytest
 from loader_helpers import (  # noqa: F401
     in_result_memory,
     load,
+    load_lz4,
     no_leaks,
     payload,
     result_fds,
@@ -85,7 +86,10 @@ def test_arrays_arrive_as_views_of_result_memory(dataset):
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_cached_samples_arrive_with_data_in_result_memory(dataset, start_method):
+def test_cached_samples_of_lz4_records_arrive_with_data_in_result_memory(tmp_path, start_method):
+    # LZ4 records travel decompressed in the slot, so their bytes go through result memory
+    # (records stored uncompressed arrive as views of the shard files: test_loader_refs.py).
+    dataset = load_lz4(tmp_path, 30, size=2048)
     expected = epoch0(dataset)
     loader = DataLoader(dataset, batch_size=7, num_workers=2, multiprocessing_context=start_method)
     with loader:

@@ -366,8 +366,8 @@ class LoaderIterator(Iterator[Any]):
             if tag == "region":
                 ranges, fell_back = payload
                 region = self._regions[i]
-                assert region is not None
-                payload = region.load(ranges, stream)
+                assert region is not None and self._ring is not None
+                payload = region.load(ranges, stream, self._ring)
                 tag = "ok"
                 if fell_back:
                     self._warn_fallback()

@@ -8,6 +8,12 @@ CPU tensors, ``CachedSample.data``, at any nesting) once into the arena, where R
 descriptor (kind, range, offset, size, dtype, shape). The training process maps the arena once
 and rebuilds each result as views of it: zero copies there.
 
+A buffer that is already a view of one of the worker's shard maps (``sample.data`` of a record
+stored uncompressed, a slice of it, a numpy array over it) is not written at all: Rust's index of
+the worker's maps says where it lies (cache, shard, offset; by address, whatever its type), the
+descriptor carries that, and the training process rebuilds a read-only view of its own map of
+the same shard file. Nothing of the arena is used for it.
+
 A range is busy until nothing in the training process references its mapping any more; then
 a finalizer queues its offset, and the loop sends the queue back to the worker at its next
 batch. A busy range is never reused, so memory still referenced is never overwritten. A worker
@@ -114,10 +120,13 @@ class RegionOwner:
         """The worker has its copies of the descriptors."""
         self._worker_end.close()
 
-    def load(self, ranges: list[tuple[int, int]], stream: io.BytesIO) -> Any:
+    def load(
+        self, ranges: list[tuple[int, int]], stream: io.BytesIO, shards: _native.RingHandle
+    ) -> Any:
         """Rebuilds a batch on its ranges. Each range gets a root array; every leaf is a view
         of it (a numpy view, a tensor or memoryview of one), so the root lives exactly as long
-        as something of the batch does, and its death frees the range."""
+        as something of the batch does, and its death frees the range. A leaf the worker sent
+        as a shard reference is a view of ``shards``' (the owner handle's) map of the file."""
         import numpy
 
         arena = self._map
@@ -127,7 +136,7 @@ class RegionOwner:
             root = numpy.frombuffer(arena, numpy.uint8, length, offset)
             weakref.finalize(root, self.pending.append, offset)
             roots.append(root)
-        return _RegionUnpickler(stream, roots, [offset for offset, _ in ranges]).load()
+        return _RegionUnpickler(stream, roots, [offset for offset, _ in ranges], shards).load()
 
     def flush(self) -> None:
         """Sends the queued frees; never blocks (a full socket keeps them for the next call)."""
@@ -152,13 +161,40 @@ class RegionOwner:
 
 
 class _RegionUnpickler(pickle.Unpickler):
-    def __init__(self, stream: io.BytesIO, roots: list[Any], starts: list[int]) -> None:
+    def __init__(
+        self,
+        stream: io.BytesIO,
+        roots: list[Any],
+        starts: list[int],
+        shards: _native.RingHandle,
+    ) -> None:
         super().__init__(stream)
         self._roots = roots
         self._starts = starts
+        self._shards = shards
+
+    def _shard_views(self, spans: bytes) -> list[memoryview]:
+        quads = array("Q")
+        quads.frombytes(spans)
+        return self._shards.shard_slices(quads.tolist())
 
     def persistent_load(self, pid: Any) -> Any:
-        kind, r, offset, n = pid[0], pid[1], pid[2], pid[3]
+        kind = pid[0]
+        if kind == "R":  # a list, every item a shard reference
+            views = self._shard_views(pid[1])
+            if pid[2] is None:
+                return views
+            return [CachedSample(v, m) for v, m in zip(views, pickle.loads(pid[2]), strict=True)]
+        if kind == "r":
+            return self._shard_views(pid[1])[0]
+        if kind == "rs":
+            return CachedSample(self._shard_views(pid[1])[0], pid[2])
+        if kind == "ra":
+            import numpy
+
+            view = self._shard_views(pid[1])[0]
+            return numpy.frombuffer(view, pid[2]).reshape(pid[3])  # read-only, as the map
+        r, offset, n = pid[1], pid[2], pid[3]
         at = offset - self._starts[r]
         part = self._roots[r][at : at + n]
         if kind == "b":
@@ -187,7 +223,13 @@ class RegionWriter:
     """A worker's side of its region: the arena mapped writable, Rust's allocator, and the
     frees from the training process."""
 
-    def __init__(self, fd: _SharedFd, capacity: int, frees: socket.socket) -> None:
+    def __init__(
+        self,
+        fd: _SharedFd,
+        capacity: int,
+        frees: socket.socket,
+        shards: _native.RingHandle | None = None,
+    ) -> None:
         try:
             self.map = mmap.mmap(fd.fd, capacity)
         finally:
@@ -200,6 +242,9 @@ class RegionWriter:
         self.frees = frees
         frees.setblocking(False)
         self.fallback = False
+        # The worker's ring handle: its index of the shard maps says which buffers are views
+        # of a shard file (they leave as references, not copied).
+        self.shards = shards
 
     def begin(self) -> None:
         """A batch starts: take the frees that arrived, so that it reuses memory just released
@@ -246,6 +291,30 @@ class RegionWriter:
         )
         return header + body.getbuffer()
 
+    def shard_spans(self, views: list[memoryview]) -> Any:
+        """Where ``views`` lie in the worker's shard maps (packed ``(cache, shard, offset,
+        length)`` per view, for the descriptor), or ``None`` unless every one lies wholly inside
+        a map (Rust decides, by address)."""
+        if self.shards is None or not views:
+            return None
+        import numpy
+
+        frombuffer, u8 = numpy.frombuffer, numpy.uint8
+        buffers = []
+        for v in views:
+            if not v.c_contiguous or v.nbytes == 0:
+                return None
+            flat = v if v.format == "B" and v.ndim == 1 else v.cast("B")
+            buffers.append((frombuffer(flat, u8).__array_interface__["data"][0], v.nbytes))
+        return self.address_spans(buffers)
+
+    def address_spans(self, buffers: list[tuple[int, int]]) -> Any:
+        """As :meth:`shard_spans`, for ``(address, length)`` pairs."""
+        if self.shards is None:
+            return None
+        spans = self.shards.shard_spans(buffers)
+        return None if spans is None else pickle.PickleBuffer(array("Q", spans).tobytes())
+
     # ---- the leaves ----
 
     def put_bytes(self, obj: Any) -> tuple[int, int, int] | None:
@@ -275,6 +344,15 @@ class RegionWriter:
             if any(type(b) not in _BUFFER_TYPES for b in items):
                 return None
             views = [memoryview(b) for b in items]
+        metadata = (
+            pickle.PickleBuffer(pickle.dumps([s.metadata for s in items], pickle.HIGHEST_PROTOCOL))
+            if samples
+            else None
+        )
+        # Views of shard maps (records stored uncompressed) go as one reference descriptor.
+        spans = self.shard_spans(views)
+        if spans is not None:
+            return ("R", spans, metadata)
         if not all(v.c_contiguous for v in views):
             return None
         lengths = [v.nbytes for v in views]
@@ -292,11 +370,6 @@ class RegionWriter:
         for v, o, n in zip(views, offsets, lengths, strict=True):
             target[o : o + n] = v if v.format == "B" and v.ndim == 1 else v.cast("B")
         layout = pickle.PickleBuffer(array("Q", offsets + lengths).tobytes())
-        metadata = (
-            pickle.PickleBuffer(pickle.dumps([s.metadata for s in items], pickle.HIGHEST_PROTOCOL))
-            if samples
-            else None
-        )
         # Plain bytes inside (pickled in band, not placed): per-int descriptors would be slow.
         return ("L", r, offset, end, layout, metadata)
 
@@ -305,9 +378,13 @@ class RegionWriter:
         if n == 0 or array.dtype.hasobject:
             return None
         if array.flags.c_contiguous:
-            got = self.owned(array.__array_interface__["data"][0], n)
+            address = array.__array_interface__["data"][0]
+            got = self.owned(address, n)
             if got is not None:
                 return ("a", got[0], got[1], n, array.dtype, array.shape)
+            spans = self.address_spans([(address, n)])
+            if spans is not None:
+                return ("ra", spans, array.dtype, array.shape)
         got3 = self.alloc(n)
         if got3 is None:
             return None
@@ -364,11 +441,20 @@ class _RegionPickler(BatchPickler):
             if first is CachedSample or first in _BUFFER_TYPES:
                 return self._writer.put_list(obj, first is CachedSample)
             return None
+        if kind is memoryview:
+            spans = self._writer.shard_spans([obj])
+            if spans is not None:
+                return ("r", spans)
         if kind in _BUFFER_TYPES:
             got = self._writer.put_bytes(obj)
             return None if got is None else ("b", *got)
         if kind is CachedSample:
-            got = self._writer.put_bytes(obj.data)
+            data = obj.data
+            if type(data) is memoryview:
+                spans = self._writer.shard_spans([data])
+                if spans is not None:
+                    return ("rs", spans, obj.metadata)
+            got = self._writer.put_bytes(data)
             return None if got is None else ("s", *got, obj.metadata)
         if kind is self._ndarray:
             return self._writer.put_array(obj)

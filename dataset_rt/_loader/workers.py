@@ -71,7 +71,7 @@ def consumer_main(
         ring = _native.RingHandle.attach(ctl_name, index, shard_table)
         fd = slots.open_ring(ring.ring_name)
         ring.mark_attached()
-        writer = None if region is None else results.RegionWriter(*region)
+        writer = None if region is None else results.RegionWriter(*region, shards=ring)
         if worker_init_fn is not None:
             stage = "worker_init_fn"
             worker_init_fn(index)

@@ -7,6 +7,7 @@ use std::borrow::Cow;
 
 use dataset_rt_core::cache::Cache;
 use dataset_rt_core::dataset::Dataset;
+use dataset_rt_core::format::FLAG_LZ4;
 use dataset_rt_core::metadata::{FieldType, MetaRef};
 
 use dataset_rt_shm::layout::*;
@@ -281,18 +282,24 @@ pub fn metadata_len<'a>(row: impl Iterator<Item = (&'a str, MetaRef<'a>)>) -> u6
         .sum::<u64>()
 }
 
-/// The largest decompressed payload of `cache`, proved by reading it. Every index entry's
-/// `raw_len` is unverified until its record is read; the largest one decides the slot size, so
-/// that record is verified (checksum, header against the index) and decoded before anything is
-/// allocated from it, and its decoded length must be its `raw_len`. Every other sample's
-/// `raw_len` is no larger, so slots sized from this one hold any batch of verified samples,
-/// and a sample whose forged `raw_len` claims less than it holds is caught when the producer
-/// reads it. `verify_record` refuses a raw record whose `raw_len` is not its stored length and
-/// an LZ4 one that claims more than its stored bytes can decode to, so a forged size cannot
-/// make this allocate more than the record's real bytes decode to.
-fn verified_max_payload(cache: &Cache) -> Result<u64> {
-    let Some(row) = (0..cache.len()).max_by_key(|&row| cache.entry(row).raw_len) else {
-        return Ok(0);
+/// The largest payload of `cache` that travels in a slot, proved by reading it, or `None` when
+/// none does. Only records stored LZ4 are carried in the slot (decompressed); a record stored
+/// uncompressed travels as a reference to its shard file, which takes no payload bytes there.
+/// Every index entry's `flags` and `raw_len` are unverified until its record is read; the
+/// largest LZ4 one decides the slot size, so that record is verified (checksum, header against
+/// the index) and decoded before anything is allocated from it, and its decoded length must be
+/// its `raw_len`. Every other sample's `raw_len` is no larger, so slots sized from this one hold
+/// any batch of verified samples, and a sample whose forged index entry claims less than it
+/// holds (a smaller `raw_len`, or no LZ4 flag) is caught when the producer reads it, which
+/// checks its header against the index. `verify_record` refuses an LZ4 record that claims more
+/// than its stored bytes can decode to, so a forged size cannot make this allocate more than
+/// the record's real bytes decode to.
+fn verified_max_slot_payload(cache: &Cache) -> Result<Option<u64>> {
+    let Some(row) = (0..cache.len())
+        .filter(|&row| cache.entry(row).flags & FLAG_LZ4 != 0)
+        .max_by_key(|&row| cache.entry(row).raw_len)
+    else {
+        return Ok(None);
     };
     let (e, header, start) = cache.verify_record(row)?;
     let raw_len = u64::from(e.raw_len);
@@ -313,12 +320,13 @@ fn verified_max_payload(cache: &Cache) -> Result<u64> {
             payload.len()
         )));
     }
-    Ok(raw_len)
+    Ok(Some(raw_len))
 }
 
 /// The most bytes one sample of `cache` takes in a slot beyond the header: its offsets entry,
-/// its metadata, the payload's alignment padding and the decompressed payload (verified: see
-/// [`verified_max_payload`]). The metadata rows are walked only when a field is a string.
+/// its metadata and, when the cache has records stored LZ4, the payload's alignment padding and
+/// the largest decompressed payload (verified: see [`verified_max_slot_payload`]). The metadata
+/// rows are walked only when a field is a string.
 fn max_sample_bytes_of(cache: &Cache) -> Result<u64> {
     let fixed_metadata = cache
         .metadata
@@ -333,8 +341,8 @@ fn max_sample_bytes_of(cache: &Cache) -> Result<u64> {
             .max()
             .unwrap_or(0),
     };
-    let max_payload = verified_max_payload(cache)?;
-    Ok(B_ENTRY_LEN + max_metadata + (PAYLOAD_ALIGN - 1) + max_payload)
+    let max_payload = verified_max_slot_payload(cache)?.map_or(0, |len| (PAYLOAD_ALIGN - 1) + len);
+    Ok(B_ENTRY_LEN + max_metadata + max_payload)
 }
 
 /// The most bytes any one sample of `ds` takes in a slot beyond the header (see

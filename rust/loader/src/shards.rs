@@ -157,3 +157,94 @@ impl ShardTable {
         Ok(())
     }
 }
+
+/// Where a buffer lies in a shard file: what a consumer sends instead of the bytes when a
+/// result's buffer is a view of one of its shard maps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardSpan {
+    pub cache: u32,
+    pub shard: u32,
+    /// Offset of the buffer's first byte in the shard file.
+    pub offset: u64,
+}
+
+/// A consumer's shard maps by address: which buffers of a worker's result may leave it as
+/// references (they lie wholly inside one read-only map of a verified shard file, which the
+/// training process maps too) instead of being copied.
+#[derive(Debug, Default)]
+pub struct MapIndex {
+    /// (start address, length, cache, shard), sorted by start; maps never overlap.
+    maps: Vec<(usize, u64, u32, u32)>,
+}
+
+impl MapIndex {
+    /// Records that shard `shard` of cache `cache` is mapped at `start .. start + len`.
+    pub fn insert(&mut self, start: usize, len: u64, cache: u32, shard: u32) {
+        let at = self.maps.partition_point(|m| m.0 < start);
+        self.maps.insert(at, (start, len, cache, shard));
+    }
+
+    /// The shard bytes that `address .. address + len` views, or `None` when that range is not
+    /// wholly inside one map (or is empty).
+    pub fn find(&self, address: usize, len: u64) -> Option<ShardSpan> {
+        if len == 0 {
+            return None;
+        }
+        let at = self
+            .maps
+            .partition_point(|m| m.0 <= address)
+            .checked_sub(1)?;
+        let (start, map_len, cache, shard) = self.maps[at];
+        let offset = (address - start) as u64;
+        (offset.checked_add(len)? <= map_len).then_some(ShardSpan {
+            cache,
+            shard,
+            offset,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn index() -> MapIndex {
+        let mut index = MapIndex::default();
+        index.insert(10_000, 500, 1, 3);
+        index.insert(1_000, 100, 0, 0);
+        index.insert(2_000, 100, 0, 1);
+        index
+    }
+
+    #[test]
+    fn a_range_inside_a_map_is_found_with_its_offset() {
+        let index = index();
+        let span = |cache, shard, offset| {
+            Some(ShardSpan {
+                cache,
+                shard,
+                offset,
+            })
+        };
+        assert_eq!(index.find(1_000, 100), span(0, 0, 0));
+        assert_eq!(index.find(1_040, 60), span(0, 0, 40));
+        assert_eq!(index.find(2_099, 1), span(0, 1, 99));
+        assert_eq!(index.find(10_250, 250), span(1, 3, 250));
+    }
+
+    #[test]
+    fn a_range_outside_or_across_maps_is_not() {
+        let index = index();
+        assert_eq!(index.find(999, 1), None); // before the first map
+        assert_eq!(index.find(999, 2), None); // starts before it
+        assert_eq!(index.find(1_050, 51), None); // runs past its end
+        assert_eq!(index.find(1_100, 1), None); // just after it
+        assert_eq!(index.find(1_500, 10), None); // between maps
+        assert_eq!(index.find(1_050, 1_000), None); // across two maps
+        assert_eq!(index.find(10_499, 2), None);
+        assert_eq!(index.find(usize::MAX, 1), None);
+        assert_eq!(index.find(1_000, u64::MAX), None); // no overflow
+        assert_eq!(index.find(1_000, 0), None); // empty: nothing to reference
+        assert_eq!(MapIndex::default().find(1_000, 1), None);
+    }
+}

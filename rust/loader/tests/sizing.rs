@@ -36,6 +36,17 @@ fn payload(i: u64, compressible: bool) -> Vec<u8> {
 }
 
 fn write_cache(base: &Path, name: &str, algo: &str, n: u64) -> std::path::PathBuf {
+    write_cache_with(base, name, algo, n, |_| algo == "lz4")
+}
+
+/// As `write_cache`, sample `i` compressible when `compressible(i)` (LZ4 stores the others raw).
+fn write_cache_with(
+    base: &Path,
+    name: &str,
+    algo: &str,
+    n: u64,
+    compressible: impl Fn(u64) -> bool,
+) -> std::path::PathBuf {
     let lock = CacheLock::acquire(base, name).unwrap();
     let opts = WriterOptions {
         prefetch_size: 4,
@@ -47,7 +58,7 @@ fn write_cache(base: &Path, name: &str, algo: &str, n: u64) -> std::path::PathBu
     for i in 0..n {
         writer
             .push(SampleInput {
-                data: payload(i, algo == "lz4"),
+                data: payload(i, compressible(i)),
                 metadata: vec![("i".into(), MetaValue::Int(i as i64))],
             })
             .unwrap();
@@ -73,6 +84,11 @@ fn rewrite(path: &Path, at: u64, bytes: &[u8]) {
 /// record header too (with the record checksum recomputed); then re-signs the index, shard and
 /// manifest checksums and the fingerprint.
 fn forge_raw_len(dir: &Path, sample: u64, raw_len: u32, record: bool) {
+    forge(dir, sample, raw_len, None, record)
+}
+
+/// As `forge_raw_len`, and sets the flags to `flags` too when given.
+fn forge(dir: &Path, sample: u64, raw_len: u32, flags: Option<u32>, record: bool) {
     let cache = Cache::open(dir, Validation::Structure).unwrap();
     let (mut entry, mut header, payload_start) = cache.verify_record(sample).unwrap();
     let shard_path = cache.shard_path(entry.shard);
@@ -84,6 +100,7 @@ fn forge_raw_len(dir: &Path, sample: u64, raw_len: u32, record: bool) {
         let meta = &shard[meta_start..meta_start + header.meta_len as usize];
         let stored = &shard[payload_start as usize..][..header.stored_len as usize];
         header.raw_len = raw_len;
+        header.flags = flags.unwrap_or(header.flags);
         header.checksum = header.compute_checksum(meta, stored);
         entry.checksum = header.checksum;
         rewrite(&shard_path, entry.offset, &header.encode());
@@ -91,6 +108,7 @@ fn forge_raw_len(dir: &Path, sample: u64, raw_len: u32, record: bool) {
         manifest.shards[entry.shard as usize].checksum = checksum_hex(hash_bytes(&shard));
     }
     entry.raw_len = raw_len;
+    entry.flags = flags.unwrap_or(entry.flags);
     let index_path = dir.join(INDEX_FILE);
     rewrite(
         &index_path,
@@ -113,35 +131,91 @@ fn corrupt_reason(result: dataset_rt_loader::Result<u64>, sample: u64) -> String
     }
 }
 
-#[test]
-fn slots_are_sized_from_the_largest_record_once_it_is_read() {
-    let dir = tempfile::tempdir().unwrap();
-    for algo in ["none", "lz4"] {
-        let ds = open(&write_cache(dir.path(), algo, algo, 8));
-        let largest = payload(7, algo == "lz4").len() as u64;
-        // Offsets entry, the metadata ({"i": int}: 4 + 4 + 1 + 1 + 8) and alignment padding.
-        let expected = 56 + 18 + 63 + largest;
-        assert_eq!(max_sample_bytes(&ds).unwrap(), expected, "{algo}");
+/// Why reading sample `sample` (as the producer does) fails.
+fn read_refusal(ds: &Dataset, sample: u64) -> String {
+    match ds.fetch(sample).map(|_| ()) {
+        Err(CoreError::CorruptRecord {
+            sample: s, reason, ..
+        }) if s == sample => reason,
+        other => panic!("expected a corrupt record {sample} when read, got {other:?}"),
     }
+}
+
+/// Bytes of a sample in a slot beyond its payload: the offsets entry and the metadata
+/// ({"i": int}: 4 + 4 + 1 + 1 + 8).
+const ENTRY_AND_METADATA: u64 = 56 + 18;
+
+#[test]
+fn slots_are_sized_from_what_travels_in_them() {
+    let dir = tempfile::tempdir().unwrap();
+    // Records stored uncompressed travel as references: no payload bytes in the slot.
+    let ds = open(&write_cache(dir.path(), "none", "none", 8));
+    assert_eq!(max_sample_bytes(&ds).unwrap(), ENTRY_AND_METADATA);
+    // LZ4 records travel decompressed in the slot, aligned: the largest one is read.
+    let ds = open(&write_cache(dir.path(), "lz4", "lz4", 8));
+    let largest = payload(7, true).len() as u64;
+    assert_eq!(
+        max_sample_bytes(&ds).unwrap(),
+        ENTRY_AND_METADATA + 63 + largest
+    );
+    // Mixed: the largest sample (7) did not compress, so it is stored raw and referenced; the
+    // largest LZ4 record (6) decides.
+    let ds = open(&write_cache_with(dir.path(), "mixed", "lz4", 8, |i| {
+        i % 2 == 0
+    }));
+    let (_, header, _) = ds.caches[0].verify_record(7).unwrap();
+    assert_eq!(header.flags & FLAG_LZ4, 0, "sample 7 stored raw");
+    let largest_lz4 = payload(6, true).len() as u64;
+    assert_eq!(
+        max_sample_bytes(&ds).unwrap(),
+        ENTRY_AND_METADATA + 63 + largest_lz4
+    );
 }
 
 #[test]
 fn a_forged_index_size_is_refused_before_a_ring_is_sized_from_it() {
     let dir = tempfile::tempdir().unwrap();
-    let cache = write_cache(dir.path(), "c", "none", 8);
+    let cache = write_cache(dir.path(), "c", "lz4", 8);
     forge_raw_len(&cache, 0, FORGED_RAW_LEN, false);
     let reason = corrupt_reason(max_sample_bytes(&open(&cache)), 0);
     assert!(reason.contains("disagrees with index entry"), "{reason}");
 }
 
 #[test]
-fn a_forged_size_in_a_re_signed_raw_record_is_refused() {
+fn a_forged_index_size_of_a_raw_record_sizes_nothing_and_is_refused_when_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = write_cache(dir.path(), "c", "none", 8);
+    forge_raw_len(&cache, 0, FORGED_RAW_LEN, false);
+    let ds = open(&cache);
+    assert_eq!(max_sample_bytes(&ds).unwrap(), ENTRY_AND_METADATA);
+    let reason = read_refusal(&ds, 0);
+    assert!(reason.contains("disagrees with index entry"), "{reason}");
+}
+
+#[test]
+fn a_forged_size_in_a_re_signed_raw_record_sizes_nothing_and_is_refused_when_read() {
     let dir = tempfile::tempdir().unwrap();
     let cache = write_cache(dir.path(), "c", "none", 8);
     forge_raw_len(&cache, 3, FORGED_RAW_LEN, true);
-    let reason = corrupt_reason(max_sample_bytes(&open(&cache)), 3);
+    let ds = open(&cache);
+    assert_eq!(max_sample_bytes(&ds).unwrap(), ENTRY_AND_METADATA);
+    let reason = read_refusal(&ds, 3);
     assert!(
         reason.contains(&format!("raw_len {FORGED_RAW_LEN} differ")),
+        "{reason}"
+    );
+}
+
+#[test]
+fn a_raw_record_forged_to_claim_lz4_is_refused_before_a_ring_is_sized_from_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = write_cache(dir.path(), "c", "none", 8);
+    forge(&cache, 2, FORGED_RAW_LEN, Some(FLAG_LZ4), true);
+    let reason = corrupt_reason(max_sample_bytes(&open(&cache)), 2);
+    // The cache was written without compression, so no record of it may claim LZ4 at all
+    // (checked before the claimed length is).
+    assert!(
+        reason.contains("the manifest says the cache was written without compression"),
         "{reason}"
     );
 }

@@ -38,27 +38,32 @@ struct PySide {
 }
 
 impl PySide {
-    /// The zero-copy view of shard `shard`, mapped on first use. `sample` and `offset` (the
-    /// record's) name the record being read when the map fails.
+    /// The zero-copy view of shard `shard`, mapped on first use. `sample` (when a record is
+    /// being read) names the record in the error when the map fails.
     fn shard_view<'py>(
         &self,
         py: Python<'py>,
         cache: &Cache,
         c: usize,
         shard: u32,
-        sample: u64,
+        sample: Option<u64>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let cell = &self.caches[c].shards[shard as usize];
         if let Some(v) = cell.get() {
             return Ok(v.bind(py).clone());
         }
         let changed = |reason: String| {
-            crate::errors::to_py(dataset_rt_core::Error::CorruptRecord {
-                cache: cache.name().to_owned(),
-                shard: cache.shard_path(shard),
-                offset: cache.entry(sample).offset,
-                sample,
-                reason,
+            crate::errors::to_py(match sample {
+                Some(sample) => dataset_rt_core::Error::CorruptRecord {
+                    cache: cache.name().to_owned(),
+                    shard: cache.shard_path(shard),
+                    offset: cache.entry(sample).offset,
+                    sample,
+                    reason,
+                },
+                None => {
+                    dataset_rt_core::Error::malformed(cache.name(), cache.shard_path(shard), reason)
+                }
             })
         };
         // Map the very file the core validated and verifies records against, through a
@@ -139,7 +144,7 @@ impl PySide {
         let cache = &dataset.caches[c];
         Ok(match fetched.payload {
             Payload::Mapped { shard, offset, len } => {
-                let view = self.shard_view(py, cache, c, shard, fetched.row)?;
+                let view = self.shard_view(py, cache, c, shard, Some(fetched.row))?;
                 // The view has the validated size and the core checked the record against it,
                 // so this holds; it is checked because a short slice would be silently wrong.
                 let view_len = cache.shard_len(shard);
@@ -740,6 +745,33 @@ impl SampleMaker {
             payload: Payload::Mapped { shard, offset, len },
         };
         Some(self.py_side.payload(py, &self.dataset, &fetched))
+    }
+
+    /// Bytes `offset .. offset + len` of shard `shard` of cache `cache`, any part of a record
+    /// (a loader worker's result that viewed it): a zero-copy, read-only slice of this
+    /// dataset's own map of the shard, or `None` when the dataset has no such bytes.
+    pub(crate) fn shard_slice<'py>(
+        &self,
+        py: Python<'py>,
+        cache: u32,
+        (shard, offset, len): (u32, u64, u64),
+    ) -> Option<PyResult<Bound<'py, PyAny>>> {
+        let c = self.dataset.caches.get(cache as usize)?;
+        if shard as usize >= c.num_shards() || offset.checked_add(len)? > c.shard_len(shard) {
+            return None;
+        }
+        Some(
+            self.py_side
+                .shard_view(py, c, cache as usize, shard, None)
+                .and_then(|view| {
+                    view.get_item(PySlice::new(
+                        py,
+                        offset as isize,
+                        (offset + len) as isize,
+                        1,
+                    ))
+                }),
+        )
     }
 
     /// The validated size of every shard of every cache (the bound of slot references).

@@ -18,7 +18,7 @@ use dataset_rt_loader::batch::{any_in_slot, decode_metadata, read_batch, Entry, 
 use dataset_rt_loader::lifecycle;
 use dataset_rt_loader::plan::{self, PassPlan, Plan};
 use dataset_rt_loader::producer;
-use dataset_rt_loader::shards::ShardTable;
+use dataset_rt_loader::shards::{MapIndex, ShardTable};
 use dataset_rt_shm::layout::*;
 use dataset_rt_shm::private_copy::replace_with_private_copy;
 use dataset_rt_shm::results;
@@ -291,10 +291,12 @@ struct OwnerPass {
 /// is opened by its path, checked against the training process's [`ShardTable`] (the same
 /// file, not cut short) and mapped read-only on first use, then kept for the life of the
 /// handle (every pass of a persistent worker). Views of a record are slices of the map's
-/// `memoryview`, so they keep it alive however long they are kept.
+/// `memoryview`, so they keep it alive however long they are kept. The maps' addresses are
+/// indexed: a buffer of a worker's result that lies inside one leaves as a reference.
 struct ShardViews {
     table: ShardTable,
     views: Vec<Vec<OnceLock<Py<PyAny>>>>,
+    index: Mutex<MapIndex>,
 }
 
 impl ShardViews {
@@ -304,7 +306,11 @@ impl ShardViews {
             .iter()
             .map(|c| c.shards.iter().map(|_| OnceLock::new()).collect())
             .collect();
-        ShardViews { table, views }
+        ShardViews {
+            table,
+            views,
+            index: Mutex::new(MapIndex::default()),
+        }
     }
 
     /// The view of record bytes `offset .. offset + len` of shard `shard` of cache `cache`
@@ -335,7 +341,12 @@ impl ShardViews {
                         .into(),
                     )
                 })?;
-                let _ = cell.set(view.unbind());
+                // Indexed only when this map is the one kept (another thread may have mapped
+                // the shard while this one opened it): a dropped map's range must not be.
+                let start = buffer_address(py, &view)?;
+                if cell.set(view.unbind()).is_ok() {
+                    self.index.lock().unwrap().insert(start, size, cache, shard);
+                }
                 cell.get().expect("set above").bind(py).clone()
             }
         };
@@ -346,6 +357,20 @@ impl ShardViews {
             1,
         ))
     }
+}
+
+/// The address of the first byte of a read-only buffer (the bindings build against the
+/// stable ABI of Python 3.10, which has no buffer protocol for Rust; numpy reads it).
+fn buffer_address(py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let array = py
+        .import("numpy")?
+        .getattr("frombuffer")?
+        .call1((buffer, "u1"))?;
+    array
+        .getattr("__array_interface__")?
+        .get_item("data")?
+        .get_item(0)?
+        .extract()
 }
 
 /// One party's view of a pass's segments.
@@ -673,6 +698,72 @@ impl RingHandle {
             self.ring.release(ticket, self.consumer).py_shm()?;
         }
         Ok(Some((map, samples, indices)))
+    }
+
+    /// Where buffers of a worker's result lie in this consumer's shard maps: for each
+    /// `(address, length)`, `(cache, shard, offset in the shard file, length)` (flat, four
+    /// numbers per buffer), or `None` unless every buffer lies wholly inside one map. Such a
+    /// buffer views a verified, read-only shard file the training process maps too, so it
+    /// may leave the worker as a reference instead of being copied (consumer only).
+    fn shard_spans(&self, buffers: Vec<(usize, u64)>) -> PyResult<Option<Vec<u64>>> {
+        let Some(views) = &self.shard_views else {
+            return Err(LoaderError::new_err(
+                "shard_spans needs a consumer's handle",
+            ));
+        };
+        let index = views.index.lock().unwrap();
+        let mut out = Vec::with_capacity(4 * buffers.len());
+        for (address, len) in buffers {
+            let Some(span) = index.find(address, len) else {
+                return Ok(None);
+            };
+            out.extend([span.cache.into(), span.shard.into(), span.offset, len]);
+        }
+        Ok(Some(out))
+    }
+
+    /// The training process's views of bytes a worker's result referenced (`shard_spans`'
+    /// flat `(cache, shard, offset, length)` quadruples, owner only): read-only slices of the
+    /// dataset's own maps of the shard files, the ones in-process iteration serves. Raises
+    /// `LoaderError` for bytes the dataset's shards do not have.
+    fn shard_slices<'py>(
+        &self,
+        py: Python<'py>,
+        spans: Vec<u64>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let Some(owner) = &self.owner else {
+            return Err(LoaderError::new_err(
+                "shard_slices needs the owner's handle",
+            ));
+        };
+        if spans.len() % 4 != 0 {
+            return Err(LoaderError::new_err(format!(
+                "a worker's shard references hold {} numbers, not four per buffer",
+                spans.len()
+            )));
+        }
+        spans
+            .chunks_exact(4)
+            .map(|q| {
+                let (cache, shard) = (u32::try_from(q[0]), u32::try_from(q[1]));
+                let got = match (cache, shard) {
+                    (Ok(cache), Ok(shard)) => {
+                        owner.samples.shard_slice(py, cache, (shard, q[2], q[3]))
+                    }
+                    _ => None,
+                };
+                got.unwrap_or_else(|| {
+                    Err(LoaderError::new_err(format!(
+                        "a worker's result refers to bytes {} .. {} of shard {} of cache {}, \
+                         which this dataset does not have",
+                        q[2],
+                        q[2].saturating_add(q[3]),
+                        q[1],
+                        q[0]
+                    )))
+                })
+            })
+            .collect()
     }
 
     /// Gives batch `ticket`'s slot back to the producer (after every view of it was released).
