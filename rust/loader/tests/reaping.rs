@@ -51,7 +51,14 @@ fn exists(name: &str) -> bool {
     path_of(name).symlink_metadata().is_ok()
 }
 
+/// A reaper removes every leftover in /dev/shm, its neighbours' included: the two cases run one
+/// after the other, or each could reap the other's entries first.
 #[test]
+fn leftovers_are_judged_by_their_owners_lock() {
+    a_live_owners_entries_are_kept_even_when_its_pid_looks_dead();
+    an_entry_whose_lock_is_free_is_reaped_unless_its_pid_runs_here();
+}
+
 fn a_live_owners_entries_are_kept_even_when_its_pid_looks_dead() {
     // The owner (this process) holds the lock of every entry; the pid in the names is dead,
     // as it would look from another PID namespace.
@@ -73,7 +80,6 @@ fn a_live_owners_entries_are_kept_even_when_its_pid_looks_dead() {
     }
 }
 
-#[test]
 fn an_entry_whose_lock_is_free_is_reaped_unless_its_pid_runs_here() {
     // Nobody holds a lock on these, and their pid is dead: leftovers.
     let stem = format!("dataset-rt-{}-0badc0ffee{}", dead_pid(), std::process::id());
