@@ -3,11 +3,13 @@ lifetime of what the loop holds, and the documented fallback when the memory is 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import mmap
 import os
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -274,37 +276,45 @@ def test_a_worker_reuses_its_freed_heap_unless_the_user_set_glibcs(
         assert min(per_batch) > 300, per_batch
 
 
-def test_numpy_stack_as_collate_fn_writes_the_batch_into_result_memory_once():
-    from dataset_rt._loader import workers
-
+@contextlib.contextmanager
+def counting_writer() -> Iterator[tuple[results.RegionWriter, list[int]]]:
+    """A worker's side of a 1 MiB region, current for :func:`results.result_buffer`, with the
+    size of every allocation it makes recorded."""
     owner = results.RegionOwner(1 << 20)
     fd, capacity, frees = owner.worker_args()
     writer = results.RegionWriter(results._SharedFd(os.dup(fd.fd)), capacity, frees)
+    sizes: list[int] = []
+    real_alloc = writer.alloc
+
+    def counted(n):
+        sizes.append(n)
+        return real_alloc(n)
+
+    writer.alloc = counted  # type: ignore[method-assign]
     try:
-        parts = [np.full((4, 4), k, dtype=np.float32) for k in range(8)]
-        sizes: list[int] = []
-        real_alloc = writer.alloc
-
-        def counted(n):
-            sizes.append(n)
-            return real_alloc(n)
-
-        writer.alloc = counted  # type: ignore[method-assign]
         with results.writing(writer):
-            stacked = workers.apply(parts, None, np.stack)
-            assert writer.owned(stacked.__array_interface__["data"][0], stacked.nbytes)
-            message = writer.encode(0, stacked, list(range(8)))
-            # What the fast path cannot take is numpy's business, with numpy's result or error.
-            mixed = workers.apply([np.zeros(2, np.uint8), np.ones(2, np.float64)], None, np.stack)
-            with pytest.raises(ValueError, match="same shape"):
-                workers.apply([np.zeros(2), np.zeros(3)], None, np.stack)
-        assert sizes == [8 * 16 * 4]  # the stack's one write; encoding copied nothing
-        assert np.array_equal(stacked, np.stack(parts)) and stacked.dtype == np.float32
-        assert len(message) < 400  # the skeleton only
-        assert mixed.dtype == np.float64 and mixed.tolist() == [[0, 0], [1, 1]]
+            yield writer, sizes
     finally:
-        writer.__dict__.pop("alloc", None)  # no cycle: the writer's mapping goes with this frame
+        del writer.alloc  # no cycle: the writer's mapping goes with the caller's frame
         owner.close()
+
+
+def test_numpy_stack_as_collate_fn_writes_the_batch_into_result_memory_once():
+    from dataset_rt._loader import workers
+
+    parts = [np.full((4, 4), k, dtype=np.float32) for k in range(8)]
+    with counting_writer() as (writer, sizes):
+        stacked = workers.apply(parts, None, np.stack)
+        assert writer.owned(stacked.__array_interface__["data"][0], stacked.nbytes)
+        message = writer.encode(0, stacked, list(range(8)))
+        # What the fast path cannot take is numpy's business, with numpy's result or error.
+        mixed = workers.apply([np.zeros(2, np.uint8), np.ones(2, np.float64)], None, np.stack)
+        with pytest.raises(ValueError, match="same shape"):
+            workers.apply([np.zeros(2), np.zeros(3)], None, np.stack)
+    assert sizes == [8 * 16 * 4]  # the stack's one write; encoding copied nothing
+    assert np.array_equal(stacked, np.stack(parts)) and stacked.dtype == np.float32
+    assert len(message) < 400  # the skeleton only
+    assert mixed.dtype == np.float64 and mixed.tolist() == [[0, 0], [1, 1]]
     # Outside a worker: numpy's own stack.
     assert workers.apply([np.ones(2), np.zeros(2)], None, np.stack).tolist() == [[1, 1], [0, 0]]
 
@@ -316,30 +326,15 @@ def test_torch_default_collate_stacks_into_result_memory_once(dataset):
     from dataset_rt.torch import default_collate
 
     # In a worker: the stack lands in the region, and sending it copies nothing more.
-    owner = results.RegionOwner(1 << 20)
-    fd, capacity, frees = owner.worker_args()
-    writer = results.RegionWriter(results._SharedFd(os.dup(fd.fd)), capacity, frees)
-    try:
-        parts = [torch.full((4, 4), k, dtype=torch.float32) for k in range(8)]
-        sizes: list[int] = []
-        real_alloc = writer.alloc
-
-        def counted(n):
-            sizes.append(n)
-            return real_alloc(n)
-
-        writer.alloc = counted  # type: ignore[method-assign]
-        with results.writing(writer):
-            stacked = default_collate(parts)
-            assert writer.owned(stacked.data_ptr(), stacked.nbytes) is not None
-            message = writer.encode(0, stacked, list(range(8)))
-        assert sizes == [8 * 16 * 4]  # the stack's one write; encoding copied nothing
-        assert torch.equal(stacked, torch.stack(parts))
-        assert len(message) < 400  # the skeleton only
+    parts = [torch.full((4, 4), k, dtype=torch.float32) for k in range(8)]
+    with counting_writer() as (writer, sizes):
+        stacked = default_collate(parts)
+        assert writer.owned(stacked.data_ptr(), stacked.nbytes) is not None
+        message = writer.encode(0, stacked, list(range(8)))
         assert writer.arena.in_use == mmap.PAGESIZE
-        del writer.alloc  # no cycle: the fixture sees the writer's mapping go with this frame
-    finally:
-        owner.close()
+    assert sizes == [8 * 16 * 4]  # the stack's one write; encoding copied nothing
+    assert torch.equal(stacked, torch.stack(parts))
+    assert len(message) < 400  # the skeleton only
 
     def as_tensor(sample):
         return torch.from_numpy(fixed(sample))
