@@ -450,6 +450,27 @@ fn resigned_lz4_raw_length_beyond_what_lz4_can_expand_is_a_corrupt_record() {
     let cache = Arc::new(Cache::open(&dir, Validation::Full).unwrap());
     // The bound is a structural check, not the checksum: it holds under every verify policy.
     let never = Dataset::new(vec![cache.clone()]).with_verify(VerifyPolicy::Never);
+    assert_refused_by_payload_and_fetch(
+        &cache,
+        &never,
+        sample,
+        e.offset,
+        &format!(
+            "raw length {raw_len} is more than LZ4 can expand {} stored bytes to",
+            h.stored_len
+        ),
+    );
+}
+
+/// `Cache::payload` and `Dataset::fetch` (under `never`'s policy) both refuse `sample` as a
+/// corrupt record at `offset`, for `reason`.
+fn assert_refused_by_payload_and_fetch(
+    cache: &Cache,
+    never: &Dataset,
+    sample: u64,
+    offset: u64,
+    reason: &str,
+) {
     let errors = [
         cache.payload(sample).unwrap_err(),
         never
@@ -461,18 +482,12 @@ fn resigned_lz4_raw_length_beyond_what_lz4_can_expand_is_a_corrupt_record() {
         match err {
             Error::CorruptRecord {
                 sample: s,
-                offset,
-                reason,
+                offset: o,
+                reason: r,
                 ..
             } => {
-                assert_eq!((s, offset), (sample, e.offset));
-                assert_eq!(
-                    reason,
-                    format!(
-                        "raw length {raw_len} is more than LZ4 can expand {} stored bytes to",
-                        h.stored_len
-                    )
-                );
+                assert_eq!((s, o), (sample, offset));
+                assert_eq!(r, reason);
             }
             other => panic!("expected CorruptRecord, got {other:?}"),
         }
@@ -500,29 +515,12 @@ fn resigned_manifest_without_compression_refuses_a_compressed_record() {
     assert!(!cache.may_hold_compressed());
     let never = Dataset::new(vec![cache.clone()]).with_verify(VerifyPolicy::Never);
     assert_eq!(never.decoded_bytes(sample), 0);
-    let errors = [
-        cache.payload(sample).unwrap_err(),
-        never
-            .fetch(sample)
-            .err()
-            .expect("refused under verify=\"never\""),
-    ];
-    for err in errors {
-        match err {
-            Error::CorruptRecord {
-                sample: s,
-                offset: o,
-                reason,
-                ..
-            } => {
-                assert_eq!((s, o), (sample, offset));
-                assert_eq!(
-                    reason,
-                    "the record is stored LZ4-compressed, but the manifest says the cache was \
-                     written without compression"
-                );
-            }
-            other => panic!("expected CorruptRecord, got {other:?}"),
-        }
-    }
+    assert_refused_by_payload_and_fetch(
+        &cache,
+        &never,
+        sample,
+        offset,
+        "the record is stored LZ4-compressed, but the manifest says the cache was written \
+         without compression",
+    );
 }
