@@ -20,7 +20,7 @@ use dataset_rt_core::sampler::{self, EpochOrder, EpochParams, Weights};
 use dataset_rt_core::samples;
 use dataset_rt_core::verify::VerifyPolicy;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyCapsule, PyDict, PyList, PySlice, PyString};
+use pyo3::types::{PyBytes, PyCapsule, PyDict, PyList, PyString};
 
 use crate::errors::IntoPyResult;
 
@@ -131,6 +131,30 @@ pub(crate) fn map_read_only<'py>(
     py.import("builtins")?.getattr("memoryview")?.call1((map,))
 }
 
+/// `view[start:end]`, through `PySequence_GetSlice`, which releases the slice and the bounds it
+/// makes. Not pyo3's `PySlice::new`: it hands `PySlice_New` (which takes references of its own)
+/// new integers that it never releases, which leaked two objects per sample, 4 MiB per pass of
+/// 65,536 samples.
+pub(crate) fn subview<'py>(
+    view: &Bound<'py, PyAny>,
+    start: u64,
+    end: u64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (Ok(start), Ok(end)) = (isize::try_from(start), isize::try_from(end)) else {
+        return Err(pyo3::exceptions::PyOverflowError::new_err(format!(
+            "a view of bytes {start}..{end} does not fit in an index"
+        )));
+    };
+    // SAFETY: `view` is a live object and the GIL is held; the call returns a new reference,
+    // or NULL with an exception set, which `from_owned_ptr_or_err` turns into the error.
+    unsafe {
+        Bound::from_owned_ptr_or_err(
+            view.py(),
+            pyo3::ffi::PySequence_GetSlice(view.as_ptr(), start, end),
+        )
+    }
+}
+
 impl PySide {
     /// A fetched sample's payload: a zero-copy slice of its shard's view, or bytes when it was
     /// decompressed.
@@ -162,8 +186,7 @@ impl PySide {
                         },
                     ));
                 }
-                let slice = PySlice::new(py, offset as isize, (offset + len) as isize, 1);
-                view.get_item(slice)?
+                subview(&view, offset, offset + len)?
             }
             Payload::Owned(ref bytes) => PyBytes::new(py, bytes).into_any(),
         })
@@ -763,14 +786,7 @@ impl SampleMaker {
         Some(
             self.py_side
                 .shard_view(py, c, cache as usize, shard, None)
-                .and_then(|view| {
-                    view.get_item(PySlice::new(
-                        py,
-                        offset as isize,
-                        (offset + len) as isize,
-                        1,
-                    ))
-                }),
+                .and_then(|view| subview(&view, offset, offset + len)),
         )
     }
 

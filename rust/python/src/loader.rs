@@ -27,7 +27,7 @@ use dataset_rt_shm::ShmError;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyMemoryError, PyOSError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySlice};
+use pyo3::types::{PyDict, PyList};
 
 use crate::dataset::{Dataset, SampleMaker};
 use crate::errors::{self, ConfigError, IntoPyResult, LoaderError, RingClosed};
@@ -350,12 +350,7 @@ impl ShardViews {
                 cell.get().expect("set above").bind(py).clone()
             }
         };
-        view.get_item(PySlice::new(
-            py,
-            offset as isize,
-            (offset + len) as isize,
-            1,
-        ))
+        crate::dataset::subview(&view, offset, offset + len)
     }
 }
 
@@ -678,7 +673,7 @@ impl RingHandle {
             let data = match (e.payload, &whole) {
                 // read_batch checked that every payload lies within the used bytes.
                 (Payload::Slot { off, len }, Some(whole)) => {
-                    whole.get_item(PySlice::new(py, off as isize, (off + len) as isize, 1))?
+                    crate::dataset::subview(whole, off, off + len)?
                 }
                 (Payload::Slot { .. }, None) => unreachable!("mapped when any payload is in it"),
                 (Payload::Shard(r), _) => owner
