@@ -373,6 +373,23 @@ def test_flipped_metadata_byte_without_validation_fails_at_the_first_use_of_meta
         samples[5].metadata  # noqa: B018 (every use, not only the first, raises)
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_flipped_metadata_byte_without_validation_fails_when_a_loader_starts(
+    runtime, cache, num_workers
+):
+    """The shared-memory loader sizes its slots from the metadata table and sends each sample's
+    row: starting it is a use of the table."""
+    from dataset_rt import DataLoader
+
+    corrupt_byte(cache / "metadata.arrow", 200)
+    result = load(runtime, cache, validate=False)
+    assert result.results == [CacheLoaded(NAME, cache, NUM_SAMPLES)]
+
+    loader = DataLoader(result.dataset, batch_size=4, num_workers=num_workers)
+    with pytest.raises(CacheMalformedError, match=r"metadata\.arrow: checksum mismatch"):
+        list(loader)
+
+
 def test_size_mismatch_states_both_sizes(runtime, cache):
     shard = cache / "shards" / "000001.bin"
     size = shard.stat().st_size
