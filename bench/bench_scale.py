@@ -8,14 +8,17 @@ phase runs in its own process, so its peak RSS is its own:
 - write: samples/s, and the CPU time of the thread that runs the source and the conversion, per
   sample (``time.thread_time``);
 - read: ``from_cache_sources`` on the existing cache (open), then the first shuffled sample
-  (``iter()`` + ``next()``), then a resume at the epoch's last position, N - 1
+  (``iter()`` + ``next()``) and its metadata (the first use of the metadata table, which reads
+  and checks ``metadata.arrow``), then a resume at the epoch's last position, N - 1
   (``load_state_dict`` of a ``state_dict()`` with ``position`` set to N - 1, then ``iter()`` +
   ``next()``; the payload is checked to be the sample the ids say, and the epoch to end after it),
   then ``samples_metadata()``; the peak RSS (VmHWM) is read after the resume and again after
   ``samples_metadata()`` (Polars imported beforehand).
 
 Run ``--samples 1000000`` first: the default, 100 million, writes about 13 GB and takes many
-minutes on a small machine.
+minutes on a small machine. ``--keep DIR`` writes the cache under DIR and keeps it there, and a
+later run with the same ``--keep DIR`` and ``--samples`` skips the write and measures the read
+on that cache again (its write figures are then absent).
 """
 
 from __future__ import annotations
@@ -108,12 +111,15 @@ def child_read(base: Path, count: int, size: int, workers: int) -> dict[str, Any
             raise RuntimeError(f"opening failed: {result}")
         ds = result.dataset
         out["open_s"] = t
+        out.update({f"after_open_{k}": v for k, v in rss().items()})
         assert len(ds) == count, (len(ds), count)
 
         def first() -> Any:
             return next(iter(ds))
 
         out["first_sample_s"], sample = common.timed(first)
+        # The first use of the metadata table reads and checks all of metadata.arrow.
+        out["first_metadata_s"], _ = common.timed(lambda: sample.metadata)
         check(sample, size)
 
         state = ds.state_dict()
@@ -173,6 +179,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--tmp", type=Path, default=Path("/tmp"), help="where the temporary directory goes"
     )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="write the cache under this directory and keep it; reuse it when it is there",
+    )
     parser.add_argument("--child", choices=["write", "read"], help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -187,7 +198,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return res
 
     common.import_dataset_rt()
-    base = Path(tempfile.mkdtemp(prefix="dataset_rt_scale_", dir=args.tmp))
+    if args.keep is None:
+        base = Path(tempfile.mkdtemp(prefix="dataset_rt_scale_", dir=args.tmp))
+    else:
+        base = args.keep
+        base.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {
         "machine": common.machine_info(),
         "dataset_rt": common.dataset_rt_origin(),
@@ -199,16 +214,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     t0 = time.perf_counter()
     try:
-        print(f"# writing {args.samples:,} samples under {base}", file=sys.stderr)
-        res["write"] = run_child("write", base, args)
-        print(
-            f"# written in {res['write']['write_s']:.1f} s "
-            f"({res['write']['cache_bytes'] / 2**30:.2f} GiB)",
-            file=sys.stderr,
-        )
+        if args.keep is not None and (base / NAME).exists():
+            print(f"# reusing the cache under {base}", file=sys.stderr)
+            res["cache_bytes"] = common.dir_bytes(base / NAME)
+        else:
+            print(f"# writing {args.samples:,} samples under {base}", file=sys.stderr)
+            res["write"] = run_child("write", base, args)
+            res["cache_bytes"] = res["write"]["cache_bytes"]
+            print(
+                f"# written in {res['write']['write_s']:.1f} s "
+                f"({res['cache_bytes'] / 2**30:.2f} GiB)",
+                file=sys.stderr,
+            )
         res["read"] = run_child("read", base, args)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        if args.keep is None:
+            shutil.rmtree(base, ignore_errors=True)
     res["seconds"] = time.perf_counter() - t0
     common.write_results(f"scale_{args.samples}", res)
     print_table(res)
@@ -216,23 +237,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def print_table(res: dict[str, Any]) -> None:
-    w, r = res["write"], res["read"]
+    r = res["read"]
     print(
         f"\n### {res['samples']:,} samples of {res['payload_bytes']} bytes "
-        f"({w['cache_bytes'] / 2**30:.2f} GiB on {res['fs']})\n"
+        f"({res['cache_bytes'] / 2**30:.2f} GiB on {res['fs']})\n"
+    )
+    w = res.get("write")
+    written = (
+        [
+            ["write, samples/s", w["write_samples_per_s"]],
+            ["write, s", w["write_s"]],
+            ["write, GIL thread µs/sample", w["gil_thread_us_per_sample"]],
+            ["write, peak RSS MiB", w["write_peak_rss_mib"]],
+        ]
+        if w
+        else []
     )
     print(
         common.markdown_table(
             ["what", "value"],
             [
-                ["write, samples/s", w["write_samples_per_s"]],
-                ["write, s", w["write_s"]],
-                ["write, GIL thread µs/sample", w["gil_thread_us_per_sample"]],
-                ["write, peak RSS MiB", w["write_peak_rss_mib"]],
+                *written,
                 ["open, ms", r["open_s"] * 1e3],
                 ["first shuffled sample, ms", r["first_sample_s"] * 1e3],
+                ["its metadata (first use of the table), ms", r["first_metadata_s"] * 1e3],
                 ["resume at N - 1 (load_state_dict + iter + next), ms", r["resume_last_s"] * 1e3],
                 ["RSS before open, MiB", r["before_open_rss_mib"]],
+                ["RSS after open, MiB (anonymous)", r["after_open_rss_anon_mib"]],
                 ["peak RSS after open + first + resume, MiB", r["after_resume_peak_rss_mib"]],
                 [
                     "of which now anonymous / file-backed, MiB",

@@ -38,8 +38,11 @@ class ReaderConfig:
     - ``prefetch_size``: samples read ahead on the runtime's workers (memory stays bounded by it;
       LZ4 records read ahead also stay within 64 MiB decompressed, or one record if larger).
     - ``shuffle``: ``False`` reads in storage order, caches in source order.
-    - ``validate_cache``: also hash every shard when loading (structure, index and metadata
-      checksums are always checked; record checksums follow ``verify``).
+    - ``validate_cache``: also hash every file when loading: the index, ``metadata.arrow`` (and
+      decode it) and every shard. Without it a load checks the structure only and reads nothing
+      per sample; ``metadata.arrow`` is checked at the first use of the metadata table, each
+      index entry against its record when that record is read, and record checksums follow
+      ``verify``.
     - ``verify``: when a record's checksum is checked as it is read. ``"always"``: on every read.
       ``"once"`` (the default): the first time this process reads the record (one bit per sample
       remembers it, shared by the dataset's readers; the loader's producer process keeps its own).

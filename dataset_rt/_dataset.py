@@ -155,7 +155,11 @@ class Dataset:
 
     def samples_metadata(self) -> pl.DataFrame:
         """``cache_id | sample_id | <metadata...> | weight`` as a Polars DataFrame, handed over
-        through the Arrow C stream interface (the metadata columns are not copied)."""
+        through the Arrow C stream interface (the metadata columns are not copied).
+
+        Like a sample's ``metadata``, the first use of a cache's metadata table checks its
+        ``metadata.arrow`` (checksum, decoding): a damaged one raises ``CacheMalformedError``
+        naming the file."""
         import polars as pl
 
         return pl.DataFrame(_ArrowStream(self._native.samples_metadata_stream()))

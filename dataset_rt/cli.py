@@ -416,7 +416,9 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_cmd_inspect)
 
     p = commands.add_parser(
-        "verify", help="check every shard and record checksum (exit 1 naming what is corrupt)"
+        "verify",
+        help="check the index, the metadata and every record and shard checksum "
+        "(exit 1 naming what is corrupt)",
     )
     p.add_argument("cache", metavar="CACHE", help="cache directory (base/name)")
     p.set_defaults(handler=_cmd_verify)

@@ -184,14 +184,16 @@ MALFORMED = {
         "manifest.json",
         ["fingerprint mismatch"],
     ),
-    "metadata_flip": (
+    # A load reads neither the index entries nor metadata.arrow (see the tests after this table
+    # for where each load reports them); full validation checks both at open.
+    "metadata_flip_validated": (
         flip("metadata.arrow", 200),
-        False,
+        True,
         "metadata.arrow",
         ["checksum mismatch", "xxh3-64"],
     ),
-    "index_flip": (flip("index.bin", -1), False, "index.bin", ["checksum mismatch"]),
-    "index_header_flip": (flip("index.bin", 0), False, "index.bin", ["checksum mismatch"]),
+    "index_flip_validated": (flip("index.bin", -1), True, "index.bin", ["checksum mismatch"]),
+    "index_header_flip": (flip("index.bin", 0), False, "index.bin", ["bad index header"]),
     "shard_flip_validated": (flip_payload, True, "shards/000001.bin", ["checksum mismatch"]),
     "shard_header_flip": (
         flip("shards/000001.bin", 0),
@@ -321,6 +323,73 @@ def test_damaged_cache_is_malformed_with_its_own_error(runtime, cache, case):
     assert snapshot(cache) == before
 
 
+def test_flipped_index_byte_without_validation_fails_when_that_record_is_read(runtime, cache):
+    """The last byte of the index is in the last sample's entry (its record checksum): a load
+    does not hash the index, and reading that sample refuses it under every verify policy, since
+    every read checks the entry against its record's header."""
+    last = NUM_SAMPLES - 1
+    shard, record_offset, _ = record_payload_offset(cache, last)
+    corrupt_byte(cache / "index.bin", -1)
+
+    for verify in ("always", "once", "never"):
+        result = runtime.from_cache_sources(
+            source(),
+            cache.parent,
+            reader_config=ReaderConfig(shuffle=False, verify=verify),
+            writer_config=WriterConfig(show_progress=False),
+        )
+        assert result.results == [CacheLoaded(NAME, cache, NUM_SAMPLES)]
+        received = []
+        with pytest.raises(CorruptRecordError) as info:
+            for sample in result.dataset:
+                received.append(sample.metadata["i"])
+        message = str(info.value)
+        assert str(shard) in message
+        assert f"offset {record_offset}" in message
+        assert f"sample {last}" in message
+        assert "disagrees with index entry" in message
+        assert "index.bin" in message
+        assert received == list(range(last)), verify
+
+
+def test_flipped_metadata_byte_without_validation_fails_at_the_first_use_of_metadata(
+    runtime, cache
+):
+    """A load does not read metadata.arrow: payloads are served, and the first use of the
+    metadata table (a sample's metadata, samples_metadata()) raises, naming the file."""
+    corrupt_byte(cache / "metadata.arrow", 200)
+
+    result = load(runtime, cache, validate=False)
+
+    assert result.results == [CacheLoaded(NAME, cache, NUM_SAMPLES)]
+    samples = list(result.dataset)
+    assert [bytes(s.data)[:1] for s in samples] == [bytes([i]) for i in range(NUM_SAMPLES)]
+    expected = f'cache "{NAME}" is malformed: {cache / "metadata.arrow"}: checksum mismatch'
+    for use in (lambda: samples[0].metadata, result.dataset.samples_metadata):
+        with pytest.raises(CacheMalformedError) as info:
+            use()
+        assert str(info.value).startswith(expected), info.value
+    with pytest.raises(CacheMalformedError, match=r"metadata\.arrow: checksum mismatch"):
+        samples[5].metadata  # noqa: B018 (every use, not only the first, raises)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_flipped_metadata_byte_without_validation_fails_when_a_loader_starts(
+    runtime, cache, num_workers
+):
+    """The shared-memory loader sizes its slots from the metadata table and sends each sample's
+    row: starting it is a use of the table."""
+    from dataset_rt import DataLoader
+
+    corrupt_byte(cache / "metadata.arrow", 200)
+    result = load(runtime, cache, validate=False)
+    assert result.results == [CacheLoaded(NAME, cache, NUM_SAMPLES)]
+
+    loader = DataLoader(result.dataset, batch_size=4, num_workers=num_workers)
+    with pytest.raises(CacheMalformedError, match=r"metadata\.arrow: checksum mismatch"):
+        list(loader)
+
+
 def test_size_mismatch_states_both_sizes(runtime, cache):
     shard = cache / "shards" / "000001.bin"
     size = shard.stat().st_size
@@ -384,7 +453,7 @@ def test_flipped_lz4_record_is_caught_before_decompression(runtime, tmp_path):
 
 
 def test_malformed_cache_does_not_block_other_sources(runtime, cache):
-    corrupt_byte(cache / "index.bin", -1)
+    corrupt_byte(cache / "index.bin", 0)
     good = make_source("healthy", [(b"h", {})])
 
     result = runtime.from_cache_sources(
@@ -475,13 +544,21 @@ def forge_block(cache_dir: Path, case: str) -> str:
 def test_resigned_metadata_footer_is_malformed_not_a_panic(runtime, cache, case):
     words = forge_block(cache, case)
 
-    result = load(runtime, cache, validate=False)
+    result = load(runtime, cache, validate=True)
 
     assert isinstance(result, CacheSourcesDatasetError), result
     (outcome,) = result.results
     assert isinstance(outcome, CacheMalformed), outcome
     assert f"{cache / 'metadata.arrow'}: " in outcome.message
     assert words in outcome.message
+
+    # A load without full validation refuses it at the first use of the metadata table.
+    loaded = load(runtime, cache, validate=False)
+    assert loaded.results == [CacheLoaded(NAME, cache, NUM_SAMPLES)]
+    with pytest.raises(CacheMalformedError) as info:
+        loaded.dataset.samples_metadata()
+    assert f"{cache / 'metadata.arrow'}: " in str(info.value)
+    assert words in str(info.value)
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "head"])

@@ -4,12 +4,13 @@ use std::borrow::Cow;
 use std::fs::File;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
 use memmap2::Mmap;
 
 use crate::error::{Error, IoContext, Result};
 use crate::format::*;
-use crate::metadata::MetadataTable;
+use crate::metadata::{FieldType, MetadataTable};
 
 /// The most an LZ4 block can expand: a match of length `4 + 15 + 255 * k` costs at least
 /// `3 + k` bytes, and literals are stored as they are, so no valid block decodes to more than
@@ -25,15 +26,23 @@ pub struct Cache {
     /// The files `shards` map, kept open: whoever maps a shard again (the bindings' zero-copy
     /// views) must map this file, whose bytes were validated, not whatever the path names now.
     shard_files: Vec<File>,
-    pub metadata: MetadataTable,
+    /// `metadata.arrow`, mapped at open; checksummed and decoded by the first use of the table.
+    metadata_map: Arc<Mmap>,
+    /// The decoded table, or why `metadata.arrow` was refused (reported at every use).
+    metadata: OnceLock<std::result::Result<MetadataTable, String>>,
 }
 
-/// How much to check when opening.
+/// How much to check when opening. `Structure` reads no byte per sample, so a load takes the
+/// same time at any size; "What is checked when" in docs/storage-format.md has the whole list.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Validation {
-    /// Manifest, version, sizes, index and metadata checksums (cheap; every load).
+    /// Manifest, version, every file's size, the index and shard headers (every load). The
+    /// index entries are checked against their records as they are read ([`Cache::check_record`]),
+    /// and `metadata.arrow` by its checksum and decoding at the first use of the table
+    /// ([`Cache::metadata`]).
     Structure,
-    /// Also every shard's checksum.
+    /// Also, at open, the index's and `metadata.arrow`'s checksums, the metadata table's
+    /// decoding, and every shard's checksum.
     Full,
 }
 
@@ -89,16 +98,21 @@ fn map_sized(cache: &str, dir: &Path, rel: &str, file: &File, len: u64) -> Resul
     Ok(map)
 }
 
-fn check_sum(cache: &str, path: &Path, bytes: &[u8], expected: &str) -> Result<()> {
+/// Why `bytes` do not have the checksum `expected`, if they do not.
+fn checksum_mismatch(bytes: &[u8], expected: &str) -> Option<String> {
     let actual = checksum_hex(hash_bytes(bytes));
-    if actual != expected {
-        return Err(Error::malformed(
-            cache,
-            path,
-            format!("checksum mismatch: computed {CHECKSUM_ALGO} {actual}, the manifest says {expected}"),
-        ));
+    (actual != expected).then(|| {
+        format!(
+            "checksum mismatch: computed {CHECKSUM_ALGO} {actual}, the manifest says {expected}"
+        )
+    })
+}
+
+fn check_sum(cache: &str, path: &Path, bytes: &[u8], expected: &str) -> Result<()> {
+    match checksum_mismatch(bytes, expected) {
+        Some(reason) => Err(Error::malformed(cache, path, reason)),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// The cache name a directory implies: its last component.
@@ -310,30 +324,25 @@ impl Cache {
             shard_files.push(open_sized(&name, dir, &s.file, s.bytes)?);
         }
 
-        // 3. Contents: checksums, headers, the metadata table.
+        // 3. Contents: headers, and under `Full` the checksums and the metadata table. Under
+        // `Structure` nothing here grows with the number of samples: every read checks its index
+        // entry against its record, and the first use of the metadata table checks the file.
         let index = map_sized(&name, dir, INDEX_FILE, &index_file, index_len)?;
-        check_sum(&name, &index_path, &index, &manifest.index.checksum)?;
+        if validation == Validation::Full {
+            check_sum(&name, &index_path, &index, &manifest.index.checksum)?;
+        }
         let version = manifest.format_version;
         if index[..INDEX_HEADER_LEN as usize] != index_header_of(version) {
             return Err(Error::malformed(&name, &index_path, "bad index header"));
         }
 
-        let meta_path = dir.join(METADATA_FILE);
-        let meta_map = map_sized(
+        let metadata_map = Arc::new(map_sized(
             &name,
             dir,
             METADATA_FILE,
             &meta_file,
             manifest.metadata.bytes,
-        )?;
-        check_sum(&name, &meta_path, &meta_map, &manifest.metadata.checksum)?;
-        let metadata = MetadataTable::decode(
-            &meta_map,
-            &manifest.metadata_schema,
-            manifest.sample_id_type,
-            manifest.num_samples,
-        )
-        .map_err(|reason| Error::malformed(&name, &meta_path, reason))?;
+        )?);
 
         let mut shards = Vec::with_capacity(manifest.shards.len());
         for (i, (s, file)) in manifest.shards.iter().zip(&shard_files).enumerate() {
@@ -347,14 +356,65 @@ impl Cache {
             }
             shards.push(map);
         }
-        Ok(Cache {
+        let cache = Cache {
             dir: dir.to_owned(),
             manifest,
             index,
             shards,
             shard_files,
-            metadata,
-        })
+            metadata_map,
+            metadata: OnceLock::new(),
+        };
+        if validation == Validation::Full {
+            cache.metadata()?;
+        }
+        Ok(cache)
+    }
+
+    /// The metadata table of `metadata.arrow`. The first call checks the file's checksum and
+    /// decodes it (every later call returns that table, or the same error): a damaged file is a
+    /// [`Error::Malformed`] naming it, at the first use of the table rather than at open.
+    pub fn metadata(&self) -> Result<&MetadataTable> {
+        self.metadata
+            .get_or_init(|| self.load_metadata())
+            .as_ref()
+            .map_err(|reason| Error::malformed(self.name(), self.dir.join(METADATA_FILE), reason))
+    }
+
+    /// Whether the metadata table was loaded (or refused) already: callers that hold a lock (the
+    /// GIL) release it around the first [`Cache::metadata`], which reads the whole file.
+    pub fn metadata_loaded(&self) -> bool {
+        self.metadata.get().is_some()
+    }
+
+    fn load_metadata(&self) -> std::result::Result<MetadataTable, String> {
+        let map = &self.metadata_map;
+        if let Some(reason) = checksum_mismatch(map, &self.manifest.metadata.checksum) {
+            return Err(reason);
+        }
+        // Fixed-width columns are served from the map itself. A string column is copied: its
+        // offsets are trusted once checked, so they must not be bytes that can change later.
+        let has_strings = self.manifest.sample_id_type == FieldType::Str
+            || self
+                .manifest
+                .metadata_schema
+                .iter()
+                .any(|f| f.dtype == FieldType::Str);
+        let bytes = if has_strings || map.is_empty() {
+            arrow_buffer::Buffer::from_slice_ref(&map[..])
+        } else {
+            let ptr = std::ptr::NonNull::new(map.as_ptr().cast_mut()).expect("a map is not null");
+            // SAFETY: the map holds `map.len()` readable bytes for as long as the buffer keeps
+            // its `Arc`; what another process may change in them is discussed in `map_sized`,
+            // and no value of a fixed-width column is invalid.
+            unsafe { arrow_buffer::Buffer::from_custom_allocation(ptr, map.len(), map.clone()) }
+        };
+        MetadataTable::decode_buffer(
+            bytes,
+            &self.manifest.metadata_schema,
+            self.manifest.sample_id_type,
+            self.manifest.num_samples,
+        )
     }
 
     pub fn name(&self) -> &str {
@@ -471,12 +531,17 @@ impl Cache {
         e: IndexEntry,
         checksum: bool,
     ) -> Result<(IndexEntry, RecordHeader, u64)> {
+        // The index entry is unchecked until here: every field of it is bounded before use.
         let shard = self.shards.get(e.shard as usize).ok_or_else(|| {
             self.corrupt(
                 e.shard,
                 e.offset,
                 sample,
-                "index names a shard that does not exist",
+                format!(
+                    "{INDEX_FILE} names shard {}, which does not exist (the cache has {})",
+                    e.shard,
+                    self.shards.len()
+                ),
             )
         })?;
         let start = usize::try_from(e.offset).unwrap_or(usize::MAX);
@@ -486,7 +551,11 @@ impl Cache {
                 e.shard,
                 e.offset,
                 sample,
-                "record lies past the end of its shard",
+                format!(
+                    "record lies past the end of its shard ({} bytes) at the offset {INDEX_FILE} \
+                     gives",
+                    shard.len()
+                ),
             ));
         }
         let version = self.manifest.format_version;
@@ -502,7 +571,10 @@ impl Cache {
                 e.shard,
                 e.offset,
                 sample,
-                format!("record header {h:?} disagrees with index entry {e:?}"),
+                format!(
+                    "record header {h:?} disagrees with index entry {e:?} ({INDEX_FILE} or the \
+                     shard is damaged)"
+                ),
             ));
         }
         if h.flags & !KNOWN_FLAGS != 0 {
@@ -644,10 +716,18 @@ impl Cache {
         })
     }
 
-    /// Checks every record, then every shard checksum (what `dataset-rt verify` runs). Records
-    /// first, so damage inside a record is reported with its sample; the shard pass then catches
-    /// damage in the padding between records.
+    /// Checks the index's checksum and the metadata table, then every record, then every shard
+    /// checksum (what `dataset-rt verify` runs, whatever the cache was opened with). Records
+    /// before shards, so damage inside a record is reported with its sample; the shard pass then
+    /// catches damage in the padding between records.
     pub fn verify_all(&self) -> Result<()> {
+        check_sum(
+            self.name(),
+            &self.dir.join(INDEX_FILE),
+            &self.index,
+            &self.manifest.index.checksum,
+        )?;
+        self.metadata()?;
         for sample in 0..self.len() {
             self.payload(sample)?;
         }

@@ -308,28 +308,30 @@ impl Dataset {
         (c, global - self.starts[c])
     }
 
-    /// The row of the sample with this id in cache `c`, if any.
-    pub fn find_sample(&self, c: usize, id: MetaRef<'_>) -> Option<u64> {
+    /// The row of the sample with this id in cache `c`, if any; an error when the cache's
+    /// metadata table, which holds the ids the user gave, is damaged.
+    pub fn find_sample(&self, c: usize, id: MetaRef<'_>) -> Result<Option<u64>> {
         let cache = &self.caches[c];
         if cache.manifest.sample_id == SampleIdSource::Position {
-            return match id {
+            return Ok(match id {
                 MetaRef::Int(v) if v >= 0 && (v as u64) < cache.len() => Some(v as u64),
                 _ => None,
-            };
+            });
         }
         if !matches!(id, MetaRef::Int(_) | MetaRef::Str(_)) {
-            return None;
+            return Ok(None);
         }
+        let table = cache.metadata()?;
         let index = self.id_indexes[c].get_or_init(|| {
             (0..cache.len())
-                .map(|row| (hash_id(cache.metadata.sample_id(row)), row))
+                .map(|row| (hash_id(table.sample_id(row)), row))
                 .collect()
         });
         // A hash hit is confirmed against the stored id, so a collision cannot misattribute.
-        index
+        Ok(index
             .get(&hash_id(id))
             .copied()
-            .filter(|&row| cache.metadata.sample_id(row) == id)
+            .filter(|&row| table.sample_id(row) == id))
     }
 
     pub fn epoch_len(&self, opts: &ReadOptions) -> u64 {
@@ -481,9 +483,10 @@ impl Dataset {
     }
 
     /// The bytes `fetch` allocates for sample `global`: its decompressed size when it is stored
-    /// compressed, 0 when it is served from the map. Read from the index (checksummed when the
-    /// cache was opened); `fetch` refuses a record whose header disagrees with it, and
-    /// decompresses into at most this many bytes.
+    /// compressed, 0 when it is served from the map. Read from the index entry, which nothing
+    /// has checked yet: it only budgets the read-ahead (which always admits one sample, so a
+    /// forged size cannot stall it), and `fetch` refuses a record whose header disagrees with
+    /// its entry, and decompresses into at most this many bytes.
     pub fn decoded_bytes(&self, global: u64) -> u64 {
         if !self.may_decompress {
             return 0; // without a look at the index: a shuffled read's entry is a memory miss

@@ -390,10 +390,11 @@ fn check_block(
     Ok((start, len))
 }
 
-/// Parses the Arrow IPC file in `bytes` into its schema and record batches. Every size in the
-/// file is checked against the length of `bytes` before it is used, so nothing is allocated
-/// beyond one copy of `bytes` (which the arrays then share).
-fn decode_ipc_file(bytes: &[u8]) -> Result<(Schema, Vec<RecordBatch>), String> {
+/// Parses the Arrow IPC file in `buffer` into its schema and record batches, whose arrays share
+/// `buffer`. Every size in the file is checked against the length of `buffer` before it is used,
+/// so nothing is allocated for the columns beyond what the file holds.
+fn decode_ipc_file(buffer: &arrow_buffer::Buffer) -> Result<(Schema, Vec<RecordBatch>), String> {
+    let bytes = buffer.as_slice();
     const MAGIC: &[u8; 6] = b"ARROW1";
     if bytes.len() < IPC_FILE_HEAD + IPC_FILE_TRAILER {
         return Err(format!(
@@ -434,7 +435,6 @@ fn decode_ipc_file(bytes: &[u8]) -> Result<(Schema, Vec<RecordBatch>), String> {
     for (i, block) in blocks.iter().enumerate() {
         ranges.push((check_block(bytes, i, block, footer_start)?, *block));
     }
-    let buffer = arrow_buffer::Buffer::from_slice_ref(bytes);
     let decoder = arrow_ipc::reader::FileDecoder::new(Arc::new(schema.clone()), footer.version());
     let mut batches = Vec::with_capacity(ranges.len());
     for (i, ((start, len), block)) in ranges.into_iter().enumerate() {
@@ -448,7 +448,8 @@ fn decode_ipc_file(bytes: &[u8]) -> Result<(Schema, Vec<RecordBatch>), String> {
 }
 
 impl MetadataTable {
-    /// Decodes the IPC file held in `bytes` and checks it against the manifest's schema.
+    /// Decodes the IPC file held in `bytes` (into one copy of them) and checks it against the
+    /// manifest's schema.
     ///
     /// Takes the file's bytes, not a path, so that fuzzers and tests can call it directly. It
     /// never panics: a panic inside the Arrow decoder (a case the checks above did not foresee)
@@ -459,8 +460,24 @@ impl MetadataTable {
         sample_id_type: FieldType,
         expected_rows: u64,
     ) -> std::result::Result<Self, String> {
+        Self::decode_buffer(
+            arrow_buffer::Buffer::from_slice_ref(bytes),
+            fields,
+            sample_id_type,
+            expected_rows,
+        )
+    }
+
+    /// [`MetadataTable::decode`] of the file held in `bytes`, whose columns then share `bytes`
+    /// without a copy (a buffer over a map of the file serves them from the map).
+    pub fn decode_buffer(
+        bytes: arrow_buffer::Buffer,
+        fields: &[Field],
+        sample_id_type: FieldType,
+        expected_rows: u64,
+    ) -> std::result::Result<Self, String> {
         std::panic::catch_unwind(|| {
-            Self::decode_checked(bytes, fields, sample_id_type, expected_rows)
+            Self::decode_checked(&bytes, fields, sample_id_type, expected_rows)
         })
         .unwrap_or_else(|panic| {
             Err(format!(
@@ -471,7 +488,7 @@ impl MetadataTable {
     }
 
     fn decode_checked(
-        bytes: &[u8],
+        bytes: &arrow_buffer::Buffer,
         fields: &[Field],
         sample_id_type: FieldType,
         expected_rows: u64,

@@ -11,7 +11,7 @@ use arrow_schema::{DataType, Field as ArrowField, Schema, SchemaRef};
 
 use crate::dataset::{Dataset, WeightTable};
 use crate::error::{Error, Result};
-use crate::metadata::{FieldType, MetaRef, SAMPLE_ID};
+use crate::metadata::{FieldType, MetaRef, MetadataTable, SAMPLE_ID};
 
 pub const CACHE_ID: &str = "cache_id";
 pub const WEIGHT: &str = "weight";
@@ -36,7 +36,14 @@ pub struct TableLayout {
     pub columns: Vec<(String, FieldType, Vec<Option<usize>>)>,
 }
 
+/// The metadata tables of the dataset's caches, in order: the first use of a cache's table
+/// checks and decodes its `metadata.arrow`, so a damaged one is reported here.
+fn tables(ds: &Dataset) -> Result<Vec<&MetadataTable>> {
+    ds.caches.iter().map(|c| c.metadata()).collect()
+}
+
 pub fn layout(ds: &Dataset) -> Result<TableLayout> {
+    let tables = tables(ds)?;
     let id_types: Vec<FieldType> = ds
         .caches
         .iter()
@@ -63,8 +70,7 @@ pub fn layout(ds: &Dataset) -> Result<TableLayout> {
                     f.name
                 )));
             }
-            let col = cache
-                .metadata
+            let col = tables[ci]
                 .schema
                 .index_of(&f.name)
                 .expect("checked on load");
@@ -112,19 +118,19 @@ fn ipc_err(e: impl std::fmt::Display) -> Error {
 /// batch per metadata batch of each cache. Polars imports them through the Arrow C stream.
 pub fn table(ds: &Dataset, weights: &WeightTable) -> Result<(SchemaRef, Vec<RecordBatch>)> {
     let layout = layout(ds)?;
+    let tables = tables(ds)?;
     let mut out = Vec::new();
     for (ci, cache) in ds.caches.iter().enumerate() {
         let mut row0 = ds.cache_start(ci) as usize;
         // One cache_id column of the longest batch, sliced for each batch.
-        let longest = cache
-            .metadata
+        let longest = tables[ci]
             .batches
             .iter()
             .map(|b| b.num_rows())
             .max()
             .unwrap_or(0);
         let cache_ids = StringArray::from_iter_values(std::iter::repeat_n(cache.name(), longest));
-        for batch in &cache.metadata.batches {
+        for batch in &tables[ci].batches {
             let n = batch.num_rows();
             let mut cols: Vec<ArrayRef> = Vec::with_capacity(layout.schema.fields().len());
             cols.push(Arc::new(cache_ids.slice(0, n)));
@@ -161,28 +167,29 @@ pub fn table(ds: &Dataset, weights: &WeightTable) -> Result<(SchemaRef, Vec<Reco
 /// one; `weights` are the weights the rows report.
 pub fn rows(ds: &Dataset, weights: &WeightTable, globals: &[u64]) -> Result<RecordBatch> {
     let layout = layout(ds)?;
+    let tables = tables(ds)?;
     // Every metadata batch of every cache is one source; one null row follows them, for the
     // columns a cache lacks.
     let mut first_source = Vec::with_capacity(ds.caches.len());
     let mut sources = 0usize;
-    for cache in &ds.caches {
+    for table in &tables {
         first_source.push(sources);
-        sources += cache.metadata.batches.len();
+        sources += table.batches.len();
     }
     let null_source = sources;
     let located: Vec<(usize, usize, usize)> = globals
         .iter()
         .map(|&g| {
             let (c, row) = ds.locate(g);
-            let (b, r) = ds.caches[c].metadata.locate(row);
+            let (b, r) = tables[c].locate(row);
             (c, first_source[c] + b, r)
         })
         .collect();
     let gather = |column_of: &dyn Fn(usize) -> Option<usize>, t: &DataType| -> Result<ArrayRef> {
         let null = new_null_array(t, 1);
         let mut arrays: Vec<&dyn Array> = Vec::with_capacity(sources + 1);
-        for (ci, cache) in ds.caches.iter().enumerate() {
-            for batch in &cache.metadata.batches {
+        for (ci, table) in tables.iter().enumerate() {
+            for batch in &table.batches {
                 arrays.push(match column_of(ci) {
                     Some(col) => batch.column(col).as_ref(),
                     None => null.as_ref(),
@@ -214,7 +221,7 @@ pub fn rows(ds: &Dataset, weights: &WeightTable, globals: &[u64]) -> Result<Reco
         cols.push(Arc::new(StringArray::from_iter_values(globals.iter().map(
             |&g| {
                 let (c, row) = ds.locate(g);
-                match ds.caches[c].metadata.sample_id(row) {
+                match tables[c].sample_id(row) {
                     MetaRef::Str(s) => s.to_owned(),
                     other => show(Some(other)),
                 }
@@ -306,6 +313,7 @@ fn show(v: Option<MetaRef<'_>>) -> String {
 /// positive and finite. On any violation nothing is returned, so nothing changes.
 pub fn import(ds: &Dataset, ipc: &[u8]) -> Result<WeightTable> {
     let layout = layout(ds)?;
+    let tables = tables(ds)?;
     let reader = arrow_ipc::reader::StreamReader::try_new(std::io::Cursor::new(ipc), None)
         .map_err(|e| Error::SamplesMetadata(format!("not an Arrow IPC stream: {e}")))?;
     let schema = reader.schema();
@@ -393,7 +401,11 @@ pub fn import(ds: &Dataset, ipc: &[u8]) -> Result<WeightTable> {
                 }
                 (other, _) => other,
             };
-            let Some(local) = lookup.and_then(|id| ds.find_sample(c, id)) else {
+            let found = match lookup {
+                Some(id) => ds.find_sample(c, id)?,
+                None => None,
+            };
+            let Some(local) = found else {
                 report(
                     &mut problems,
                     format!("{who}: no such sample in cache {cache_name:?}"),
@@ -406,7 +418,7 @@ pub fn import(ds: &Dataset, ipc: &[u8]) -> Result<WeightTable> {
                 continue;
             }
             for (m, (name, _, per_cache)) in metas.iter().zip(&layout.columns) {
-                let stored = per_cache[c].map(|col| cache.metadata.value(col, local));
+                let stored = per_cache[c].map(|col| tables[c].value(col, local));
                 let now = m.get(i);
                 if !same(stored, now) {
                     report(
@@ -442,11 +454,10 @@ pub fn import(ds: &Dataset, ipc: &[u8]) -> Result<WeightTable> {
             .take(MAX_QUOTED)
             .map(|(g, _)| {
                 let (c, local) = ds.locate(g as u64);
-                let cache = &ds.caches[c];
                 format!(
                     "(cache_id={:?}, sample_id={})",
-                    cache.name(),
-                    show(Some(cache.metadata.sample_id(local)))
+                    ds.caches[c].name(),
+                    show(Some(tables[c].sample_id(local)))
                 )
             })
             .collect();

@@ -39,6 +39,45 @@ fn malformed(damage: impl FnOnce(&Path), validation: Validation) -> (PathBuf, St
     }
 }
 
+/// The (file, reason) of a `Malformed` error of the golden copy at `dir`.
+fn as_malformed(dir: &Path, err: Error) -> (PathBuf, String) {
+    match err {
+        Error::Malformed {
+            cache,
+            file,
+            reason,
+        } => {
+            assert_eq!(cache, "golden");
+            (file.strip_prefix(dir).unwrap().to_owned(), reason)
+        }
+        other => panic!("expected Malformed, got {other:?}"),
+    }
+}
+
+/// Damages a fresh copy's `metadata.arrow` (and whatever else `damage` does), and returns the
+/// malformation as (file, reason) after checking where it is reported: opening under
+/// `Structure` reads none of the file and succeeds, the first use of the table refuses it (and
+/// every later use, with the same error), and `Full` refuses it at open with that error.
+fn malformed_metadata(damage: impl FnOnce(&Path)) -> (PathBuf, String) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = golden_copy(tmp.path());
+    damage(&dir);
+    let cache = Cache::open(&dir, Validation::Structure).expect("opening reads no metadata");
+    let Err(first) = cache.metadata() else {
+        panic!("the first use of the damaged table succeeded")
+    };
+    let first = as_malformed(&dir, first);
+    let Err(again) = cache.metadata() else {
+        panic!("a later use of the damaged table succeeded")
+    };
+    assert_eq!(as_malformed(&dir, again), first);
+    let Err(full) = Cache::open(&dir, Validation::Full) else {
+        panic!("full validation opened the damaged cache")
+    };
+    assert_eq!(as_malformed(&dir, full), first);
+    first
+}
+
 #[test]
 fn the_undamaged_copy_opens() {
     let tmp = tempfile::tempdir().unwrap();
@@ -48,26 +87,59 @@ fn the_undamaged_copy_opens() {
         .unwrap();
 }
 
+/// Full validation hashes the index at open; every load reads none of it, and the read of the
+/// damaged entry's record refuses it under every verify policy (the entry is checked against
+/// its record header on every read).
 #[test]
 fn flipped_byte_in_the_index_names_index_bin() {
-    let (file, reason) = malformed(
-        |d| flip_byte(&d.join("index.bin"), 207),
-        Validation::Structure,
-    );
+    // Byte 207 is the last byte of sample 5's entry: its record checksum.
+    let (file, reason) = malformed(|d| flip_byte(&d.join("index.bin"), 207), Validation::Full);
     assert_eq!(file, Path::new("index.bin"));
     assert!(reason.starts_with("checksum mismatch"), "{reason}");
     assert!(
         reason.contains("the manifest says 4c797fb2f9dab943"),
         "{reason}"
     );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = golden_copy(tmp.path());
+    let offset = Cache::open(&dir, Validation::Full).unwrap().entry(5).offset;
+    flip_byte(&dir.join("index.bin"), 207);
+    let cache = Arc::new(Cache::open(&dir, Validation::Structure).unwrap());
+    for policy in [
+        VerifyPolicy::Always,
+        VerifyPolicy::Once,
+        VerifyPolicy::Never,
+    ] {
+        let ds = Dataset::new(vec![cache.clone()]).with_verify(policy);
+        for good in 0..5 {
+            ds.fetch(good).unwrap();
+        }
+        match ds.fetch(5).err().expect("the damaged entry is refused") {
+            Error::CorruptRecord {
+                cache,
+                shard,
+                offset: o,
+                sample,
+                reason,
+            } => {
+                assert_eq!(cache, "golden");
+                assert_eq!(shard, dir.join("shards/000001.bin"));
+                assert_eq!((o, sample), (offset, 5), "{policy:?}");
+                assert!(
+                    reason.contains("disagrees with index entry")
+                        && reason.contains("(index.bin or the shard is damaged)"),
+                    "{reason}"
+                );
+            }
+            other => panic!("expected CorruptRecord under {policy:?}, got {other:?}"),
+        }
+    }
 }
 
 #[test]
 fn flipped_byte_in_the_metadata_names_metadata_arrow() {
-    let (file, reason) = malformed(
-        |d| flip_byte(&d.join("metadata.arrow"), 200),
-        Validation::Structure,
-    );
+    let (file, reason) = malformed_metadata(|d| flip_byte(&d.join("metadata.arrow"), 200));
     assert_eq!(file, Path::new("metadata.arrow"));
     assert!(reason.starts_with("checksum mismatch"), "{reason}");
 }
@@ -213,18 +285,15 @@ fn first_block_position(bytes: &[u8]) -> usize {
 
 /// Rewrites the footer's first Block, re-signs, and returns the malformation.
 fn forged_block(meta_len: Option<i32>, body_len: i64) -> (PathBuf, String) {
-    malformed(
-        |d| {
-            let path = d.join("metadata.arrow");
-            let at = first_block_position(&std::fs::read(&path).unwrap());
-            if let Some(m) = meta_len {
-                write_at(&path, at + 8, &m.to_le_bytes());
-            }
-            write_at(&path, at + 16, &body_len.to_le_bytes());
-            resign(d, |_| {});
-        },
-        Validation::Structure,
-    )
+    malformed_metadata(|d| {
+        let path = d.join("metadata.arrow");
+        let at = first_block_position(&std::fs::read(&path).unwrap());
+        if let Some(m) = meta_len {
+            write_at(&path, at + 8, &m.to_le_bytes());
+        }
+        write_at(&path, at + 16, &body_len.to_le_bytes());
+        resign(d, |_| {});
+    })
 }
 
 #[test]
@@ -269,15 +338,12 @@ fn resigned_block_of_1_gib_body_is_refused_against_the_file_size() {
 
 #[test]
 fn resigned_footer_length_past_the_file_is_malformed_metadata() {
-    let (file, reason) = malformed(
-        |d| {
-            let path = d.join("metadata.arrow");
-            let n = std::fs::metadata(&path).unwrap().len() as usize;
-            write_at(&path, n - 10, &(i32::MAX).to_le_bytes());
-            resign(d, |_| {});
-        },
-        Validation::Structure,
-    );
+    let (file, reason) = malformed_metadata(|d| {
+        let path = d.join("metadata.arrow");
+        let n = std::fs::metadata(&path).unwrap().len() as usize;
+        write_at(&path, n - 10, &(i32::MAX).to_le_bytes());
+        resign(d, |_| {});
+    });
     assert_eq!(file, Path::new("metadata.arrow"));
     assert_eq!(
         reason,
@@ -290,23 +356,20 @@ fn resigned_footer_length_past_the_file_is_malformed_metadata() {
 
 #[test]
 fn resigned_buffer_past_its_body_is_malformed_metadata() {
-    let (file, reason) = malformed(
-        |d| {
-            let path = d.join("metadata.arrow");
-            let bytes = std::fs::read(&path).unwrap();
-            let at = first_block_position(&bytes);
-            let offset = i64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
-            let meta_len = i32::from_le_bytes(bytes[at + 8..at + 12].try_into().unwrap()) as usize;
-            let meta = &bytes[offset + 8..offset + meta_len];
-            let message = arrow_ipc::root_as_message(meta).unwrap();
-            let buffers = message.header_as_record_batch().unwrap().buffers().unwrap();
-            // Buffer 1 (the offsets of the str column `sample_id`): offset i64, length i64.
-            let pos = buffers.bytes().as_ptr() as usize - bytes.as_ptr() as usize + 16;
-            write_at(&path, pos, &(1i64 << 40).to_le_bytes());
-            resign(d, |_| {});
-        },
-        Validation::Structure,
-    );
+    let (file, reason) = malformed_metadata(|d| {
+        let path = d.join("metadata.arrow");
+        let bytes = std::fs::read(&path).unwrap();
+        let at = first_block_position(&bytes);
+        let offset = i64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+        let meta_len = i32::from_le_bytes(bytes[at + 8..at + 12].try_into().unwrap()) as usize;
+        let meta = &bytes[offset + 8..offset + meta_len];
+        let message = arrow_ipc::root_as_message(meta).unwrap();
+        let buffers = message.header_as_record_batch().unwrap().buffers().unwrap();
+        // Buffer 1 (the offsets of the str column `sample_id`): offset i64, length i64.
+        let pos = buffers.bytes().as_ptr() as usize - bytes.as_ptr() as usize + 16;
+        write_at(&path, pos, &(1i64 << 40).to_le_bytes());
+        resign(d, |_| {});
+    });
     assert_eq!(file, Path::new("metadata.arrow"));
     assert!(
         reason.starts_with(&format!(

@@ -117,8 +117,8 @@ fn golden_v1_payloads_and_metadata_are_exact() {
 
         let (label, score, flag, caption) = METADATA[i as usize];
         let id = format!("g{i}");
-        let row: Vec<(&str, MetaRef<'_>)> = cache.metadata.row(i).collect();
-        assert_eq!(cache.metadata.sample_id(i), MetaRef::Str(&id));
+        let row: Vec<(&str, MetaRef<'_>)> = cache.metadata().unwrap().row(i).collect();
+        assert_eq!(cache.metadata().unwrap().sample_id(i), MetaRef::Str(&id));
         assert_eq!(row.len(), 5, "{row:?}");
         assert_eq!(row[0], ("sample_id", MetaRef::Str(&id)));
         assert_eq!(row[1], ("label", MetaRef::Int(label)));

@@ -107,12 +107,13 @@ fn json_of(v: &MetaValue) -> serde_json::Value {
 /// Checks payloads, table metadata and embedded metadata of every record against the input.
 fn assert_round_trip(cache: &Cache, expected: &[Row]) {
     assert_eq!(cache.len(), expected.len() as u64);
-    assert_eq!(cache.metadata.rows(), expected.len() as u64);
+    assert_eq!(cache.metadata().unwrap().rows(), expected.len() as u64);
     for (i, (data, meta)) in expected.iter().enumerate() {
         let i64_ = i as u64;
         assert_eq!(&cache.payload(i64_).unwrap()[..], &data[..], "payload {i}");
         let row: Vec<(&str, MetaValue)> = cache
-            .metadata
+            .metadata()
+            .unwrap()
             .row(i64_)
             .map(|(k, v)| (k, owned(v)))
             .collect();
@@ -206,7 +207,7 @@ fn every_metadata_type_round_trips_uncompressed() {
             "algo none never compresses (record {i})"
         );
         assert_eq!(
-            cache.metadata.sample_id(i),
+            cache.metadata().unwrap().sample_id(i),
             MetaRef::Int(i as i64),
             "positional ids"
         );
@@ -347,7 +348,7 @@ fn shards_roll_over_at_the_target_size() {
         assert_eq!(e.offset % 16, 0);
         previous = (e.shard, e.offset);
         assert_eq!(
-            cache.metadata.sample_id(i),
+            cache.metadata().unwrap().sample_id(i),
             MetaRef::Str(&format!("id-{i}"))
         );
     }

@@ -328,16 +328,13 @@ fn verified_max_slot_payload(cache: &Cache) -> Result<Option<u64>> {
 /// the largest decompressed payload (verified: see [`verified_max_slot_payload`]). The metadata
 /// rows are walked only when a field is a string.
 fn max_sample_bytes_of(cache: &Cache) -> Result<u64> {
-    let fixed_metadata = cache
-        .metadata
-        .fields
-        .iter()
-        .all(|f| f.dtype != FieldType::Str);
+    let table = cache.metadata()?;
+    let fixed_metadata = table.fields.iter().all(|f| f.dtype != FieldType::Str);
     let max_metadata = match (fixed_metadata, cache.len()) {
         (_, 0) => 0,
-        (true, _) => metadata_len(cache.metadata.row(0)),
+        (true, _) => metadata_len(table.row(0)),
         (false, n) => (0..n)
-            .map(|row| metadata_len(cache.metadata.row(row)))
+            .map(|row| metadata_len(table.row(row)))
             .max()
             .unwrap_or(0),
     };

@@ -263,7 +263,7 @@ fn fill(
                     global: ds.cache_start(c) + row,
                     cache: fetched.cache,
                     row,
-                    meta: encode_metadata(ds.caches[c].metadata.row(row))?,
+                    meta: encode_metadata(ds.caches[c].metadata()?.row(row))?,
                     data,
                 })
             })

@@ -257,7 +257,10 @@ fn a_pass_delivers_the_epoch_order_with_every_byte() {
         assert_eq!(*is_ref, !compressed, "sample {global}");
         assert_eq!(*is_ref, c == 0 || !compressed, "sample {global}");
         assert_eq!(data[..], source.payload(r).unwrap()[..]);
-        assert_eq!(meta, &encode_metadata(source.metadata.row(r)).unwrap());
+        assert_eq!(
+            meta,
+            &encode_metadata(source.metadata().unwrap().row(r)).unwrap()
+        );
     }
     assert!(s.ds.caches[1].entry(6).stored_len < s.ds.caches[1].entry(6).raw_len);
     assert_eq!(ring.progress(), (EPOCH, 17, true));

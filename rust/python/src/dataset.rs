@@ -250,9 +250,10 @@ impl Dataset {
                 .iter()
                 .map(|c| PyCache {
                     shards: (0..c.num_shards()).map(|_| OnceLock::new()).collect(),
+                    // The manifest's schema: the table itself is read at its first use.
                     keys: c
-                        .metadata
-                        .fields
+                        .manifest
+                        .metadata_schema
                         .iter()
                         .map(|f| PyString::intern(py, &f.name).unbind())
                         .collect(),
@@ -850,8 +851,15 @@ impl CachedSample {
             .expect("a sample without a dict has an origin");
         let dict = PyDict::new(py);
         let cache = &origin.py_side.dataset.caches[origin.cache];
+        // The first use of the cache's table reads and checks all of `metadata.arrow`.
+        let table = if cache.metadata_loaded() {
+            cache.metadata()
+        } else {
+            py.detach(|| cache.metadata())
+        }
+        .py_err()?;
         let keys = &origin.py_side.caches[origin.cache].keys;
-        for (key, (_, value)) in keys.iter().zip(cache.metadata.row(origin.row)) {
+        for (key, (_, value)) in keys.iter().zip(table.row(origin.row)) {
             match value {
                 MetaRef::Bool(b) => dict.set_item(key, b)?,
                 MetaRef::Int(i) => dict.set_item(key, i)?,

@@ -46,19 +46,28 @@ fn open(py: Python<'_>, path: &Path, validation: Validation) -> PyResult<Cache> 
     py.detach(|| Cache::open(&dir, validation)).py_err()
 }
 
-/// The manifest of the cache at `path` as JSON text, after the structural validation every load
-/// runs (manifest, sizes, index and metadata checksums, shard headers).
+/// Opens the cache at `path` with the checks every load runs (manifest, sizes, index and shard
+/// headers) and those of the first use of its metadata table (`metadata.arrow`'s checksum and
+/// decoding), so that a command shows nothing of a cache a reader would refuse.
+fn open_checked(py: Python<'_>, path: &Path) -> PyResult<Cache> {
+    let cache = open(py, path, Validation::Structure)?;
+    py.detach(|| cache.metadata().map(|_| ())).py_err()?;
+    Ok(cache)
+}
+
+/// The manifest of the cache at `path` as JSON text, after the checks of [`open_checked`].
 #[pyfunction]
 pub fn inspect_cache(py: Python<'_>, path: PathBuf) -> PyResult<String> {
-    let cache = open(py, &path, Validation::Structure)?;
+    let cache = open_checked(py, &path)?;
     // A published cache is never modified, so the file on disk is the manifest just validated.
     let manifest = cache.dir.join(MANIFEST_FILE);
     py.detach(|| std::fs::read_to_string(&manifest).map_err(|e| Error::io("read", &manifest, e)))
         .py_err()
 }
 
-/// Verifies everything in the cache at `path`: structure, then every record's header and
-/// checksum (and LZ4 decoding), then every shard's whole-file checksum. Records go first so that
+/// Verifies everything in the cache at `path`: structure, the index's checksum and the metadata
+/// table, then every record's header and checksum (and LZ4 decoding), then every shard's
+/// whole-file checksum. Records go first so that
 /// damage inside a record is reported with its shard, offset and sample; the shard checksums
 /// then catch damage between records. Returns `(samples, shards)`; raises
 /// `CacheMalformedError` or `CorruptRecordError` naming the file and record.
@@ -99,7 +108,7 @@ pub fn head_records(
     n: u64,
     preview_bytes: usize,
 ) -> PyResult<Vec<RecordInfo<'_>>> {
-    let cache = open(py, &path, Validation::Structure)?;
+    let cache = open_checked(py, &path)?;
     let records = py
         .detach(|| {
             (0..n.min(cache.len()))
