@@ -44,8 +44,9 @@ class ReaderConfig:
       index entry against its record when that record is read, and record checksums follow
       ``verify``.
     - ``verify``: when a record's checksum is checked as it is read. ``"always"``: on every read.
-      ``"once"`` (the default): the first time this process reads the record (one bit per sample
-      remembers it, shared by the dataset's readers; the loader's producer process keeps its own).
+      ``"once"`` (the default): the first time the dataset reads the record (one bit per sample
+      remembers it, shared by the dataset's readers and by its loaders' producer processes, across
+      loaders and epochs).
       ``"never"``: not at read time. Under every policy the record's header is checked against the
       index on every read, so a damaged record cannot make a read or LZ4 decoding go out of bounds;
       under ``"always"`` and ``"once"`` a damaged record raises ``CorruptRecordError`` naming the

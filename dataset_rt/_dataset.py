@@ -139,6 +139,13 @@ class Dataset:
         """Identifies the loaded caches' content, in order."""
         return self._native.fingerprint
 
+    @property
+    def verified_samples(self) -> int | None:
+        """Under ``verify="once"``, the samples whose records passed their checksum so far,
+        read by this dataset or by its loaders' producers (they share one record of it);
+        ``None`` under the other policies."""
+        return self._native.verified_samples
+
     def set_epoch(self, epoch: int) -> None:
         """Makes the next pass read ``epoch``."""
         self._native.set_epoch(epoch)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 from pathlib import Path
 
@@ -144,3 +146,116 @@ def test_the_loader_producer_skips_the_hash_under_never(runtime, cache):
         got = {s.metadata["i"]: bytes(s.data) for batch in loader for s in batch}
     assert sorted(got) == list(range(NUM_SAMPLES))
     assert got[CORRUPTED] != bytes([CORRUPTED]) * (40 + 7 * CORRUPTED)
+
+
+# ---- "once" is one record per dataset, shared by the training process and its loaders ----
+
+MEMFD = "memfd:dataset-rt-verified"
+
+
+def sample_bytes(sample) -> tuple[int, bytes]:
+    return sample.metadata["i"], bytes(sample.data)
+
+
+def loader_payloads(dataset, num_workers: int) -> dict[int, bytes]:
+    """One loader pass (a fresh loader, so a fresh producer process)."""
+    with DataLoader(
+        dataset, batch_size=2, num_workers=num_workers, transform=sample_bytes
+    ) as loader:
+        return dict(item for batch in loader for item in batch)
+
+
+def verified_memfds(pid: int | str) -> int:
+    """The descriptors process `pid` holds on a verified-samples memfd."""
+    fds = Path(f"/proc/{pid}/fd")
+    found = 0
+    for fd in fds.iterdir():
+        with contextlib.suppress(FileNotFoundError):  # closed while listed
+            found += MEMFD in os.readlink(fd)  # "/memfd:NAME (deleted)"
+    return found
+
+
+def test_a_loader_pass_marks_every_sample_in_the_training_process_dataset(runtime, cache):
+    dataset = open_dataset(runtime, cache, "once")
+    assert dataset.verified_samples == 0
+    got = loader_payloads(dataset, num_workers=2)
+    assert sorted(got) == list(range(NUM_SAMPLES))
+    # The producer process verified them, into the dataset's own record.
+    assert dataset.verified_samples == NUM_SAMPLES
+    assert open_dataset(runtime, cache, "always").verified_samples is None
+    assert open_dataset(runtime, cache, "never").verified_samples is None
+
+
+@pytest.mark.parametrize("first_workers", [0, 2])
+def test_a_later_loader_does_not_hash_again_under_once(runtime, cache, first_workers):
+    once = open_dataset(runtime, cache, "once")
+    sound = loader_payloads(once, num_workers=first_workers)
+    flip_payload(cache, CORRUPTED)
+    # A new loader's producer shares the record: the change after the first verified read is
+    # not seen (the documented limit of "once"), whether the first pass had workers or not...
+    for workers in (2, 0):
+        changed = loader_payloads(once, num_workers=workers)
+        assert [i for i in range(NUM_SAMPLES) if changed[i] != sound[i]] == [CORRUPTED]
+    # ...nor by the dataset itself...
+    assert payloads(once)[CORRUPTED] == changed[CORRUPTED]
+    # ...while "always", and "once" on another dataset, hash it and refuse it.
+    for policy in ("always", "once"):
+        other = open_dataset(runtime, cache, policy)
+        with pytest.raises(CorruptRecordError) as info:
+            loader_payloads(other, num_workers=2)
+        assert_names_the_record(info.value, cache, CORRUPTED)
+
+
+def test_records_read_in_process_are_not_hashed_again_by_the_loader(runtime, cache):
+    once = open_dataset(runtime, cache, "once")
+    sound = payloads(once)
+    assert once.verified_samples == NUM_SAMPLES
+    flip_payload(cache, CORRUPTED)
+    changed = loader_payloads(once, num_workers=2)
+    assert [i for i in range(NUM_SAMPLES) if changed[i] != sound[i]] == [CORRUPTED]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_once_through_loaders_catches_a_record_corrupted_before_its_first_read(
+    runtime, cache, workers
+):
+    flip_payload(cache, CORRUPTED)
+    once = open_dataset(runtime, cache, "once")
+    for _ in range(2):  # never marked: every loader catches it
+        with pytest.raises(CorruptRecordError) as info:
+            loader_payloads(once, num_workers=workers)
+        assert_names_the_record(info.value, cache, CORRUPTED)
+    assert once.verified_samples is not None and once.verified_samples < NUM_SAMPLES
+    with pytest.raises(CorruptRecordError):
+        payloads(once)
+
+
+def test_a_persistent_pipeline_shares_the_record_across_epochs(runtime, cache):
+    once = open_dataset(runtime, cache, "once")
+    with DataLoader(
+        once, batch_size=2, num_workers=2, transform=sample_bytes, persistent_workers=True
+    ) as loader:
+        sound = dict(item for batch in loader for item in batch)
+        assert once.verified_samples == NUM_SAMPLES
+        flip_payload(cache, CORRUPTED)
+        changed = dict(item for batch in loader for item in batch)
+    assert [i for i in range(NUM_SAMPLES) if changed[i] != sound[i]] == [CORRUPTED]
+
+
+def test_only_the_training_process_holds_the_memfd(runtime, cache):
+    once = open_dataset(runtime, cache, "once")
+    assert verified_memfds("self") >= 1
+    before = verified_memfds("self")
+    with DataLoader(once, batch_size=2, num_workers=2, transform=sample_bytes) as loader:
+        it = iter(loader)
+        next(it)  # every process has started; the producer has read its spec and attached
+        pids = it.pids  # type: ignore[attr-defined]
+        assert verified_memfds(pids["producer"]) == 0
+        for worker in pids["workers"]:
+            assert verified_memfds(worker) == 0, f"worker {worker} holds the memfd"
+        for _ in it:
+            pass
+    assert verified_memfds("self") == before
+    # A dataset under "always" keeps no record, so it has no memfd to share.
+    open_dataset(runtime, cache, "always")
+    assert verified_memfds("self") == before

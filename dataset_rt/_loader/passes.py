@@ -100,8 +100,13 @@ class LoaderIterator(Iterator[Any]):
         self._slot_size = ring.slot_size
         if num_workers == 0:
             self._fd = slots.open_ring(ring.ring_name)
+        # The dataset's verified-samples memfd, if shared, is the one descriptor (besides the
+        # standard ones) the producer inherits: it attaches to it and closes it.
+        verified_fd = ring.verified_fd
         self._producer = subprocess.Popen(
-            producer.command(self._owner, ring.spec_path), stdin=subprocess.DEVNULL
+            producer.command(self._owner, ring.spec_path),
+            stdin=subprocess.DEVNULL,
+            pass_fds=() if verified_fd is None else (verified_fd,),
         )
         arena = results.arena_bytes(self._result_bytes, num_workers)
         shard_table = ring.shard_table if num_workers else ""

@@ -54,6 +54,9 @@ def consumer_main(
     it early (a parent that is not the owner, ``worker_init_fn`` raised, a protocol error) is
     sent to the training loop as ``("fatal", index, (stage, traceback), [])`` before it exits with
     code 1."""
+    # A forked worker holds copies of the training process's descriptors: user code never gets
+    # the dataset's verified-samples memfd (with spawn it was closed on exec).
+    _native.close_inherited_fds()
     # The training script's handlers (a SIGTERM handler that ignores the signal) are not ours.
     signals.reset_inherited()
     try:

@@ -2,6 +2,7 @@
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
+use std::os::fd::BorrowedFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -260,14 +261,44 @@ impl Dataset {
     /// Reads under `policy` ([`Dataset::new`] reads under [`VerifyPolicy::Always`]; the default
     /// of `ReaderConfig` is `Once`). Under `Once` the dataset keeps one bit per sample, shared by
     /// all its readers: a sample whose record passed its checksum is not hashed again by this
-    /// dataset.
+    /// dataset. The bits live in a memfd ([`VerifiedSet::shared`]) that the loader hands to its
+    /// producers, so what they verify counts here too and the other way round; where no memfd
+    /// can be had they live in the heap, and producers keep their own.
     pub fn with_verify(mut self, policy: VerifyPolicy) -> Self {
         self.verify = match policy {
             VerifyPolicy::Always => Verifier::Always,
-            VerifyPolicy::Once => Verifier::Once(VerifiedSet::new(self.len())),
+            VerifyPolicy::Once => Verifier::Once(
+                VerifiedSet::shared(self.len()).unwrap_or_else(|_| VerifiedSet::new(self.len())),
+            ),
             VerifyPolicy::Never => Verifier::Never,
         };
         self
+    }
+
+    /// Reads under `Once` with `set`, the training process's set that a producer attached to
+    /// ([`VerifiedSet::attach`]). A bit is a global sample number, the position of the sample
+    /// in the caches taken in order: the set must be the one of a dataset of the same caches
+    /// in the same order (the caller checks the fingerprint), so its length must be this one's.
+    pub fn with_verified_set(mut self, set: VerifiedSet) -> Result<Self> {
+        if set.len() != self.len() {
+            return Err(Error::State(format!(
+                "the verified-samples set covers {} samples, this dataset has {}: it belongs \
+                 to another dataset",
+                set.len(),
+                self.len()
+            )));
+        }
+        self.verify = Verifier::Once(set);
+        Ok(self)
+    }
+
+    /// Under `Once`, the memfd of the verified set that a producer may attach to (`None` under
+    /// other policies, when the set is not shared, and outside the process that created it).
+    pub fn shared_verified_fd(&self) -> Option<BorrowedFd<'_>> {
+        match &self.verify {
+            Verifier::Once(set) => set.shared_fd(),
+            _ => None,
+        }
     }
 
     pub fn verify_policy(&self) -> VerifyPolicy {
@@ -278,7 +309,8 @@ impl Dataset {
         }
     }
 
-    /// Samples whose records this dataset verified under `Once` (`None` under other policies).
+    /// Samples whose records this dataset verified under `Once`, here or in a producer sharing
+    /// its set (`None` under other policies).
     pub fn verified_count(&self) -> Option<u64> {
         match &self.verify {
             Verifier::Once(set) => Some(set.count()),

@@ -1,12 +1,13 @@
 //! `ReaderConfig.verify`: what each policy catches, on private copies of the golden cache.
 
 use std::io::{Seek, SeekFrom, Write};
+use std::os::fd::IntoRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{Dataset, Fetched};
-use dataset_rt_core::verify::VerifyPolicy;
+use dataset_rt_core::verify::{VerifiedSet, VerifyPolicy};
 use dataset_rt_core::Error;
 
 mod common;
@@ -197,5 +198,73 @@ fn never_skips_the_hash_but_keeps_the_structural_checks() {
         &shard,
         SAMPLE,
         "record header",
+    );
+}
+
+/// The producer's side: a dataset over the same caches, attached to a copy of `owner`'s memfd.
+fn attached_to(owner: &Dataset, dir: &Path) -> Dataset {
+    let fd = owner
+        .shared_verified_fd()
+        .expect("a dataset under Once shares its set")
+        .try_clone_to_owned()
+        .unwrap()
+        .into_raw_fd();
+    let set = VerifiedSet::attach(fd, owner.len()).unwrap();
+    let cache = Cache::open(dir, Validation::Structure).unwrap();
+    Dataset::new(vec![Arc::new(cache)])
+        .with_verified_set(set)
+        .unwrap()
+}
+
+#[test]
+fn datasets_sharing_a_set_skip_what_either_verified() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, shard, start) = copy_with_payload_of(tmp.path(), SAMPLE);
+    let owner = open(&dir, VerifyPolicy::Once);
+    let producer = attached_to(&owner, &dir);
+    assert_eq!(producer.verify_policy(), VerifyPolicy::Once);
+    assert!(
+        producer.shared_verified_fd().is_none(),
+        "only the creator hands it on"
+    );
+    let len = owner.len();
+    for g in (0..len).filter(|&g| g != SAMPLE) {
+        producer.fetch(g).unwrap();
+    }
+    assert_eq!(owner.verified_count(), Some(len - 1));
+    let sound = bytes(&owner, owner.fetch(SAMPLE).unwrap());
+    assert_eq!(producer.verified_count(), Some(len));
+    flip_in_place(&shard, start + 1);
+    // Verified by the owner: the producer does not hash it again, and reads the change...
+    assert_ne!(bytes(&producer, producer.fetch(SAMPLE).unwrap()), sound);
+    // ...which a dataset with a set of its own catches.
+    assert_corrupt(
+        open(&dir, VerifyPolicy::Once)
+            .fetch(SAMPLE)
+            .err()
+            .expect("a corrupt record"),
+        &shard,
+        SAMPLE,
+        "checksum mismatch",
+    );
+}
+
+#[test]
+fn a_set_of_another_length_is_refused_by_the_dataset() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = golden_copy(tmp.path());
+    let ds = open(&dir, VerifyPolicy::Never);
+    let len = ds.len();
+    let err = Dataset::new(ds.caches.clone())
+        .with_verified_set(VerifiedSet::new(len + 1))
+        .err()
+        .expect("another length")
+        .to_string();
+    assert!(
+        err.contains(&format!(
+            "covers {} samples, this dataset has {len}",
+            len + 1
+        )),
+        "{err}"
     );
 }

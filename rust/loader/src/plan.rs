@@ -14,7 +14,7 @@ use dataset_rt_shm::ShmError;
 
 use crate::batch::{max_sample_bytes, slot_size_for};
 use crate::lifecycle;
-use crate::producer::{self, ProducerSpec};
+use crate::producer::{self, ProducerSpec, SharedVerified};
 use crate::shards::ShardTable;
 use crate::{protocol, Result};
 
@@ -175,6 +175,7 @@ impl Plan {
             epoch_len: opts.epoch_len,
             prefetch_size: opts.prefetch_size,
             verify: ds.verify_policy(),
+            verified: SharedVerified::of(ds),
             threads: self.producer_threads,
             persistent,
         })

@@ -5,6 +5,7 @@
 //! 64 MiB of decompressed LZ4 payloads ahead of the slot being filled. Runs in its own process,
 //! without a GIL.
 
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -14,7 +15,7 @@ use dataset_rt_core::error::io_errno;
 use dataset_rt_core::os::{own_pid, parent_pid};
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::EpochOrder;
-use dataset_rt_core::verify::VerifyPolicy;
+use dataset_rt_core::verify::{VerifiedSet, VerifyPolicy};
 use dataset_rt_core::{Error as CoreError, ErrorKind};
 use serde::{Deserialize, Serialize};
 
@@ -50,16 +51,39 @@ pub struct ProducerSpec {
     pub epoch_len: Option<u64>,
     /// Samples read ahead of the slot being filled (`ReaderConfig.prefetch_size`).
     pub prefetch_size: usize,
-    /// When records are hashed (`ReaderConfig.verify`). Under `Once` the producer keeps its
-    /// own bitmap, which lives as long as this process: one pass, or the loader's life with
-    /// persistent workers.
+    /// When records are hashed (`ReaderConfig.verify`). Under `Once` the producer uses the
+    /// training process's set of verified samples (`verified`) when it is shared, else keeps
+    /// its own, which lives as long as this process.
     pub verify: VerifyPolicy,
+    /// Under `Once`, the training process's verified set, inherited as a descriptor.
+    #[serde(default)]
+    pub verified: Option<SharedVerified>,
     /// Threads that read, verify and decompress (`DataLoader(producer_threads=)`).
     pub threads: usize,
     /// After a pass, wait for the owner's next one on the same segments instead of exiting
     /// (`DataLoader(persistent_workers=True)`).
     #[serde(default)]
     pub persistent: bool,
+}
+
+/// The training process's set of verified samples, passed down to the producer: descriptor
+/// `fd` (a sealed memfd the producer inherits across `exec`) holds one bit per sample of the
+/// dataset, `samples` of them, numbered as the dataset numbers them (the caches in order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SharedVerified {
+    pub fd: i32,
+    pub samples: u64,
+}
+
+impl SharedVerified {
+    /// What the spec says of `ds`'s set: `None` when it is not shared from this process.
+    pub fn of(ds: &Dataset) -> Option<SharedVerified> {
+        ds.shared_verified_fd().map(|fd| SharedVerified {
+            fd: fd.as_raw_fd(),
+            samples: ds.len(),
+        })
+    }
 }
 
 /// Samples per pool job: about two jobs per thread within the read-ahead window, so that every
@@ -335,7 +359,7 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
         .iter()
         .map(|d| Cache::open(d, Validation::Structure).map(Arc::new))
         .collect::<std::result::Result<Vec<_>, _>>()?;
-    let ds = Dataset::new(caches).with_verify(spec.verify);
+    let ds = Dataset::new(caches);
     if ds.fingerprint() != spec.fingerprint {
         return Err(CoreError::State(format!(
             "the caches changed under the loader: fingerprint {} is not the dataset's {}",
@@ -344,6 +368,30 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
         ))
         .into());
     }
+    // The same caches in the same order (the fingerprint): a bit of the training process's
+    // set names the same sample here.
+    let ds = match (spec.verify, spec.verified) {
+        (VerifyPolicy::Once, Some(shared)) => {
+            let refused = |e: CoreError| {
+                protocol(format!(
+                    "cannot use the training process's set of verified samples (fd {}, {} \
+                     samples): {e}",
+                    shared.fd, shared.samples
+                ))
+            };
+            let set = VerifiedSet::attach(shared.fd, shared.samples).map_err(refused)?;
+            ds.with_verified_set(set).map_err(refused)?
+        }
+        (_, Some(shared)) => {
+            return Err(protocol(format!(
+                "the spec passes a set of verified samples (fd {}) under verify={:?}, which \
+                 keeps none",
+                shared.fd,
+                spec.verify.name()
+            )))
+        }
+        (policy, None) => ds.with_verify(policy),
+    };
     spec.shards.check(&ds)?;
     let weights = match weights {
         Some(w) => {

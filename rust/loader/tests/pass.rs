@@ -4,6 +4,7 @@
 //! value against the caches.
 
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::{AsRawFd, IntoRawFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions
 use dataset_rt_loader::batch::{
     encode_metadata, max_sample_bytes, read_batch, slot_size_for, Payload,
 };
-use dataset_rt_loader::producer::{self, ProducerSpec};
+use dataset_rt_loader::producer::{self, ProducerSpec, SharedVerified};
 use dataset_rt_loader::shards::ShardTable;
 use dataset_rt_loader::{lifecycle, plan};
 use dataset_rt_shm::layout::{B_USED, POLICY_PAD};
@@ -115,6 +116,7 @@ fn setup_sized(raw: u64, lz4: u64) -> Setup {
         epoch_len: None,
         prefetch_size: 1,
         verify: VerifyPolicy::Once,
+        verified: None,
         threads: 1,
         persistent: false,
     };
@@ -373,6 +375,99 @@ fn a_spec_without_threads_is_refused() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// `owner`'s verified set as the training process passes it down: a copy of its memfd.
+fn passed_down(owner: &Dataset) -> SharedVerified {
+    let fd = owner
+        .shared_verified_fd()
+        .expect("a dataset under Once shares its set")
+        .try_clone_to_owned()
+        .unwrap()
+        .into_raw_fd();
+    SharedVerified {
+        fd,
+        samples: owner.len(),
+    }
+}
+
+#[test]
+fn the_producer_marks_and_skips_in_the_training_process_set() {
+    let mut s = setup();
+    let owner = Dataset::new(s.ds.caches.clone()).with_verify(VerifyPolicy::Once);
+    let len = owner.len();
+    // The training process verified sample 3 itself; the producer reads the rest.
+    owner.fetch(3).unwrap();
+    let slot_size = slot_size_for(max_sample_bytes(&s.ds).unwrap(), BATCH);
+    // Sample 3 of the raw cache is corrupted after the owner verified it: the producer, sharing
+    // the owner's set, does not hash it again (the documented limit of "once")...
+    let cache = &s.ds.caches[0];
+    let (entry, _, start) = cache.verify_record(3).unwrap();
+    let mut shard = std::fs::OpenOptions::new()
+        .write(true)
+        .open(cache.shard_path(entry.shard))
+        .unwrap();
+    shard.seek(SeekFrom::Start(start)).unwrap();
+    shard.write_all(&[0xee]).unwrap();
+    drop(shard);
+    s.spec.verified = Some(passed_down(&owner));
+    let ring = create_ring(&s, slot_size);
+    let (produced, got, error) = run_pass(&s, &ring);
+    produced.unwrap();
+    assert!(error.is_none(), "{error:?}");
+    assert_eq!(got.len() as u64, len);
+    // ...and everything it verified is marked in the owner's set.
+    assert_eq!(owner.verified_count(), Some(len));
+    // A producer with a set of its own hashes it and stops there.
+    s.spec.verified = None;
+    let ring = create_ring(&s, slot_size);
+    let (produced, _, _) = run_pass(&s, &ring);
+    let text = produced.unwrap_err().to_string();
+    assert!(text.contains("sample 3: checksum mismatch"), "{text}");
+}
+
+/// Spoils the set a spec passes down.
+type Spoil<'a> = dyn Fn(&mut SharedVerified) + 'a;
+
+#[test]
+fn a_producer_refuses_a_set_it_cannot_use() {
+    let mut s = setup();
+    let owner = Dataset::new(s.ds.caches.clone()).with_verify(VerifyPolicy::Once);
+    let tmp = tempfile::tempfile().unwrap();
+    let wrong_len = |shared: &mut SharedVerified| shared.samples += 64;
+    let not_memfd = |shared: &mut SharedVerified| {
+        // SAFETY: closes the test's own copy; the number then names the temporary file.
+        unsafe { libc::close(shared.fd) };
+        shared.fd = tmp.as_raw_fd();
+    };
+    let cases: [(&Spoil<'_>, &str); 2] = [
+        (&wrong_len, "holds 8 bytes; the set of 81 samples takes 16"),
+        (&not_memfd, "not a memfd"),
+    ];
+    for (spoil, why) in cases {
+        let mut shared = passed_down(&owner);
+        spoil(&mut shared);
+        s.spec.verified = Some(shared);
+        let ring = create_ring(&s, 64 * 1024);
+        let (produced, got, error) = run_pass(&s, &ring);
+        assert!(got.is_empty());
+        let text = produced.unwrap_err().to_string();
+        let what = format!(
+            "the training process's set of verified samples (fd {}, {} samples)",
+            shared.fd, shared.samples
+        );
+        assert!(text.contains(&what) && text.contains(why), "{text}");
+        match error {
+            Some(ShmError::ProducerFailed { text, .. }) => assert!(text.contains(why), "{text}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    // A set under a policy that keeps none.
+    s.spec.verified = Some(passed_down(&owner));
+    s.spec.verify = VerifyPolicy::Always;
+    let ring = create_ring(&s, 64 * 1024);
+    let text = run_pass(&s, &ring).0.unwrap_err().to_string();
+    assert!(text.contains("under verify=\"always\""), "{text}");
 }
 
 /// Takes, receives and delivers every batch of the current pass on `ring`: the global indices

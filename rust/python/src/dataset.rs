@@ -396,6 +396,13 @@ impl Dataset {
         self.inner.fingerprint().to_owned()
     }
 
+    /// Samples whose records passed their checksum under `verify="once"`, read here or by a
+    /// loader's producer; `None` under the other policies.
+    #[getter]
+    fn verified_samples(&self) -> Option<u64> {
+        self.inner.verified_count()
+    }
+
     /// Starts the next pass, sample by sample.
     fn __iter__(&self, py: Python<'_>) -> PyResult<DatasetIterator> {
         let pass = self.start_pass(py, 1)?;

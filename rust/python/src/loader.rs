@@ -48,6 +48,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_producer, m)?)?;
     m.add_function(wrap_pyfunction!(set_parent_death_signal, m)?)?;
     m.add_function(wrap_pyfunction!(retain_worker_heap, m)?)?;
+    m.add_function(wrap_pyfunction!(close_inherited_fds, m)?)?;
     m.add_function(wrap_pyfunction!(reap_shm_leftovers, m)?)?;
     Ok(())
 }
@@ -467,6 +468,16 @@ impl RingHandle {
             return Err(LoaderError::new_err("shard_table needs the owner's handle"));
         };
         Ok(serde_json::to_string(&owner.plan.spec.shards).expect("plain data"))
+    }
+
+    /// The descriptor of the dataset's verified-samples memfd that the producer inherits
+    /// (`pass_fds`) and attaches to, as its spec says; `None` when the set is not shared.
+    #[getter]
+    fn verified_fd(&self) -> PyResult<Option<i32>> {
+        let Some(owner) = &self.owner else {
+            return Err(LoaderError::new_err("verified_fd needs the owner's handle"));
+        };
+        Ok(owner.plan.spec.verified.map(|v| v.fd))
     }
 
     /// Bytes of one slot (a multiple of 4096).
@@ -965,6 +976,13 @@ pub fn set_parent_death_signal(owner_pid: u64) -> PyResult<()> {
         )));
     }
     Ok(())
+}
+
+/// Closes, in a forked loader worker, the descriptors of the training process's verified-sample
+/// sets that the fork copied, before any user code runs; returns how many it closed.
+#[pyfunction]
+pub fn close_inherited_fds() -> usize {
+    dataset_rt_core::verify::close_inherited()
 }
 
 /// Gives a loader worker process the C allocator settings that keep its freed heap for reuse
