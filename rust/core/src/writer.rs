@@ -455,6 +455,7 @@ impl Sink {
             w.write_all(&ZEROS[..pad2])
         })()
         .ctx("write", &path)?;
+        w.start_writeback();
         self.shard_records += 1;
         let entry = IndexEntry {
             offset,
