@@ -202,7 +202,8 @@ impl VerifiedSet {
             return Err(invalid(
                 fd,
                 format!(
-                    "it holds {size} bytes; the set of {len} samples takes {bytes}: it belongs                      to another dataset"
+                    "it holds {size} bytes; the set of {len} samples takes {bytes}: it belongs \
+                     to another dataset"
                 ),
             ));
         }
@@ -245,7 +246,8 @@ impl VerifiedSet {
         if seals & SIZE_SEALS != SIZE_SEALS {
             return Err(invalid(
                 fd,
-                "a memory file whose size is not sealed: the verified set is shared only as a                  memfd sealed against shrinking and growing"
+                "a memory file whose size is not sealed: the verified set is shared only as a \
+                 memfd sealed against shrinking and growing"
                     .into(),
             ));
         }
