@@ -471,6 +471,13 @@ fn file_sizes_are_checked_before_any_checksum() {
     assert_eq!(reason, "size is 480 bytes, the manifest says 496");
 }
 
+/// The first record of the golden cache stored LZ4-compressed.
+fn first_compressed(cache: &Cache) -> u64 {
+    (0..cache.len())
+        .find(|&s| cache.entry(s).flags & dataset_rt_core::format::FLAG_LZ4 != 0)
+        .expect("the golden cache has a compressed record")
+}
+
 /// A compressed record whose raw length (header and index, re-signed) is more than LZ4 can
 /// produce from its stored bytes is refused before anything is allocated for it.
 #[test]
@@ -478,9 +485,7 @@ fn resigned_lz4_raw_length_beyond_what_lz4_can_expand_is_a_corrupt_record() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = golden_copy(tmp.path());
     let cache = Cache::open(&dir, Validation::Structure).unwrap();
-    let sample = (0..cache.len())
-        .find(|&s| cache.entry(s).flags & dataset_rt_core::format::FLAG_LZ4 != 0)
-        .expect("the golden cache has a compressed record");
+    let sample = first_compressed(&cache);
     let e = cache.entry(sample);
     let (_, h, payload_start) = cache.verify_record(sample).unwrap();
     drop(cache);
@@ -565,9 +570,7 @@ fn resigned_manifest_without_compression_refuses_a_compressed_record() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = golden_copy(tmp.path());
     let cache = Cache::open(&dir, Validation::Structure).unwrap();
-    let sample = (0..cache.len())
-        .find(|&s| cache.entry(s).flags & dataset_rt_core::format::FLAG_LZ4 != 0)
-        .expect("the golden cache has a compressed record");
+    let sample = first_compressed(&cache);
     let offset = cache.entry(sample).offset;
     drop(cache);
     resign(&dir, |m| {
