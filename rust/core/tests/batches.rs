@@ -280,11 +280,17 @@ fn handing_out_more_than_was_taken_is_a_bug_caught_at_once() {
 
 #[test]
 fn a_corrupt_record_in_a_chunk_comes_after_the_samples_before_it() {
+    // A chunk of 4 samples, and chunks of 60 claimed by the pool's threads in blocks of 16
+    // (the bad record in the third block, read while other blocks are).
+    corrupt_record_ends_the_pass_after_the_samples_before_it(12, 5, 8);
+    corrupt_record_ends_the_pass_after_the_samples_before_it(90, 37, 120);
+}
+
+fn corrupt_record_ends_the_pass_after_the_samples_before_it(n: u64, bad: u64, prefetch: usize) {
     let dir = tempfile::tempdir().unwrap();
     let pool = Pool::new(2).unwrap();
-    write(&pool, dir.path(), "c", 12, false);
+    write(&pool, dir.path(), "c", n, false);
     let path = dir.path().join("c");
-    let bad = 5u64;
     {
         let cache = Cache::open(&path, Validation::Full).unwrap();
         let (entry, _, payload_start) = cache.check_record(bad, true).unwrap();
@@ -297,7 +303,7 @@ fn a_corrupt_record_in_a_chunk_comes_after_the_samples_before_it() {
     let dataset = Arc::new(Dataset::new(vec![cache]));
     let opts = ReadOptions {
         shuffle: false,
-        prefetch_size: 8,
+        prefetch_size: prefetch,
         ..options(0, 1)
     };
     let order = dataset
