@@ -4,7 +4,7 @@ use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::BorrowedFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
@@ -589,12 +589,37 @@ impl Dataset {
 /// between the cores of the threads reading the chunk and cost more than reading a mapped record.
 const CLAIM_BLOCK: usize = 16;
 
+/// Which samples a chunk reads.
+enum ChunkSamples {
+    /// Worked out by the consumer (it needs each one's decompressed size for the byte budget).
+    Globals(Vec<u64>),
+    /// Positions `first ..` of the pass: the threads that read a block work out its samples, so
+    /// the epoch order (eight keyed hashes a position) is computed in parallel, not by the
+    /// consumer alone.
+    Positions { pass: PassOrder, first: u64 },
+}
+
+/// What maps a position of a rank's pass to its global sample.
+#[derive(Clone)]
+struct PassOrder {
+    order: Arc<EpochOrder>,
+    split: RankSplit,
+    epoch_len: u64,
+    start: u64,
+}
+
+impl PassOrder {
+    fn global(&self, k: u64) -> u64 {
+        self.order
+            .at(self.split.global_position(self.epoch_len, self.start, k))
+    }
+}
+
 /// The samples of one pool job. Workers and, when it helps, the consumer claim them a block at a
 /// time, so a consumer that needs the chunk never sleeps until a worker is scheduled for it.
 struct Chunk {
-    globals: Vec<u64>,
-    /// Set by the first thread to work on the chunk, which then brings in its record headers.
-    warmed: AtomicBool,
+    samples: ChunkSamples,
+    len: usize,
     /// Blocks of [`CLAIM_BLOCK`] samples claimed so far.
     claimed: AtomicUsize,
     /// Samples read so far.
@@ -614,13 +639,13 @@ struct Completion {
 }
 
 impl Chunk {
-    fn new(globals: Vec<u64>) -> Self {
-        let results = (0..globals.len().div_ceil(CLAIM_BLOCK))
+    fn new(samples: ChunkSamples, len: usize) -> Self {
+        let results = (0..len.div_ceil(CLAIM_BLOCK))
             .map(|_| Mutex::new(Vec::new()))
             .collect();
         Chunk {
-            globals,
-            warmed: AtomicBool::new(false),
+            samples,
+            len,
             claimed: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
             results,
@@ -631,22 +656,31 @@ impl Chunk {
 
     /// Reads samples of this chunk until none is left to claim.
     fn work(&self, dataset: &Dataset, hook: Option<&FetchHook>) {
-        if !self.warmed.swap(true, Ordering::Relaxed) {
-            // Shuffled records are scattered over the shards: asking for all their headers at
-            // once overlaps the memory misses that reading them one by one would wait for in turn.
-            for &g in &self.globals {
-                dataset.prefetch_record(g);
-            }
-        }
         loop {
             let block = self.claimed.fetch_add(1, Ordering::AcqRel);
             let lo = block.saturating_mul(CLAIM_BLOCK);
-            if lo >= self.globals.len() {
+            if lo >= self.len {
                 return;
             }
-            let globals = &self.globals[lo..(lo + CLAIM_BLOCK).min(self.globals.len())];
+            let hi = (lo + CLAIM_BLOCK).min(self.len);
+            let mut globals = [0u64; CLAIM_BLOCK];
+            let globals = &mut globals[..hi - lo];
+            match &self.samples {
+                ChunkSamples::Globals(all) => globals.copy_from_slice(&all[lo..hi]),
+                ChunkSamples::Positions { pass, first } => {
+                    for (i, g) in globals.iter_mut().enumerate() {
+                        *g = pass.global(first + (lo + i) as u64);
+                    }
+                }
+            }
+            // Shuffled records are scattered over the shards: asking for the block's headers at
+            // once overlaps the memory misses that reading them one by one would wait for in
+            // turn.
+            for &g in globals.iter() {
+                dataset.prefetch_record(g);
+            }
             let mut fetched = Vec::with_capacity(globals.len());
-            for &g in globals {
+            for &g in globals.iter() {
                 // A panic is this sample's error: the chunk still completes, so nobody waits
                 // forever.
                 fetched.push(
@@ -659,7 +693,7 @@ impl Chunk {
             }
             *self.results[block].lock().unwrap() = fetched;
             let n = globals.len();
-            if self.done.fetch_add(n, Ordering::AcqRel) + n == self.globals.len() {
+            if self.done.fetch_add(n, Ordering::AcqRel) + n == self.len {
                 let mut completion = self.completion.lock().unwrap();
                 completion.complete = true;
                 if completion.waiting {
@@ -670,7 +704,7 @@ impl Chunk {
     }
 
     fn is_complete(&self) -> bool {
-        self.done.load(Ordering::Acquire) == self.globals.len()
+        self.done.load(Ordering::Acquire) == self.len
     }
 
     /// Waits until every sample was read, then takes the results in order. The samples still
@@ -693,11 +727,7 @@ impl Chunk {
             .iter()
             .flat_map(|r| std::mem::take(&mut *r.lock().unwrap()))
             .collect();
-        assert_eq!(
-            results.len(),
-            self.globals.len(),
-            "a complete chunk has every result"
-        );
+        assert_eq!(results.len(), self.len, "a complete chunk has every result");
         results
     }
 }
@@ -706,12 +736,10 @@ impl Chunk {
 pub struct EpochReader {
     pool: Arc<Pool>,
     dataset: Arc<Dataset>,
-    order: Arc<EpochOrder>,
-    split: RankSplit,
-    epoch_len: u64,
+    /// The epoch's order, this rank's split and the global position this pass started from (0,
+    /// or a loaded state's position).
+    pass: PassOrder,
     pub epoch: u64,
-    /// Global position this pass started from (0, or a loaded state's position).
-    start: u64,
     len: u64,
     submitted: u64,
     /// Samples given to the consumer (by `next_sample`, `next_batch` or `next_chunk`).
@@ -757,11 +785,13 @@ impl EpochReader {
         EpochReader {
             pool,
             dataset,
-            order,
-            split,
-            epoch_len,
+            pass: PassOrder {
+                order,
+                split,
+                epoch_len,
+                start,
+            },
             epoch,
-            start,
             len,
             submitted: 0,
             taken: 0,
@@ -856,8 +886,9 @@ impl EpochReader {
 
     /// Global position reached by what was yielded so far.
     pub fn position(&self) -> u64 {
-        self.split
-            .global_progress(self.epoch_len, self.start, self.yielded)
+        let pass = &self.pass;
+        pass.split
+            .global_progress(pass.epoch_len, pass.start, self.yielded)
     }
 
     /// Submits chunks until `prefetch` samples or `prefetch_bytes` decompressed bytes are ahead
@@ -870,27 +901,37 @@ impl EpochReader {
         {
             let k0 = self.submitted;
             let k1 = (k0 + self.chunk).min(self.len);
-            let mut globals = Vec::with_capacity((k1 - k0) as usize);
-            for k in k0..k1 {
-                let g = self
-                    .order
-                    .at(self.split.global_position(self.epoch_len, self.start, k));
-                let cost = self.dataset.decoded_bytes(g);
-                let nothing_ahead = self.submitted == self.taken && globals.is_empty();
-                if !nothing_ahead && self.bytes_in_flight.saturating_add(cost) > self.prefetch_bytes
-                {
-                    over_budget = true;
+            let chunk = if self.dataset.may_decompress {
+                let mut globals = Vec::with_capacity((k1 - k0) as usize);
+                for k in k0..k1 {
+                    let g = self.pass.global(k);
+                    let cost = self.dataset.decoded_bytes(g);
+                    let nothing_ahead = self.submitted == self.taken && globals.is_empty();
+                    if !nothing_ahead
+                        && self.bytes_in_flight.saturating_add(cost) > self.prefetch_bytes
+                    {
+                        over_budget = true;
+                        break;
+                    }
+                    self.bytes_in_flight += cost;
+                    self.costs.push_back(cost);
+                    globals.push(g);
+                }
+                if globals.is_empty() {
                     break;
                 }
-                self.bytes_in_flight += cost;
-                self.costs.push_back(cost);
-                globals.push(g);
-            }
-            if globals.is_empty() {
-                break;
-            }
-            let k1 = k0 + globals.len() as u64;
-            let chunk = Arc::new(Chunk::new(globals));
+                let len = globals.len();
+                Chunk::new(ChunkSamples::Globals(globals), len)
+            } else {
+                // Every sample is served from the map and costs no read-ahead bytes.
+                let samples = ChunkSamples::Positions {
+                    pass: self.pass.clone(),
+                    first: k0,
+                };
+                Chunk::new(samples, (k1 - k0) as usize)
+            };
+            let k1 = k0 + chunk.len as u64;
+            let chunk = Arc::new(chunk);
             let job = chunk.clone();
             let dataset = self.dataset.clone();
             let hook = self.on_fetched.clone();
@@ -1025,11 +1066,13 @@ impl EpochReader {
             self.taken - self.yielded
         );
         self.yielded += n;
-        for _ in 0..n {
-            self.bytes_in_flight -= self
-                .costs
-                .pop_front()
-                .expect("one cost per submitted sample");
+        if self.dataset.may_decompress {
+            for _ in 0..n {
+                self.bytes_in_flight -= self
+                    .costs
+                    .pop_front()
+                    .expect("one cost per submitted sample");
+            }
         }
         // Bytes handed out may make room under the byte budget.
         self.refill();
