@@ -35,16 +35,23 @@ class _ArrowStream:
 class Batch:
     """Consecutive samples of a pass, from :meth:`Dataset.iter_batches`.
 
-    ``data`` holds the payloads in order: zero-copy ``memoryview`` slices of the memory-mapped
-    shards (``bytes`` where a record was stored compressed), valid for as long as they are held,
-    after later batches too. ``indices`` and ``rows`` are built on first access.
+    The payloads come in two forms, each made on first access:
+
+    - ``data``: one object per sample, a zero-copy ``memoryview`` slice of the memory-mapped
+      shard (``bytes`` where a record was stored compressed);
+    - ``buffers`` and ``spans``: no object per sample. Sample ``i``'s payload is
+      ``buffers[b][start:end]`` for ``b, start, end = spans[i]``.
+
+    Both stay valid for as long as they are held, after later batches too. ``indices`` and
+    ``rows`` are also built on first access.
     """
 
-    __slots__ = ("_indices", "_native", "_rows")
+    __slots__ = ("_indices", "_native", "_rows", "_spans")
 
     def __init__(self, native: _native.Batch) -> None:
         self._native = native
         self._indices: npt.NDArray[np.int64] | None = None
+        self._spans: npt.NDArray[np.int64] | None = None
         self._rows: pl.DataFrame | None = None
 
     def __len__(self) -> int:
@@ -57,6 +64,24 @@ class Batch:
     def data(self) -> list[memoryview | bytes]:
         """The payloads, one per sample, in order."""
         return self._native.data
+
+    @property
+    def buffers(self) -> tuple[memoryview | bytes, ...]:
+        """The buffers that ``spans`` points into: read-only zero-copy ``memoryview``s of the
+        shards the batch reads (whole shards, in order of first use), then, if any record was
+        stored compressed, one ``bytes`` holding the batch's decompressed payloads end to end."""
+        return self._native.buffers
+
+    @property
+    def spans(self) -> npt.NDArray[np.int64]:
+        """Where each payload lies, in order: a read-only ``int64`` array of shape
+        ``(len(batch), 3)`` whose row ``i`` is ``(buffer, start, end)``, so that payload ``i``
+        is ``buffers[buffer][start:end]`` and its length is ``end - start``."""
+        if self._spans is None:
+            import numpy as np
+
+            self._spans = np.frombuffer(self._native.spans_bytes(), dtype="<i8").reshape(-1, 3)
+        return self._spans
 
     @property
     def indices(self) -> npt.NDArray[np.int64]:

@@ -78,6 +78,11 @@ def flat(batches: Any) -> list[bytes]:
     return [bytes(x) for batch in batches for x in batch.data]
 
 
+def from_spans(batch: Batch) -> list[bytes]:
+    buffers = batch.buffers
+    return [bytes(buffers[b][start:end]) for b, start, end in batch.spans.tolist()]
+
+
 @pytest.mark.parametrize("compression", [NONE, LZ4], ids=["none", "lz4"])
 @pytest.mark.parametrize("batch_size", [1, 4, 7, N, N + 5])
 def test_order_equals_per_sample_iteration(
@@ -104,6 +109,78 @@ def test_payload_types(tmp_path: Path) -> None:
     with opened(tmp_path / "lz4", source(), compression=LZ4) as dataset:
         batch = next(dataset.iter_batches(5))
         assert all(isinstance(x, bytes) for x in batch.data)
+
+
+@pytest.mark.parametrize("compression", [NONE, LZ4], ids=["none", "lz4"])
+@pytest.mark.parametrize("batch_size", [1, 7, N])
+def test_spans_give_the_payloads_of_data(
+    tmp_path: Path, compression: ShardCompression, batch_size: int
+) -> None:
+    with opened(tmp_path, source(), compression=compression) as dataset:
+        expected = per_sample(dataset)
+        dataset.set_epoch(0)
+        got = []
+        for batch in dataset.iter_batches(batch_size):
+            spans = batch.spans
+            assert spans.dtype == np.int64
+            assert spans.shape == (len(batch), 3)
+            assert not spans.flags.writeable
+            assert batch.spans is spans  # built once
+            assert (spans[:, 2] - spans[:, 1] == [len(x) for x in batch.data]).all()
+            got += from_spans(batch)
+        assert got == expected
+
+
+def test_buffers_are_the_shards_then_the_decompressed_payloads(tmp_path: Path) -> None:
+    # Raw records in several small shards beside a compressed cache: the shards a batch reads,
+    # whole and in order of first use, then one bytes of the batch's decompressed payloads.
+    with DatasetRuntime(num_workers=2) as runtime:
+        raw = runtime.from_cache_sources(
+            source("r", 40),
+            tmp_path / "small",
+            reader_config=ReaderConfig(seed=1),
+            writer_config=WriterConfig(show_progress=False, shard_size_bytes=1024),
+        ).dataset
+        shards = sorted((tmp_path / "small" / "r" / "shards").glob("*.bin"))
+        assert len(shards) > 3
+        sizes = {p.stat().st_size for p in shards}
+        batch = next(raw.iter_batches(40))
+        buffers = batch.buffers
+        assert all(isinstance(b, memoryview) and b.readonly for b in buffers)
+        assert {len(b) for b in buffers} <= sizes
+        assert len(buffers) == len(shards)
+        first_use = list(dict.fromkeys(batch.spans[:, 0].tolist()))
+        assert first_use == list(range(len(buffers)))
+        assert from_spans(batch) == [bytes(x) for x in batch.data]
+    with opened(tmp_path / "mixed", [source("r", 9)]):
+        pass
+    with opened(tmp_path / "mixed", [source("r", 9), source("z", 9)], compression=LZ4) as mixed:
+        # "r" was written raw before; "z" is written compressed now.
+        kinds = set()
+        for batch in mixed.iter_batches(18):
+            *maps, last = batch.buffers
+            assert isinstance(last, bytes)
+            assert all(isinstance(b, memoryview) for b in maps)
+            owned = batch.spans[:, 0] == len(maps)
+            assert owned.sum() == 9
+            # The decompressed payloads lie end to end in the last buffer, in batch order.
+            ends = batch.spans[owned, 2]
+            assert batch.spans[owned, 1].tolist() == [0, *ends[:-1].tolist()]
+            assert ends[-1] == len(last)
+            assert from_spans(batch) == [bytes(x) for x in batch.data]
+            kinds |= {type(x) for x in batch.data}
+        assert kinds == {memoryview, bytes}
+
+
+def test_spans_and_buffers_stay_valid(tmp_path: Path) -> None:
+    with opened(tmp_path, source()) as dataset:
+        expected = per_sample(dataset)
+        dataset.set_epoch(0)
+        kept = [(b.buffers, b.spans) for b in dataset.iter_batches(4)]
+    del dataset
+    gc.collect()
+    got = [bytes(bufs[b][s:e]) for bufs, spans in kept for b, s, e in spans.tolist()]
+    assert got == expected
 
 
 def test_passes_advance_epochs_as_per_sample_iteration(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 //! Python-owned `mmap` of the shard: zero-copy under the abi3 limited API, and the slice keeps
 //! the map alive for as long as the user holds it.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -20,7 +20,7 @@ use dataset_rt_core::sampler::{self, EpochOrder, EpochParams, Weights};
 use dataset_rt_core::samples;
 use dataset_rt_core::verify::VerifyPolicy;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyCapsule, PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyCapsule, PyDict, PyList, PyString, PyTuple};
 
 use crate::errors::IntoPyResult;
 
@@ -156,6 +156,35 @@ pub(crate) fn subview<'py>(
 }
 
 impl PySide {
+    /// The end of a mapped payload's range, checked against its shard view's size: the view
+    /// has the validated size and the core checked the record against it, so this holds; it is
+    /// checked because a short slice would be silently wrong.
+    fn mapped_end(
+        dataset: &core::Dataset,
+        fetched: &Fetched,
+        shard: u32,
+        offset: u64,
+        len: u64,
+    ) -> PyResult<u64> {
+        let cache = &dataset.caches[fetched.cache as usize];
+        let view_len = cache.shard_len(shard);
+        match offset.checked_add(len) {
+            Some(end) if end <= view_len => Ok(end),
+            _ => Err(crate::errors::to_py(
+                dataset_rt_core::Error::CorruptRecord {
+                    cache: cache.name().to_owned(),
+                    shard: cache.shard_path(shard),
+                    offset: cache.entry(fetched.row).offset,
+                    sample: fetched.row,
+                    reason: format!(
+                        "the payload at {offset}..{offset} + {len} lies past the end of the \
+                         shard's view of {view_len} bytes"
+                    ),
+                },
+            )),
+        }
+    }
+
     /// A fetched sample's payload: a zero-copy slice of its shard's view, or bytes when it was
     /// decompressed.
     fn payload<'py>(
@@ -164,29 +193,12 @@ impl PySide {
         dataset: &core::Dataset,
         fetched: &Fetched,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let c = fetched.cache as usize;
-        let cache = &dataset.caches[c];
         Ok(match fetched.payload {
             Payload::Mapped { shard, offset, len } => {
-                let view = self.shard_view(py, cache, c, shard, Some(fetched.row))?;
-                // The view has the validated size and the core checked the record against it,
-                // so this holds; it is checked because a short slice would be silently wrong.
-                let view_len = cache.shard_len(shard);
-                if offset.checked_add(len).is_none_or(|end| end > view_len) {
-                    return Err(crate::errors::to_py(
-                        dataset_rt_core::Error::CorruptRecord {
-                            cache: cache.name().to_owned(),
-                            shard: cache.shard_path(shard),
-                            offset: cache.entry(fetched.row).offset,
-                            sample: fetched.row,
-                            reason: format!(
-                                "the payload at {offset}..{offset} + {len} lies past the end of \
-                                 the shard's view of {view_len} bytes"
-                            ),
-                        },
-                    ));
-                }
-                subview(&view, offset, offset + len)?
+                let end = Self::mapped_end(dataset, fetched, shard, offset, len)?;
+                let c = fetched.cache as usize;
+                let view = self.shard_view(py, &dataset.caches[c], c, shard, Some(fetched.row))?;
+                subview(&view, offset, end)?
             }
             Payload::Owned(ref bytes) => PyBytes::new(py, bytes).into_any(),
         })
@@ -657,17 +669,11 @@ impl BatchIterator {
             self.progress.finished.store(true, Ordering::Release);
             return Ok(None);
         };
-        let made = fetched.py_err().and_then(|fetched| {
-            let mut data = Vec::with_capacity(fetched.len());
-            let mut globals = Vec::with_capacity(fetched.len());
-            for f in &fetched {
-                data.push(self.py_side.payload(py, &self.dataset, f)?);
-                globals.push(self.dataset.cache_start(f.cache as usize) + f.row);
-            }
-            Ok((PyList::new(py, data)?.unbind(), globals))
-        });
-        let (data, globals) = match made {
-            Ok(made) => made,
+        let made = fetched
+            .py_err()
+            .and_then(|fetched| BatchParts::gather(py, &self.py_side, &self.dataset, &fetched));
+        let parts = match made {
+            Ok(parts) => parts,
             Err(e) => {
                 self.failed = true;
                 return Err(e);
@@ -680,8 +686,8 @@ impl BatchIterator {
             self.progress.finished.store(true, Ordering::Release);
         }
         Ok(Some(Batch {
-            data,
-            globals,
+            parts,
+            data: OnceLock::new(),
             dataset: self.dataset.clone(),
             pool: self.pool.clone(),
             weights: self.weights.clone(),
@@ -689,14 +695,117 @@ impl BatchIterator {
     }
 }
 
+/// A batch's payloads as buffers and spans: sample `i` is `buffers[b][start..end]` for
+/// `spans[i] = [b, start, end]`. The buffers are the zero-copy views of the shards the batch
+/// reads, in order of first use, then (if any record was stored compressed) one `bytes` of the
+/// decompressed payloads end to end.
+struct BatchParts {
+    spans: Vec<[u64; 3]>,
+    buffers: Vec<Py<PyAny>>,
+    /// The index in `buffers` of the decompressed payloads, if there are any.
+    owned: Option<usize>,
+    globals: Vec<u64>,
+}
+
+impl BatchParts {
+    fn gather(
+        py: Python<'_>,
+        py_side: &PySide,
+        dataset: &core::Dataset,
+        fetched: &[Fetched],
+    ) -> PyResult<Self> {
+        let mut spans = Vec::with_capacity(fetched.len());
+        let mut globals = Vec::with_capacity(fetched.len());
+        let mut buffers: Vec<Py<PyAny>> = Vec::new();
+        // (cache, shard) -> index in `buffers`; consecutive samples of one shard skip the lookup.
+        let mut seen: HashMap<(u32, u32), u64> = HashMap::new();
+        let mut last: Option<((u32, u32), u64)> = None;
+        let mut owned_len = 0u64;
+        let mut any_owned = false;
+        for f in fetched {
+            globals.push(dataset.cache_start(f.cache as usize) + f.row);
+            match f.payload {
+                Payload::Mapped { shard, offset, len } => {
+                    let end = PySide::mapped_end(dataset, f, shard, offset, len)?;
+                    let key = (f.cache, shard);
+                    let b = match last {
+                        Some((k, b)) if k == key => b,
+                        _ => match seen.get(&key) {
+                            Some(&b) => b,
+                            None => {
+                                let c = f.cache as usize;
+                                let cache = &dataset.caches[c];
+                                let view = py_side.shard_view(py, cache, c, shard, Some(f.row))?;
+                                buffers.push(view.unbind());
+                                let b = buffers.len() as u64 - 1;
+                                seen.insert(key, b);
+                                b
+                            }
+                        },
+                    };
+                    last = Some((key, b));
+                    spans.push([b, offset, end]);
+                }
+                Payload::Owned(ref bytes) => {
+                    let len = bytes.len() as u64;
+                    // The buffer index is set once every shard is known.
+                    spans.push([u64::MAX, owned_len, owned_len + len]);
+                    owned_len += len;
+                    any_owned = true;
+                }
+            }
+        }
+        let mut owned = None;
+        if any_owned {
+            let b = buffers.len();
+            let arena = PyBytes::new_with(py, owned_len as usize, |out| {
+                let mut at = 0;
+                for f in fetched {
+                    if let Payload::Owned(ref bytes) = f.payload {
+                        out[at..at + bytes.len()].copy_from_slice(bytes);
+                        at += bytes.len();
+                    }
+                }
+                Ok(())
+            })?;
+            buffers.push(arena.into_any().unbind());
+            for span in spans.iter_mut().filter(|s| s[0] == u64::MAX) {
+                span[0] = b as u64;
+            }
+            owned = Some(b);
+        }
+        Ok(Self {
+            spans,
+            buffers,
+            owned,
+            globals,
+        })
+    }
+
+    /// One object per payload, as `CachedSample.data`: a zero-copy `memoryview` of the shard, or
+    /// `bytes` for a decompressed record.
+    fn data<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let mut data = Vec::with_capacity(self.spans.len());
+        for &[b, start, end] in &self.spans {
+            let buffer = self.buffers[b as usize].bind(py);
+            if Some(b as usize) == self.owned {
+                let arena = buffer.cast::<PyBytes>()?.as_bytes();
+                data.push(PyBytes::new(py, &arena[start as usize..end as usize]).into_any());
+            } else {
+                data.push(subview(buffer, start, end)?);
+            }
+        }
+        PyList::new(py, data)
+    }
+}
+
 /// Consecutive samples of a pass: their payloads, and what builds their rows of the
 /// samples-metadata table on demand.
 #[pyclass(module = "dataset_rt._native", frozen)]
 pub struct Batch {
-    /// The payloads in order: zero-copy memoryviews, or bytes where they were decompressed.
-    #[pyo3(get)]
-    data: Py<PyList>,
-    globals: Vec<u64>,
+    parts: BatchParts,
+    /// One object per payload, made on first access.
+    data: OnceLock<Py<PyList>>,
     dataset: Arc<core::Dataset>,
     pool: Arc<Pool>,
     weights: WeightTable,
@@ -705,13 +814,43 @@ pub struct Batch {
 #[pymethods]
 impl Batch {
     fn __len__(&self) -> usize {
-        self.globals.len()
+        self.parts.globals.len()
+    }
+
+    /// The payloads in order: zero-copy memoryviews, or bytes where they were decompressed.
+    #[getter]
+    fn data<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        if let Some(data) = self.data.get() {
+            return Ok(data.bind(py).clone());
+        }
+        let data = self.parts.data(py)?;
+        // Another thread may have made it meanwhile: every caller gets the one that was kept.
+        let _ = self.data.set(data.unbind());
+        Ok(self.data.get().expect("set above").bind(py).clone())
+    }
+
+    /// The buffers the spans point into, as a tuple.
+    #[getter]
+    fn buffers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.parts.buffers.iter().map(|b| b.bind(py)))
+    }
+
+    /// The spans, `[buffer, start, end]` per sample, as little-endian int64 bytes.
+    fn spans_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        PyBytes::new_with(py, self.parts.spans.len() * 24, |out| {
+            for (chunk, span) in out.chunks_exact_mut(24).zip(&self.parts.spans) {
+                for (to, &v) in chunk.chunks_exact_mut(8).zip(span) {
+                    to.copy_from_slice(&(v as i64).to_le_bytes());
+                }
+            }
+            Ok(())
+        })
     }
 
     /// The samples' global indices (rows of `samples_metadata()`) as little-endian int64 bytes.
     fn indices_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let mut out = Vec::with_capacity(self.globals.len() * 8);
-        for &g in &self.globals {
+        let mut out = Vec::with_capacity(self.parts.globals.len() * 8);
+        for &g in &self.parts.globals {
             out.extend_from_slice(&(g as i64).to_le_bytes());
         }
         PyBytes::new(py, &out)
@@ -722,7 +861,7 @@ impl Batch {
     fn rows_stream<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
         let inner = self.dataset.clone();
         let weights = self.weights.clone();
-        let globals = self.globals.clone();
+        let globals = self.parts.globals.clone();
         let batch = py
             .detach(|| {
                 self.pool
