@@ -16,6 +16,10 @@ Contenders:
   warm-up pass is the first epoch, the measured passes are epochs 2+;
 - ``dataset_rt_batches``: the same reader through ``dataset.iter_batches(--batch-size)``, body
   ``len(x)`` for each payload ``x`` of ``batch.data`` (rates are still per sample);
+- ``dataset_rt_spans``: the same batches taken without an object per sample: body, per batch, the
+  payloads' lengths summed from ``batch.spans`` (``end - start`` of every payload, in numpy);
+- ``flat_spans``: the reference for ``dataset_rt_spans``: the flat file's batches of the same size
+  in a numpy permutation, lengths summed from the offsets array (nothing checked, nothing read);
 - ``flat_view`` / ``flat_bytes``: one file of all payloads plus a numpy offsets index, ``mmap``,
   ``numpy`` permutation, a generator yielding ``memoryview`` slices (zero copy) or ``bytes``;
 - ``flat_meta``: ``flat_view`` yielding what DatasetRT yields (an object with ``.data``, the
@@ -66,9 +70,11 @@ CONTENDERS = [
     "floor",
     "dataset_rt",
     "dataset_rt_batches",
+    "dataset_rt_spans",
     "flat_view",
     "flat_bytes",
     "flat_meta",
+    "flat_spans",
     "torch_files",
     "torch_flat",
     "streaming",
@@ -79,9 +85,11 @@ LABELS = {
     "floor": "floor (list of bytes)",
     "dataset_rt": "DatasetRT",
     "dataset_rt_batches": "DatasetRT iter_batches",
+    "dataset_rt_spans": "DatasetRT iter_batches, spans",
     "flat_view": "flat mmap, memoryview",
     "flat_bytes": "flat mmap, bytes copy",
     "flat_meta": "flat mmap, memoryview + metadata dict",
+    "flat_spans": "flat mmap, batches of offsets",
     "torch_files": "torch DataLoader, file per sample",
     "torch_flat": "torch DataLoader, flat mmap",
     "streaming": "MosaicML Streaming (MDS), defaults",
@@ -92,6 +100,7 @@ LABELS = {
 STORES = {
     "dataset_rt": "drt",
     "dataset_rt_batches": "drt",
+    "dataset_rt_spans": "drt",
     "torch_files": "files",
     "streaming": "mds",
     "streaming_pd": "mds",
@@ -210,6 +219,11 @@ def loop(obj: Iterable[Any], kind: str) -> tuple[int, int]:
             for x in batch.data:
                 b += len(x)
                 n += 1
+    elif kind == "spans":
+        for batch in obj:
+            spans = batch.spans
+            b += int((spans[:, 2] - spans[:, 1]).sum())
+            n += len(spans)
     else:
         for x in obj:
             b += len(x["data"])
@@ -220,11 +234,13 @@ def loop(obj: Iterable[Any], kind: str) -> tuple[int, int]:
 def payload_len(x: Any, kind: str) -> int:
     if kind == "batch":
         return sum(len(p) for p in x.data)
+    if kind == "spans":
+        return int((x.spans[:, 2] - x.spans[:, 1]).sum())
     return len(x) if kind == "bytes" else len(x.data) if kind == "attr" else len(x["data"])
 
 
 def item_samples(x: Any, kind: str) -> int:
-    return len(x) if kind == "batch" else 1
+    return len(x) if kind in ("batch", "spans") else 1
 
 
 def contender(name: str, lay: Layout, args: argparse.Namespace) -> tuple[Callable[[], Any], str]:
@@ -236,7 +252,7 @@ def contender(name: str, lay: Layout, args: argparse.Namespace) -> tuple[Callabl
         mm.close()
         return (lambda: data), "bytes"
     holder: dict[str, Any] = {}
-    if name in ("dataset_rt", "dataset_rt_batches"):
+    if name in ("dataset_rt", "dataset_rt_batches", "dataset_rt_spans"):
         drt = common.import_dataset_rt()
         runtime = drt.DatasetRuntime(num_workers=args.workers)
 
@@ -259,11 +275,37 @@ def contender(name: str, lay: Layout, args: argparse.Namespace) -> tuple[Callabl
                 if not isinstance(result, drt.CacheSourcesDatasetSuccess):
                     raise RuntimeError(result.message)
                 holder["ds"] = result.dataset
-            if name == "dataset_rt_batches":
+            if name != "dataset_rt":
                 return holder["ds"].iter_batches(args.batch_size)
             return holder["ds"]
 
-        return open_drt, "batch" if name == "dataset_rt_batches" else "attr"
+        kinds = {"dataset_rt_batches": "batch", "dataset_rt_spans": "spans"}
+        return open_drt, kinds.get(name, "attr")
+    if name == "flat_spans":
+        holder["epoch"] = 0
+
+        class FlatBatch:
+            __slots__ = ("spans",)
+
+            def __init__(self, spans: Any) -> None:
+                self.spans = spans
+
+            def __len__(self) -> int:
+                return len(self.spans)
+
+        def open_flat_spans() -> Any:
+            if "table" not in holder:
+                offs = np.load(lay.offsets)
+                # Columns as DatasetRT's spans: buffer (the one file), start, end.
+                holder["table"] = np.stack(
+                    [np.zeros(lay.count, dtype=np.int64), offs[:-1], offs[1:]], axis=1
+                )
+            perm = np.random.default_rng(holder["epoch"]).permutation(lay.count)
+            holder["epoch"] += 1
+            table, size = holder["table"], args.batch_size
+            return (FlatBatch(table[perm[i : i + size]]) for i in range(0, lay.count, size))
+
+        return open_flat_spans, "spans"
     if name in ("flat_view", "flat_bytes", "flat_meta"):
         holder["epoch"] = 0
         labels = [i % 1000 for i in range(lay.count)]
@@ -728,7 +770,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workers", type=int, default=2, help="DatasetRuntime(num_workers)")
     parser.add_argument("--prefetch", type=int, default=64, help="ReaderConfig.prefetch_size")
     parser.add_argument(
-        "--batch-size", type=int, default=256, help="dataset_rt_batches: iter_batches(batch_size)"
+        "--batch-size",
+        type=int,
+        default=256,
+        help="dataset_rt_batches, dataset_rt_spans and flat_spans: samples per batch",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per contender run")
     parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
