@@ -710,7 +710,7 @@ impl Chunk {
     /// Waits until every sample was read, then takes the results in order. The samples still
     /// being read take about a microsecond each: it spins (then yields) a little before it
     /// sleeps, since a sleep and its wake-up cost more than that.
-    fn take(&self) -> Vec<Result<Fetched>> {
+    fn take_into(&self, ready: &mut VecDeque<Result<Fetched>>) {
         let backoff = crossbeam_utils::Backoff::new();
         while !self.is_complete() && !backoff.is_completed() {
             backoff.snooze();
@@ -722,13 +722,15 @@ impl Chunk {
                 completion = self.completed.wait(completion).unwrap();
             }
         }
-        let results: Vec<Result<Fetched>> = self
-            .results
-            .iter()
-            .flat_map(|r| std::mem::take(&mut *r.lock().unwrap()))
-            .collect();
-        assert_eq!(results.len(), self.len, "a complete chunk has every result");
-        results
+        let before = ready.len();
+        for block in &self.results {
+            ready.extend(std::mem::take(&mut *block.lock().unwrap()));
+        }
+        assert_eq!(
+            ready.len() - before,
+            self.len,
+            "a complete chunk has every result"
+        );
     }
 }
 
@@ -985,7 +987,7 @@ impl EpochReader {
         if self.helping {
             chunk.work(&self.dataset, self.on_fetched.as_ref());
         }
-        self.ready.extend(chunk.take());
+        chunk.take_into(&mut self.ready);
         Ok(())
     }
 
@@ -1105,10 +1107,22 @@ impl EpochReader {
         let n = (self.len - self.taken).min(max.max(1) as u64) as usize;
         let mut batch = Vec::with_capacity(n);
         while batch.len() < n {
-            match self.take_one()? {
-                Ok(sample) => batch.push(sample),
-                Err(e) => return Some(Err(e)),
+            if let Err(e) = self.ensure_ready() {
+                self.failed = true;
+                return Some(Err(e));
             }
+            // What is ready, up to the batch's end: a chunk's samples move over in one run.
+            let run = self.ready.len().min(n - batch.len());
+            for sample in self.ready.drain(..run) {
+                match sample {
+                    Ok(sample) => batch.push(sample),
+                    Err(e) => {
+                        self.failed = true;
+                        return Some(Err(e));
+                    }
+                }
+            }
+            self.taken += run as u64;
         }
         Some(self.hand_out(n as u64).map(|()| batch))
     }
