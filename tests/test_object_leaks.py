@@ -50,6 +50,16 @@ def test_iter_batches_leaves_nothing(tmp_path):
     assert blocks_left_by(one_pass) < SLACK
 
 
+def test_batch_spans_leave_nothing(tmp_path):
+    """The batch form without an object per sample: one array and the shards' views."""
+    ds = load(tmp_path / "c", N, shuffle=True)
+
+    def one_pass() -> int:
+        return sum(len(b.spans) for b in ds.iter_batches(64) if all(len(x) > 0 for x in b.buffers))
+
+    assert blocks_left_by(one_pass) < SLACK
+
+
 def test_loader_in_process_leaves_nothing(tmp_path):
     """num_workers=0: raw records are views of the dataset's own shard maps."""
     ds = load(tmp_path / "c", N, shuffle=True)
