@@ -319,6 +319,87 @@ def test_numpy_stack_as_collate_fn_writes_the_batch_into_result_memory_once():
     assert workers.apply([np.ones(2), np.zeros(2)], None, np.stack).tolist() == [[1, 1], [0, 0]]
 
 
+def _dropped_as_it_goes(make):
+    """A transform over ints that records, at each call, how many of its earlier results are
+    still alive."""
+    import weakref
+
+    made: list[weakref.ref] = []
+    alive_at_call: list[int] = []
+
+    def transform(k):
+        gc.collect()
+        alive_at_call.append(sum(r() is not None for r in made))
+        item = make(k)
+        made.append(weakref.ref(item))
+        return item
+
+    return transform, alive_at_call
+
+
+def test_transform_then_numpy_stack_writes_each_result_into_its_row_and_drops_it():
+    from dataset_rt._loader import workers
+
+    transform, alive = _dropped_as_it_goes(lambda k: np.full((4, 4), k, dtype=np.float32))
+    with counting_writer() as (writer, sizes):
+        stacked = workers.apply(list(range(8)), transform, np.stack)
+        assert writer.owned(stacked.__array_interface__["data"][0], stacked.nbytes)
+    # One write of the whole batch, and each result dropped before the next is made (were
+    # they all kept for the stack, this would be 0, 1, ..., 7).
+    assert sizes == [8 * 16 * 4]
+    assert alive == [0] * 8
+    assert np.array_equal(stacked, np.stack([np.full((4, 4), k, np.float32) for k in range(8)]))
+
+
+def test_a_transform_result_unlike_the_first_hands_the_rows_to_the_collate():
+    from dataset_rt._loader import workers
+
+    def widening(k):  # float64 from the fourth sample on: numpy promotes the whole batch
+        return np.full(3, k, dtype=np.float32 if k < 3 else np.float64)
+
+    def growing(k):
+        return np.zeros(3 if k < 5 else 4)
+
+    def listed(k):
+        return [k] if k == 2 else np.array([k])
+
+    with counting_writer() as (_writer, sizes):
+        mixed = workers.apply(list(range(6)), widening, np.stack)
+        # numpy's own error, as without the rows
+        with pytest.raises(ValueError, match="same shape"):
+            workers.apply(list(range(6)), growing, np.stack)
+        plain = workers.apply(list(range(4)), listed, np.stack)
+    assert mixed.dtype == np.float64
+    assert mixed.tolist() == np.stack([widening(k) for k in range(6)]).tolist()
+    assert plain.tolist() == [[0], [1], [2], [3]]
+    # The rows went to the collate as they were: written once more, by numpy's stack.
+    assert sizes[:2] == [6 * 3 * 4, 6 * 3 * 8]
+    # Outside a worker, and with another collate: as before.
+    assert workers.apply([1, 2], lambda k: np.full(2, k), np.stack).tolist() == [[1, 1], [2, 2]]
+    assert workers.apply([1, 2], lambda k: np.full(2, k), list)[1].tolist() == [2, 2]
+
+
+@pytest.mark.torch
+def test_transform_then_torch_default_collate_writes_rows_as_they_come():
+    torch = pytest.importorskip("torch")
+    from dataset_rt._loader import workers
+    from dataset_rt.torch import default_collate
+
+    transform, alive = _dropped_as_it_goes(lambda k: torch.full((2, 3), k, dtype=torch.int16))
+    with counting_writer() as (writer, sizes):
+        stacked = workers.apply(list(range(8)), transform, default_collate)
+        assert writer.owned(stacked.data_ptr(), stacked.nbytes) is not None
+        # A tensor that needs grad is torch's business (its stack refuses out=).
+        grads = workers.apply(
+            [1, 2], lambda k: torch.full((2,), float(k), requires_grad=True), default_collate
+        )
+    assert sizes == [8 * 6 * 2]
+    assert alive == [0] * 8
+    assert stacked.dtype == torch.int16 and stacked.shape == (8, 2, 3)
+    assert torch.equal(stacked, torch.stack([torch.full((2, 3), k) for k in range(8)]).short())
+    assert grads.requires_grad and grads.tolist() == [[1, 1], [2, 2]]
+
+
 @pytest.mark.torch
 def test_torch_default_collate_stacks_into_result_memory_once(dataset):
     torch = pytest.importorskip("torch")

@@ -407,12 +407,19 @@ class LoaderIterator(Iterator[Any]):
             f"{lifecycle.describe_exit(process.exitcode)} {when}"
         )
 
+    def _flush_frees(self) -> None:
+        for region in self._regions:
+            if region is not None and region.pending:
+                region.flush()
+
     def _from_workers(self, seq: int) -> Any:
         started = time.monotonic()
+        # The batches the loop let go since the last call go back to their workers now, not
+        # only when the loop has to wait: a loop slower than its workers always finds its batch
+        # received, and the workers would take fresh memory for every batch meanwhile.
+        self._flush_frees()
         while seq not in self._buffer:
-            for region in self._regions:
-                if region is not None and region.pending:
-                    region.flush()
+            self._flush_frees()
             self._check(seq, started)
             conns: dict[Any, int] = {self._conns[i]: i for i in self._open}
             sentinels = {

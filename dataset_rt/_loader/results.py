@@ -35,7 +35,7 @@ import struct
 import sys
 import weakref
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from dataset_rt import _native
@@ -507,3 +507,80 @@ def stack_arrays(items: list[Any]) -> Any:
         return None
     out = numpy.frombuffer(buffer, dtype).reshape((len(items), *shape))
     return numpy.stack(items, out=out)
+
+
+def _plain_array(item: Any, numpy: Any) -> bool:
+    return type(item) is numpy.ndarray and not item.dtype.hasobject
+
+
+def _plain_tensor(item: Any, torch: Any) -> bool:
+    return (
+        type(item) is torch.Tensor
+        and item.layout == torch.strided
+        and item.device.type == "cpu"
+        and not (item.requires_grad or item.is_nested or item.is_quantized)
+        and not (item.is_conj() or item.is_neg())
+    )
+
+
+def stack_as_transformed(
+    samples: list[Any],
+    transform: Callable[[Any], Any],
+    collate_fn: Callable[[list[Any]], Any],
+    collate: Callable[[list[Any]], Any],
+) -> Any:
+    """``collate([transform(s) for s in samples])`` where ``collate_fn`` stacks (``numpy.stack``
+    on arrays, ``dataset_rt.torch.default_collate`` on tensors): inside a worker, each sample's
+    result is copied into its row of the batch in result memory as soon as the transform
+    returns it, and dropped. The worker then holds one sample's result instead of the whole
+    batch's (less heap), and the copy reads it while it is still in the CPU's cache. The value
+    is the stack's. From the first sample whose result differs from the first one (type, dtype,
+    shape), or when the region has no room, the rest goes to ``collate`` as before, the rows
+    already written among the items: the same values and errors as without the rows."""
+    numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    first = transform(samples[0])
+    count = len(samples)
+    out: Any = None
+    rows: Any = None
+    is_plain: Callable[[Any], bool] = bool
+    if _current is not None and count > 1 and numpy is not None:
+        if collate_fn is numpy.stack and _plain_array(first, numpy):
+            buffer = result_buffer(first.nbytes * count)
+            if buffer is not None:
+                out = numpy.frombuffer(buffer, first.dtype).reshape((count, *first.shape))
+                rows, is_plain = out, lambda item: _plain_array(item, numpy)
+        elif torch is not None and _plain_tensor(first, torch) and _is_torch_collate(collate_fn):
+            numel = first.numel() * count
+            buffer = result_buffer(numel * first.element_size())
+            if buffer is not None:
+                out = torch.frombuffer(buffer, dtype=first.dtype, count=numel)
+                out = out.view(count, *first.shape)
+                # Views of the rows, made at once: copy_ into one costs less than out[i] = t.
+                rows, is_plain = out.unbind(0), lambda item: _plain_tensor(item, torch)
+    if out is None:
+        return collate([first, *(transform(s) for s in samples[1:])])
+    dtype, shape = first.dtype, first.shape
+    put = _put_row if rows is out else _copy_row
+    put(rows, 0, first)
+    del first
+    for i in range(1, count):
+        item = transform(samples[i])
+        if not (is_plain(item) and item.dtype == dtype and item.shape == shape):
+            done = [rows[j] for j in range(i)]
+            return collate([*done, item, *(transform(s) for s in samples[i + 1 :])])
+        put(rows, i, item)
+        del item
+    return out
+
+
+def _put_row(rows: Any, i: int, item: Any) -> None:
+    rows[i] = item
+
+
+def _copy_row(rows: Any, i: int, item: Any) -> None:
+    rows[i].copy_(item)
+
+
+def _is_torch_collate(collate_fn: Any) -> bool:
+    adapter = sys.modules.get("dataset_rt.torch")
+    return adapter is not None and collate_fn is getattr(adapter, "default_collate", None)
