@@ -186,6 +186,77 @@ def test_released_memory_is_reused_and_held_memory_is_not(dataset):
     assert result_mappings() == []
 
 
+def test_free_pages_beyond_two_batches_go_back_and_read_as_the_next_batch():
+    batch = 64 * 1024  # a batch as large as the smallest range a batch reserves
+    owner = results.RegionOwner(32 * batch)
+    fd, capacity, frees, warm = owner.worker_args()
+    writer = results.RegionWriter(results._SharedFd(os.dup(fd.fd)), capacity, frees, warm)
+    reader = np.frombuffer(owner._map, np.uint8)  # the training process's map
+
+    def written() -> int:  # bytes of the file that hold pages (tmpfs counts real pages)
+        return os.fstat(owner.fd).st_blocks * 512
+
+    def write(value: int) -> tuple[int, int]:
+        writer.begin()
+        got = writer.alloc(batch)
+        assert got is not None
+        got[2][:] = bytes([value]) * batch
+        return writer.arena.finish()[0]
+
+    try:
+        held = [write(k + 1) for k in range(8)]  # the loop holds eight batches
+        assert written() == 8 * batch == writer.arena.resident
+        owner.pending.extend(offset for offset, _ in held)  # ... then lets them all go
+        owner.flush()
+        writer.begin()
+        # Two batches' worth stay in the file for the next ones, the rest left it: those pages
+        # read as zeros in the training process's map (reading them puts zeroed pages back),
+        # the kept ones as they were written.
+        assert written() == 2 * batch == writer.arena.resident
+        firsts = [int(reader[offset]) for offset, _ in held]
+        assert firsts == [1, 2] + [0] * 6
+        assert all(not reader[o : o + n].any() for o, n in held[2:])
+        # The next batches land on kept and given-back pages alike, and read as themselves.
+        again = [write(100 + k) for k in range(5)]
+        for k, (offset, n) in enumerate(again):
+            assert n == batch and (reader[offset : offset + n] == 100 + k).all()
+        assert sorted(o for o, _ in again) == sorted(o for o, _ in held[:5])
+    finally:
+        del reader
+        gc.collect()
+        owner.close()
+
+
+def test_memory_given_back_after_a_kept_epoch_holds_the_next_epochs_batches(dataset):
+    ids = [i for i, _ in epoch0(dataset)]
+    loader = DataLoader(
+        dataset,
+        batch_size=1,
+        num_workers=2,
+        transform=fixed,
+        collate_fn=np.stack,
+        persistent_workers=True,
+    )
+    with loader:
+        kept = list(loader)  # 60 batches of a page each, held: 30 pages per worker
+        assert np.concatenate(kept).tolist() == [fixed(_Sample(i)).tolist() for i in ids]
+        fds = [r.fd for r in loader._iterator._regions if r is not None]
+        held_pages = sum(os.fstat(fd).st_blocks for fd in fds) * 512 // mmap.PAGESIZE
+        assert held_pages == 60
+        del kept
+        gc.collect()
+        # The next epoch, one batch at a time: the frees reach the workers, which keep 16 warm
+        # pages each (the smallest range) and give the rest back; every batch reads right.
+        rows = []
+        for batch in loader:
+            assert fixed(_Sample(int(batch[0][0]))).tolist() == batch[0].tolist()
+            rows.append(int(batch[0][0]))
+            del batch
+        assert sorted(rows) == sorted(ids)
+        pages = sum(os.fstat(fd).st_blocks for fd in fds) * 512 // mmap.PAGESIZE
+        assert pages <= 2 * 16 + 4, pages
+
+
 def test_a_full_region_falls_back_to_pickling_with_one_warning(dataset):
     # One worker: which worker takes which batch is up to timing, which worker's memory
     # fills first with it.
@@ -281,8 +352,8 @@ def counting_writer() -> Iterator[tuple[results.RegionWriter, list[int]]]:
     """A worker's side of a 1 MiB region, current for :func:`results.result_buffer`, with the
     size of every allocation it makes recorded."""
     owner = results.RegionOwner(1 << 20)
-    fd, capacity, frees = owner.worker_args()
-    writer = results.RegionWriter(results._SharedFd(os.dup(fd.fd)), capacity, frees)
+    fd, capacity, frees, warm = owner.worker_args()
+    writer = results.RegionWriter(results._SharedFd(os.dup(fd.fd)), capacity, frees, warm)
     sizes: list[int] = []
     real_alloc = writer.alloc
 

@@ -111,7 +111,10 @@ class LoaderIterator(Iterator[Any]):
         arena = results.arena_bytes(self._result_bytes, num_workers)
         shard_table = ring.shard_table if num_workers else ""
         for i in range(num_workers):
-            region = results.RegionOwner(arena) if arena else None
+            # A worker keeps the pages of the batches it has in flight (its share of the ring,
+            # and the batch the loop holds) for the next ones; more goes back to the system.
+            warm = self._prefetch_factor + 1
+            region = results.RegionOwner(arena, warm) if arena else None
             self._regions.append(region)
             receiver, sender = self._context.Pipe(duplex=False)
             process = self._context.Process(

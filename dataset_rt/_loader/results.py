@@ -19,6 +19,12 @@ a finalizer queues its offset, and the loop sends the queue back to the worker a
 batch. A busy range is never reused, so memory still referenced is never overwritten. A worker
 never waits for memory: a buffer that does not fit the free part of the arena is pickled into
 the message instead (today's one-copy path) and the loop warns once per pass.
+
+Freed ranges keep their pages, so the next batches write into memory that is already there
+(no fresh pages for the kernel to zero). Free written pages beyond what a worker has in flight
+(``prefetch_factor`` batches, plus the one the loop holds) are given back: after the loop held
+many batches and let them go, Rust's arena names the excess and the worker removes those pages
+from the file.
 """
 
 from __future__ import annotations
@@ -95,8 +101,9 @@ class RegionOwner:
     """The training process's side of one worker's region: owns the memfd, maps each batch's
     ranges and sends back the ones nothing references any more."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, warm_batches: int = 2) -> None:
         self.capacity = capacity
+        self.warm_batches = warm_batches
         self.fd = os.memfd_create("dataset-rt-results", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, capacity)  # sparse: pages exist once written
@@ -113,8 +120,8 @@ class RegionOwner:
         # Offsets of ranges no longer referenced; appended by finalizers, at any time.
         self.pending: list[int] = []
 
-    def worker_args(self) -> tuple[_SharedFd, int, socket.socket]:
-        return _SharedFd(self.fd), self.capacity, self._worker_end
+    def worker_args(self) -> tuple[_SharedFd, int, socket.socket, int]:
+        return _SharedFd(self.fd), self.capacity, self._worker_end, self.warm_batches
 
     def started(self) -> None:
         """The worker has its copies of the descriptors."""
@@ -228,6 +235,7 @@ class RegionWriter:
         fd: _SharedFd,
         capacity: int,
         frees: socket.socket,
+        warm_batches: int = 2,
         shards: _native.RingHandle | None = None,
     ) -> None:
         try:
@@ -238,7 +246,7 @@ class RegionWriter:
         self._anchor = ctypes.c_char.from_buffer(self.map)  # pins the map: the address holds
         self.base = ctypes.addressof(self._anchor)
         self.capacity = capacity
-        self.arena = _native.ResultArena(capacity)
+        self.arena = _native.ResultArena(capacity, warm_batches)
         self.frees = frees
         frees.setblocking(False)
         self.fallback = False
@@ -261,7 +269,11 @@ class RegionWriter:
             if not data:
                 return
             for (offset,) in struct.iter_unpack("<Q", data):
-                self.arena.free(offset)
+                for start, length in self.arena.free(offset):
+                    # Free pages beyond what the next batches reuse go back to the system
+                    # (Rust's rule); a later batch there gets fresh zeroed pages, which every
+                    # process's map of the file then shows.
+                    self.map.madvise(mmap.MADV_REMOVE, start, length)
 
     def alloc(self, n: int) -> tuple[int, int, memoryview] | None:
         got = self.arena.alloc(n)
