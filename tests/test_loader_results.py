@@ -460,12 +460,35 @@ def test_transform_then_torch_default_collate_writes_rows_as_they_come():
     with counting_writer() as (writer, sizes):
         stacked = workers.apply(list(range(8)), transform, default_collate)
         assert writer.owned(stacked.data_ptr(), stacked.nbytes) is not None
+        # A dtype numpy lacks is copied row by row by torch.
+        halves = workers.apply(
+            list(range(3)),
+            lambda k: torch.full((2,), k + 0.5, dtype=torch.bfloat16),
+            default_collate,
+        )
+        assert writer.owned(halves.data_ptr(), halves.nbytes) is not None
+
+        # From a result unlike the first on, the collate gets the rows as tensors: its own
+        # errors, and for mixed dtypes the one torch's collate gives in its workers (it stacks
+        # into memory of the first tensor's dtype too).
+        def widening(k):
+            return torch.full((2,), k, dtype=torch.int16 if k < 2 else torch.float64)
+
+        with pytest.raises(TypeError, match="can't be cast to the desired output type Short"):
+            workers.apply(list(range(4)), widening, default_collate)
+        with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+            workers.apply(list(range(4)), lambda k: torch.zeros(2 + k // 3), default_collate)
         # A tensor that needs grad is torch's business (its stack refuses out=).
         grads = workers.apply(
             [1, 2], lambda k: torch.full((2,), float(k), requires_grad=True), default_collate
         )
-    assert sizes == [8 * 6 * 2]
+    assert sizes[:2] == [8 * 6 * 2, 3 * 2 * 2]
     assert alive == [0] * 8
+    assert halves.dtype == torch.bfloat16 and halves.tolist() == [
+        [0.5, 0.5],
+        [1.5, 1.5],
+        [2.5, 2.5],
+    ]
     assert stacked.dtype == torch.int16 and stacked.shape == (8, 2, 3)
     assert torch.equal(stacked, torch.stack([torch.full((2, 3), k) for k in range(8)]).short())
     assert grads.requires_grad and grads.tolist() == [[1, 1], [2, 2]]

@@ -555,6 +555,7 @@ def stack_as_transformed(
     out: Any = None
     rows: Any = None
     is_plain: Callable[[Any], bool] = bool
+    put: Callable[[Any, int, Any], None] = _put_row
     if _current is not None and count > 1 and numpy is not None:
         if collate_fn is numpy.stack and _plain_array(first, numpy):
             buffer = result_buffer(first.nbytes * count)
@@ -567,18 +568,22 @@ def stack_as_transformed(
             if buffer is not None:
                 out = torch.frombuffer(buffer, dtype=first.dtype, count=numel)
                 out = out.view(count, *first.shape)
-                # Views of the rows, made at once: copy_ into one costs less than out[i] = t.
-                rows, is_plain = out.unbind(0), lambda item: _plain_tensor(item, torch)
+                is_plain = lambda item: _plain_tensor(item, torch)  # noqa: E731
+                try:  # numpy copies a row faster than torch, for the dtypes numpy has
+                    first.numpy()
+                    rows, put = out.numpy(), _put_tensor_row
+                except (TypeError, RuntimeError):
+                    # Views of the rows, made at once: copy_ into one costs less than out[i] = t.
+                    rows, put = out.unbind(0), _copy_row
     if out is None:
         return collate([first, *(transform(s) for s in samples[1:])])
     dtype, shape = first.dtype, first.shape
-    put = _put_row if rows is out else _copy_row
     put(rows, 0, first)
     del first
     for i in range(1, count):
         item = transform(samples[i])
         if not (is_plain(item) and item.dtype == dtype and item.shape == shape):
-            done = [rows[j] for j in range(i)]
+            done = [out[j] for j in range(i)]  # of the collate's own kind
             return collate([*done, item, *(transform(s) for s in samples[i + 1 :])])
         put(rows, i, item)
         del item
@@ -587,6 +592,10 @@ def stack_as_transformed(
 
 def _put_row(rows: Any, i: int, item: Any) -> None:
     rows[i] = item
+
+
+def _put_tensor_row(rows: Any, i: int, item: Any) -> None:
+    rows[i] = item.numpy()
 
 
 def _copy_row(rows: Any, i: int, item: Any) -> None:
