@@ -148,7 +148,7 @@ def _collate_tensors(
         elem.layout == torch.strided
         and elem.device.type == "cpu"
         and not elem.is_nested
-        and all(t.shape == elem.shape for t in batch)
+        and all(t.shape == elem.shape and not t.requires_grad for t in batch)
     ):
         numel = elem.numel() * len(batch)
         buffer = results.result_buffer(numel * elem.element_size())

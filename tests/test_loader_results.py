@@ -186,6 +186,77 @@ def test_released_memory_is_reused_and_held_memory_is_not(dataset):
     assert result_mappings() == []
 
 
+def test_free_pages_beyond_two_batches_go_back_and_read_as_the_next_batch():
+    batch = 64 * 1024  # a batch as large as the smallest range a batch reserves
+    owner = results.RegionOwner(32 * batch)
+    fd, capacity, frees, warm = owner.worker_args()
+    writer = results.RegionWriter(results._SharedFd(os.dup(fd.fd)), capacity, frees, warm)
+    reader = np.frombuffer(owner._map, np.uint8)  # the training process's map
+
+    def written() -> int:  # bytes of the file that hold pages (tmpfs counts real pages)
+        return os.fstat(owner.fd).st_blocks * 512
+
+    def write(value: int) -> tuple[int, int]:
+        writer.begin()
+        got = writer.alloc(batch)
+        assert got is not None
+        got[2][:] = bytes([value]) * batch
+        return writer.arena.finish()[0]
+
+    try:
+        held = [write(k + 1) for k in range(8)]  # the loop holds eight batches
+        assert written() == 8 * batch == writer.arena.resident
+        owner.pending.extend(offset for offset, _ in held)  # ... then lets them all go
+        owner.flush()
+        writer.begin()
+        # Two batches' worth stay in the file for the next ones, the rest left it: those pages
+        # read as zeros in the training process's map (reading them puts zeroed pages back),
+        # the kept ones as they were written.
+        assert written() == 2 * batch == writer.arena.resident
+        firsts = [int(reader[offset]) for offset, _ in held]
+        assert firsts == [1, 2] + [0] * 6
+        assert all(not reader[o : o + n].any() for o, n in held[2:])
+        # The next batches land on kept and given-back pages alike, and read as themselves.
+        again = [write(100 + k) for k in range(5)]
+        for k, (offset, n) in enumerate(again):
+            assert n == batch and (reader[offset : offset + n] == 100 + k).all()
+        assert sorted(o for o, _ in again) == sorted(o for o, _ in held[:5])
+    finally:
+        del reader
+        gc.collect()
+        owner.close()
+
+
+def test_memory_given_back_after_a_kept_epoch_holds_the_next_epochs_batches(dataset):
+    ids = [i for i, _ in epoch0(dataset)]
+    loader = DataLoader(
+        dataset,
+        batch_size=1,
+        num_workers=2,
+        transform=fixed,
+        collate_fn=np.stack,
+        persistent_workers=True,
+    )
+    with loader:
+        kept = list(loader)  # 60 batches of a page each, held: 30 pages per worker
+        assert np.concatenate(kept).tolist() == [fixed(_Sample(i)).tolist() for i in ids]
+        fds = [r.fd for r in loader._iterator._regions if r is not None]
+        held_pages = sum(os.fstat(fd).st_blocks for fd in fds) * 512 // mmap.PAGESIZE
+        assert held_pages == 60
+        del kept
+        gc.collect()
+        # The next epoch, one batch at a time: the frees reach the workers, which keep 16 warm
+        # pages each (the smallest range) and give the rest back; every batch reads right.
+        rows = []
+        for batch in loader:
+            assert fixed(_Sample(int(batch[0][0]))).tolist() == batch[0].tolist()
+            rows.append(int(batch[0][0]))
+            del batch
+        assert sorted(rows) == sorted(ids)
+        pages = sum(os.fstat(fd).st_blocks for fd in fds) * 512 // mmap.PAGESIZE
+        assert pages <= 2 * 16 + 4, pages
+
+
 def test_a_full_region_falls_back_to_pickling_with_one_warning(dataset):
     # One worker: which worker takes which batch is up to timing, which worker's memory
     # fills first with it.
@@ -281,8 +352,8 @@ def counting_writer() -> Iterator[tuple[results.RegionWriter, list[int]]]:
     """A worker's side of a 1 MiB region, current for :func:`results.result_buffer`, with the
     size of every allocation it makes recorded."""
     owner = results.RegionOwner(1 << 20)
-    fd, capacity, frees = owner.worker_args()
-    writer = results.RegionWriter(results._SharedFd(os.dup(fd.fd)), capacity, frees)
+    fd, capacity, frees, warm = owner.worker_args()
+    writer = results.RegionWriter(results._SharedFd(os.dup(fd.fd)), capacity, frees, warm)
     sizes: list[int] = []
     real_alloc = writer.alloc
 
@@ -317,6 +388,110 @@ def test_numpy_stack_as_collate_fn_writes_the_batch_into_result_memory_once():
     assert mixed.dtype == np.float64 and mixed.tolist() == [[0, 0], [1, 1]]
     # Outside a worker: numpy's own stack.
     assert workers.apply([np.ones(2), np.zeros(2)], None, np.stack).tolist() == [[1, 1], [0, 0]]
+
+
+def _dropped_as_it_goes(make):
+    """A transform over ints that records, at each call, how many of its earlier results are
+    still alive."""
+    import weakref
+
+    made: list[weakref.ref] = []
+    alive_at_call: list[int] = []
+
+    def transform(k):
+        gc.collect()
+        alive_at_call.append(sum(r() is not None for r in made))
+        item = make(k)
+        made.append(weakref.ref(item))
+        return item
+
+    return transform, alive_at_call
+
+
+def test_transform_then_numpy_stack_writes_each_result_into_its_row_and_drops_it():
+    from dataset_rt._loader import workers
+
+    transform, alive = _dropped_as_it_goes(lambda k: np.full((4, 4), k, dtype=np.float32))
+    with counting_writer() as (writer, sizes):
+        stacked = workers.apply(list(range(8)), transform, np.stack)
+        assert writer.owned(stacked.__array_interface__["data"][0], stacked.nbytes)
+    # One write of the whole batch, and each result dropped before the next is made (were
+    # they all kept for the stack, this would be 0, 1, ..., 7).
+    assert sizes == [8 * 16 * 4]
+    assert alive == [0] * 8
+    assert np.array_equal(stacked, np.stack([np.full((4, 4), k, np.float32) for k in range(8)]))
+
+
+def test_a_transform_result_unlike_the_first_hands_the_rows_to_the_collate():
+    from dataset_rt._loader import workers
+
+    def widening(k):  # float64 from the fourth sample on: numpy promotes the whole batch
+        return np.full(3, k, dtype=np.float32 if k < 3 else np.float64)
+
+    def growing(k):
+        return np.zeros(3 if k < 5 else 4)
+
+    def listed(k):
+        return [k] if k == 2 else np.array([k])
+
+    with counting_writer() as (_writer, sizes):
+        mixed = workers.apply(list(range(6)), widening, np.stack)
+        # numpy's own error, as without the rows
+        with pytest.raises(ValueError, match="same shape"):
+            workers.apply(list(range(6)), growing, np.stack)
+        plain = workers.apply(list(range(4)), listed, np.stack)
+    assert mixed.dtype == np.float64
+    assert mixed.tolist() == np.stack([widening(k) for k in range(6)]).tolist()
+    assert plain.tolist() == [[0], [1], [2], [3]]
+    # The rows went to the collate as they were: written once more, by numpy's stack.
+    assert sizes[:2] == [6 * 3 * 4, 6 * 3 * 8]
+    # Outside a worker, and with another collate: as before.
+    assert workers.apply([1, 2], lambda k: np.full(2, k), np.stack).tolist() == [[1, 1], [2, 2]]
+    assert workers.apply([1, 2], lambda k: np.full(2, k), list)[1].tolist() == [2, 2]
+
+
+@pytest.mark.torch
+def test_transform_then_torch_default_collate_writes_rows_as_they_come():
+    torch = pytest.importorskip("torch")
+    from dataset_rt._loader import workers
+    from dataset_rt.torch import default_collate
+
+    transform, alive = _dropped_as_it_goes(lambda k: torch.full((2, 3), k, dtype=torch.int16))
+    with counting_writer() as (writer, sizes):
+        stacked = workers.apply(list(range(8)), transform, default_collate)
+        assert writer.owned(stacked.data_ptr(), stacked.nbytes) is not None
+        # A dtype numpy lacks is copied row by row by torch.
+        halves = workers.apply(
+            list(range(3)),
+            lambda k: torch.full((2,), k + 0.5, dtype=torch.bfloat16),
+            default_collate,
+        )
+        assert writer.owned(halves.data_ptr(), halves.nbytes) is not None
+
+        # From a result unlike the first on, the collate gets the rows as tensors: its own
+        # errors, and for mixed dtypes the one torch's collate gives in its workers (it stacks
+        # into memory of the first tensor's dtype too).
+        def widening(k):
+            return torch.full((2,), k, dtype=torch.int16 if k < 2 else torch.float64)
+
+        with pytest.raises(TypeError, match="can't be cast to the desired output type Short"):
+            workers.apply(list(range(4)), widening, default_collate)
+        with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+            workers.apply(list(range(4)), lambda k: torch.zeros(2 + k // 3), default_collate)
+        # A tensor that needs grad is torch's business (its stack refuses out=).
+        grads = workers.apply(
+            [1, 2], lambda k: torch.full((2,), float(k), requires_grad=True), default_collate
+        )
+    assert sizes[:2] == [8 * 6 * 2, 3 * 2 * 2]
+    assert alive == [0] * 8
+    assert halves.dtype == torch.bfloat16 and halves.tolist() == [
+        [0.5, 0.5],
+        [1.5, 1.5],
+        [2.5, 2.5],
+    ]
+    assert stacked.dtype == torch.int16 and stacked.shape == (8, 2, 3)
+    assert torch.equal(stacked, torch.stack([torch.full((2, 3), k) for k in range(8)]).short())
+    assert grads.requires_grad and grads.tolist() == [[1, 1], [2, 2]]
 
 
 @pytest.mark.torch

@@ -111,7 +111,10 @@ class LoaderIterator(Iterator[Any]):
         arena = results.arena_bytes(self._result_bytes, num_workers)
         shard_table = ring.shard_table if num_workers else ""
         for i in range(num_workers):
-            region = results.RegionOwner(arena) if arena else None
+            # A worker keeps the pages of the batches it has in flight (its share of the ring,
+            # and the batch the loop holds) for the next ones; more goes back to the system.
+            warm = self._prefetch_factor + 1
+            region = results.RegionOwner(arena, warm) if arena else None
             self._regions.append(region)
             receiver, sender = self._context.Pipe(duplex=False)
             process = self._context.Process(
@@ -407,12 +410,19 @@ class LoaderIterator(Iterator[Any]):
             f"{lifecycle.describe_exit(process.exitcode)} {when}"
         )
 
+    def _flush_frees(self) -> None:
+        for region in self._regions:
+            if region is not None and region.pending:
+                region.flush()
+
     def _from_workers(self, seq: int) -> Any:
         started = time.monotonic()
+        # The batches the loop let go since the last call go back to their workers now, not
+        # only when the loop has to wait: a loop slower than its workers always finds its batch
+        # received, and the workers would take fresh memory for every batch meanwhile.
+        self._flush_frees()
         while seq not in self._buffer:
-            for region in self._regions:
-                if region is not None and region.pending:
-                    region.flush()
+            self._flush_frees()
             self._check(seq, started)
             conns: dict[Any, int] = {self._conns[i]: i for i in self._open}
             sentinels = {

@@ -19,6 +19,12 @@ a finalizer queues its offset, and the loop sends the queue back to the worker a
 batch. A busy range is never reused, so memory still referenced is never overwritten. A worker
 never waits for memory: a buffer that does not fit the free part of the arena is pickled into
 the message instead (today's one-copy path) and the loop warns once per pass.
+
+Freed ranges keep their pages, so the next batches write into memory that is already there
+(no fresh pages for the kernel to zero). Free written pages beyond what a worker has in flight
+(``prefetch_factor`` batches, plus the one the loop holds) are given back: after the loop held
+many batches and let them go, Rust's arena names the excess and the worker removes those pages
+from the file.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import struct
 import sys
 import weakref
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from dataset_rt import _native
@@ -95,8 +101,9 @@ class RegionOwner:
     """The training process's side of one worker's region: owns the memfd, maps each batch's
     ranges and sends back the ones nothing references any more."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, warm_batches: int = 2) -> None:
         self.capacity = capacity
+        self.warm_batches = warm_batches
         self.fd = os.memfd_create("dataset-rt-results", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, capacity)  # sparse: pages exist once written
@@ -113,8 +120,8 @@ class RegionOwner:
         # Offsets of ranges no longer referenced; appended by finalizers, at any time.
         self.pending: list[int] = []
 
-    def worker_args(self) -> tuple[_SharedFd, int, socket.socket]:
-        return _SharedFd(self.fd), self.capacity, self._worker_end
+    def worker_args(self) -> tuple[_SharedFd, int, socket.socket, int]:
+        return _SharedFd(self.fd), self.capacity, self._worker_end, self.warm_batches
 
     def started(self) -> None:
         """The worker has its copies of the descriptors."""
@@ -228,6 +235,7 @@ class RegionWriter:
         fd: _SharedFd,
         capacity: int,
         frees: socket.socket,
+        warm_batches: int = 2,
         shards: _native.RingHandle | None = None,
     ) -> None:
         try:
@@ -238,7 +246,7 @@ class RegionWriter:
         self._anchor = ctypes.c_char.from_buffer(self.map)  # pins the map: the address holds
         self.base = ctypes.addressof(self._anchor)
         self.capacity = capacity
-        self.arena = _native.ResultArena(capacity)
+        self.arena = _native.ResultArena(capacity, warm_batches)
         self.frees = frees
         frees.setblocking(False)
         self.fallback = False
@@ -261,7 +269,11 @@ class RegionWriter:
             if not data:
                 return
             for (offset,) in struct.iter_unpack("<Q", data):
-                self.arena.free(offset)
+                for start, length in self.arena.free(offset):
+                    # Free pages beyond what the next batches reuse go back to the system
+                    # (Rust's rule); a later batch there gets fresh zeroed pages, which every
+                    # process's map of the file then shows.
+                    self.map.madvise(mmap.MADV_REMOVE, start, length)
 
     def alloc(self, n: int) -> tuple[int, int, memoryview] | None:
         got = self.arena.alloc(n)
@@ -507,3 +519,89 @@ def stack_arrays(items: list[Any]) -> Any:
         return None
     out = numpy.frombuffer(buffer, dtype).reshape((len(items), *shape))
     return numpy.stack(items, out=out)
+
+
+def _plain_array(item: Any, numpy: Any) -> bool:
+    return type(item) is numpy.ndarray and not item.dtype.hasobject
+
+
+def _plain_tensor(item: Any, torch: Any) -> bool:
+    return (
+        type(item) is torch.Tensor
+        and item.layout == torch.strided
+        and item.device.type == "cpu"
+        and not (item.requires_grad or item.is_nested or item.is_quantized)
+        and not (item.is_conj() or item.is_neg())
+    )
+
+
+def stack_as_transformed(
+    samples: list[Any],
+    transform: Callable[[Any], Any],
+    collate_fn: Callable[[list[Any]], Any],
+    collate: Callable[[list[Any]], Any],
+) -> Any:
+    """``collate([transform(s) for s in samples])`` where ``collate_fn`` stacks (``numpy.stack``
+    on arrays, ``dataset_rt.torch.default_collate`` on tensors): inside a worker, each sample's
+    result is copied into its row of the batch in result memory as soon as the transform
+    returns it, and dropped. The worker then holds one sample's result instead of the whole
+    batch's (less heap), and the copy reads it while it is still in the CPU's cache. The value
+    is the stack's. From the first sample whose result differs from the first one (type, dtype,
+    shape), or when the region has no room, the rest goes to ``collate`` as before, the rows
+    already written among the items: the same values and errors as without the rows."""
+    numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    first = transform(samples[0])
+    count = len(samples)
+    out: Any = None
+    rows: Any = None
+    is_plain: Callable[[Any], bool] = bool
+    put: Callable[[Any, int, Any], None] = _put_row
+    if _current is not None and count > 1 and numpy is not None:
+        if collate_fn is numpy.stack and _plain_array(first, numpy):
+            buffer = result_buffer(first.nbytes * count)
+            if buffer is not None:
+                out = numpy.frombuffer(buffer, first.dtype).reshape((count, *first.shape))
+                rows, is_plain = out, lambda item: _plain_array(item, numpy)
+        elif torch is not None and _plain_tensor(first, torch) and _is_torch_collate(collate_fn):
+            numel = first.numel() * count
+            buffer = result_buffer(numel * first.element_size())
+            if buffer is not None:
+                out = torch.frombuffer(buffer, dtype=first.dtype, count=numel)
+                out = out.view(count, *first.shape)
+                is_plain = lambda item: _plain_tensor(item, torch)  # noqa: E731
+                try:  # numpy copies a row faster than torch, for the dtypes numpy has
+                    first.numpy()
+                    rows, put = out.numpy(), _put_tensor_row
+                except (TypeError, RuntimeError):
+                    # Views of the rows, made at once: copy_ into one costs less than out[i] = t.
+                    rows, put = out.unbind(0), _copy_row
+    if out is None:
+        return collate([first, *(transform(s) for s in samples[1:])])
+    dtype, shape = first.dtype, first.shape
+    put(rows, 0, first)
+    del first
+    for i in range(1, count):
+        item = transform(samples[i])
+        if not (is_plain(item) and item.dtype == dtype and item.shape == shape):
+            done = [out[j] for j in range(i)]  # of the collate's own kind
+            return collate([*done, item, *(transform(s) for s in samples[i + 1 :])])
+        put(rows, i, item)
+        del item
+    return out
+
+
+def _put_row(rows: Any, i: int, item: Any) -> None:
+    rows[i] = item
+
+
+def _put_tensor_row(rows: Any, i: int, item: Any) -> None:
+    rows[i] = item.numpy()
+
+
+def _copy_row(rows: Any, i: int, item: Any) -> None:
+    rows[i].copy_(item)
+
+
+def _is_torch_collate(collate_fn: Any) -> bool:
+    adapter = sys.modules.get("dataset_rt.torch")
+    return adapter is not None and collate_fn is getattr(adapter, "default_collate", None)

@@ -22,9 +22,18 @@ def apply(
     transform: Callable[[CachedSample], Any] | None,
     collate_fn: Callable[[list[Any]], Any] | None,
 ) -> Any:
+    if transform is not None and collate_fn is not None and samples:
+        return results.stack_as_transformed(
+            samples, transform, collate_fn, lambda items: collate(items, collate_fn)
+        )
     items: list[Any] = samples if transform is None else [transform(s) for s in samples]
     if collate_fn is None:
         return items
+    return collate(items, collate_fn)
+
+
+def collate(items: list[Any], collate_fn: Callable[[list[Any]], Any]) -> Any:
+    """``collate_fn(items)``; ``numpy.stack`` writes straight into result memory in a worker."""
     numpy = sys.modules.get("numpy")
     if numpy is not None and collate_fn is numpy.stack:
         # The common collate of arrays: stacked where the training loop will read it.

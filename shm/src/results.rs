@@ -9,6 +9,13 @@
 //! references it any more (`free`). So memory is never reused under a reader, and the worker
 //! never waits for one: when no free range is big enough, `alloc` says so and the caller falls
 //! back to sending that buffer in the message itself.
+//!
+//! Pages a batch wrote stay in the file when its range is freed, so that the next batch reuses
+//! them without the kernel zeroing fresh ones. That is worth it for the few batches in flight,
+//! not after a burst (a training loop that held many batches, then let them go): `free` says
+//! which free pages to give back to the system (the caller removes them from the file) once
+//! more written pages are free than the arena's warm batches (the batches a worker has in
+//! flight: its loader's `prefetch_factor`, plus the one the loop holds) of the last batch's size.
 
 use std::collections::BTreeMap;
 
@@ -20,6 +27,10 @@ pub const PAGE: u64 = 4096;
 pub const ALIGN: u64 = 64;
 /// The smallest range a batch reserves.
 pub const MIN_RANGE: u64 = 64 * 1024;
+/// Free pages kept written (warm) for the next batches, in batches of the last one's size, unless
+/// set with [`ResultArena::with_warm_batches`]: one for the batch a worker writes while its
+/// previous one is still out, one more for jitter.
+pub const WARM_BATCHES: u64 = 2;
 
 fn round_up(n: u64, to: u64) -> u64 {
     n.div_ceil(to) * to
@@ -50,6 +61,11 @@ pub struct ResultArena {
     batch: Vec<Reserved>,
     /// Bytes the last finished batch used: the size of the next batch's first range.
     hint: u64,
+    /// Page extents some batch may have written and that were not given back since, offset ->
+    /// length, coalesced: the file's pages that hold memory (busy or free).
+    resident: BTreeMap<u64, u64>,
+    /// Free written pages kept, in batches of the last one's size (see `free`).
+    warm_batches: u64,
 }
 
 impl ResultArena {
@@ -67,7 +83,16 @@ impl ResultArena {
             busy: BTreeMap::new(),
             batch: Vec::new(),
             hint: 0,
+            resident: BTreeMap::new(),
+            warm_batches: WARM_BATCHES,
         })
+    }
+
+    /// Keeps up to `batches` batches' worth (of the last batch's size) of free written pages
+    /// for the next batches, instead of [`WARM_BATCHES`].
+    pub fn with_warm_batches(mut self, batches: u64) -> Self {
+        self.warm_batches = batches;
+        self
     }
 
     pub fn capacity(&self) -> u64 {
@@ -77,6 +102,11 @@ impl ResultArena {
     /// Bytes held by sent batches and by the batch being written.
     pub fn in_use(&self) -> u64 {
         self.busy.values().sum::<u64>() + self.batch.iter().map(|r| r.len).sum::<u64>()
+    }
+
+    /// Bytes of the file that hold written pages (busy, or free and kept warm).
+    pub fn resident(&self) -> u64 {
+        self.resident.values().sum()
     }
 
     /// `n` (> 0) bytes for the batch being written, 64-byte aligned, in the batch's last range
@@ -133,6 +163,7 @@ impl ResultArena {
             .into_iter()
             .map(|r| {
                 let kept = round_up(r.used, PAGE);
+                insert_coalesced(&mut self.resident, r.offset, kept);
                 if kept < r.len {
                     self.give_back(r.offset + kept, r.len - kept);
                 }
@@ -149,12 +180,17 @@ impl ResultArena {
     /// The batch being written is dropped (its function raised): its ranges are free at once.
     pub fn abort(&mut self) {
         for r in std::mem::take(&mut self.batch) {
+            insert_coalesced(&mut self.resident, r.offset, round_up(r.used, PAGE));
             self.give_back(r.offset, r.len);
         }
     }
 
-    /// The training process holds nothing of the busy range at `offset` any more.
-    pub fn free(&mut self, offset: u64) -> Result<()> {
+    /// The training process holds nothing of the busy range at `offset` any more. Returns the
+    /// page extents `(offset, length)` of free memory to give back to the system now: free
+    /// written pages beyond the warm batches times the last batch's size (at least
+    /// [`MIN_RANGE`]), highest offsets first (the low ones stay warm, and `alloc` takes the start of
+    /// a free range). Nothing busy or reserved is ever among them.
+    pub fn free(&mut self, offset: u64) -> Result<Vec<(u64, u64)>> {
         let len = self.busy.remove(&offset).ok_or_else(|| {
             ShmError::Protocol(format!(
                 "the training process freed result memory at offset {offset}, which is not in \
@@ -162,7 +198,48 @@ impl ResultArena {
             ))
         })?;
         self.give_back(offset, len);
-        Ok(())
+        Ok(self.cool())
+    }
+
+    /// The free extents that are resident, in offset order.
+    fn warm_free(&self) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        for (&f, &flen) in &self.free {
+            let fend = f + flen;
+            // Resident extents that overlap [f, fend): the one starting before f, then the rest.
+            let before = self.resident.range(..f).next_back();
+            for (&r, &rlen) in before.into_iter().chain(self.resident.range(f..fend)) {
+                let (start, end) = (r.max(f), (r + rlen).min(fend));
+                if start < end {
+                    out.push((start, end - start));
+                }
+            }
+        }
+        out
+    }
+
+    fn cool(&mut self) -> Vec<(u64, u64)> {
+        let keep = self.warm_batches.saturating_mul(self.hint).max(MIN_RANGE);
+        let warm = self.warm_free();
+        let mut excess = warm
+            .iter()
+            .map(|&(_, l)| l)
+            .sum::<u64>()
+            .saturating_sub(keep);
+        let mut out = Vec::new();
+        for &(offset, len) in warm.iter().rev() {
+            if excess == 0 {
+                break;
+            }
+            // Whole pages from the extent's end: what stays warm is its low part.
+            let cut = round_up(excess.min(len), PAGE).min(len);
+            out.push((offset + len - cut, cut));
+            excess = excess.saturating_sub(cut);
+        }
+        for &(offset, len) in &out {
+            remove_extent(&mut self.resident, offset, len);
+        }
+        out
     }
 
     /// Best fit: the smallest free range of at least `len` bytes, split.
@@ -191,6 +268,46 @@ impl ResultArena {
             len += after_len;
         }
         self.free.insert(offset, len);
+    }
+}
+
+/// Adds `[offset, offset + len)` to a set of coalesced extents.
+fn insert_coalesced(set: &mut BTreeMap<u64, u64>, offset: u64, len: u64) {
+    if len == 0 {
+        return;
+    }
+    let (mut start, mut end) = (offset, offset + len);
+    if let Some((&b, &blen)) = set.range(..=start).next_back() {
+        if b + blen >= start {
+            start = b;
+            end = end.max(b + blen);
+        }
+    }
+    let inside: Vec<u64> = set.range(start..=end).map(|(&o, _)| o).collect();
+    for o in inside {
+        let olen = set.remove(&o).unwrap_or(0);
+        end = end.max(o + olen);
+    }
+    set.insert(start, end - start);
+}
+
+/// Removes `[offset, offset + len)` from a set of coalesced extents.
+fn remove_extent(set: &mut BTreeMap<u64, u64>, offset: u64, len: u64) {
+    let end = offset + len;
+    let before = set.range(..offset).next_back().map(|(&o, &l)| (o, l));
+    let touched: Vec<(u64, u64)> = before
+        .into_iter()
+        .chain(set.range(offset..end).map(|(&o, &l)| (o, l)))
+        .filter(|&(o, l)| o < end && o + l > offset)
+        .collect();
+    for (o, l) in touched {
+        set.remove(&o);
+        if o < offset {
+            set.insert(o, offset - o);
+        }
+        if o + l > end {
+            set.insert(end, o + l - end);
+        }
     }
 }
 
@@ -298,6 +415,117 @@ mod tests {
         // The hint asks for 64 KiB, one page is left: enough for a small buffer.
         assert_eq!(a.alloc(100).unwrap().offset, MIN_RANGE);
         assert_eq!(a.alloc(PAGE), None);
+    }
+
+    /// Every pair of extents in `a` and `b` is disjoint.
+    fn disjoint(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
+        a.iter()
+            .all(|&(o, l)| b.iter().all(|&(p, m)| o + l <= p || p + m <= o))
+    }
+
+    #[test]
+    fn batches_in_flight_keep_their_pages_warm() {
+        let mut a = ResultArena::new(256 * MIB).unwrap();
+        let size = 64 * 150_528;
+        let mut held = std::collections::VecDeque::new();
+        for _ in 0..100 {
+            a.alloc(size).unwrap();
+            held.push_back(a.finish()[0].0);
+            if held.len() > 3 {
+                // A steady pipeline: the freed range is the next batch's, nothing goes back.
+                assert_eq!(a.free(held.pop_front().unwrap()).unwrap(), vec![]);
+            }
+        }
+        assert_eq!(a.resident(), 4 * round_up(size, PAGE));
+    }
+
+    #[test]
+    fn after_a_burst_free_pages_beyond_two_batches_are_given_back() {
+        let mut a = ResultArena::new(256 * MIB).unwrap();
+        let batch = round_up(64 * 150_528, PAGE);
+        // The loop holds 20 batches, then lets them all go.
+        let held: Vec<(u64, u64)> = (0..20)
+            .map(|_| {
+                a.alloc(batch).unwrap();
+                a.finish()[0]
+            })
+            .collect();
+        assert_eq!(a.resident(), 20 * batch);
+        let mut given: Vec<(u64, u64)> = Vec::new();
+        for (i, &(offset, _)) in held.iter().enumerate() {
+            let back = a.free(offset).unwrap();
+            // Never a page of a batch still held, always whole pages.
+            assert!(disjoint(&back, &held[i + 1..]), "{back:?}");
+            assert!(back
+                .iter()
+                .all(|&(o, l)| o % PAGE == 0 && l % PAGE == 0 && l > 0));
+            assert!(disjoint(&back, &given), "given back twice: {back:?}");
+            given.extend(back);
+        }
+        // Two batches' worth stay warm, at the lowest offsets; the rest went back.
+        assert_eq!(a.resident(), WARM_BATCHES * batch);
+        assert_eq!(a.resident, BTreeMap::from([(0, WARM_BATCHES * batch)]));
+        assert_eq!(given.iter().map(|&(_, l)| l).sum::<u64>(), 18 * batch);
+        // The next batch takes warm memory first.
+        assert_eq!(a.alloc(batch).unwrap().offset, 0);
+        a.finish();
+        assert_eq!(a.resident(), WARM_BATCHES * batch);
+    }
+
+    #[test]
+    fn the_warm_batches_are_the_arenas_own() {
+        let mut a = ResultArena::new(16 * MIB).unwrap().with_warm_batches(3);
+        let held: Vec<u64> = (0..8)
+            .map(|_| {
+                a.alloc(MIB).unwrap();
+                a.finish()[0].0
+            })
+            .collect();
+        let back: u64 = held
+            .iter()
+            .map(|&o| a.free(o).unwrap().iter().map(|&(_, l)| l).sum::<u64>())
+            .sum();
+        assert_eq!((back, a.resident()), (5 * MIB, 3 * MIB));
+    }
+
+    #[test]
+    fn given_back_pages_are_resident_again_once_a_batch_writes_them() {
+        let mut a = ResultArena::new(4 * MIB).unwrap();
+        let held: Vec<u64> = (0..4)
+            .map(|_| {
+                a.alloc(MIB).unwrap();
+                a.finish()[0].0
+            })
+            .collect();
+        let mut back = Vec::new();
+        for &o in &held {
+            back.extend(a.free(o).unwrap());
+        }
+        assert_eq!(back, vec![(2 * MIB, MIB), (3 * MIB, MIB)]);
+        assert_eq!(a.resident(), 2 * MIB);
+        // A bigger batch spreads over warm and given-back pages; all of it is resident after.
+        a.alloc(3 * MIB).unwrap();
+        a.finish();
+        assert_eq!(a.resident(), 3 * MIB);
+        // An aborted batch may have written its pages too.
+        a.alloc(PAGE).unwrap();
+        a.abort();
+        assert_eq!(a.resident(), 3 * MIB + PAGE);
+    }
+
+    #[test]
+    fn extents_coalesce_and_split() {
+        let mut set = BTreeMap::new();
+        insert_coalesced(&mut set, 10, 5);
+        insert_coalesced(&mut set, 20, 5);
+        insert_coalesced(&mut set, 15, 5);
+        assert_eq!(set, BTreeMap::from([(10, 15)]));
+        insert_coalesced(&mut set, 5, 30);
+        assert_eq!(set, BTreeMap::from([(5, 30)]));
+        remove_extent(&mut set, 10, 10);
+        assert_eq!(set, BTreeMap::from([(5, 5), (20, 15)]));
+        remove_extent(&mut set, 0, 100);
+        assert!(set.is_empty());
     }
 
     #[test]

@@ -904,11 +904,19 @@ fn is_enomem(py: Python<'_>, err: &PyErr) -> bool {
 #[pyclass(module = "dataset_rt._native")]
 pub struct ResultArena(results::ResultArena);
 
+// `ResultArena(capacity)`'s default, spelled out in its signature (and the stub) as a number.
+const _: () = assert!(results::WARM_BATCHES == 2);
+
 #[pymethods]
 impl ResultArena {
+    /// An arena of `capacity` bytes that keeps `warm_batches` batches' worth of free written
+    /// pages for the next batches and names the rest for giving back (see `free`).
     #[new]
-    fn new(capacity: u64) -> PyResult<Self> {
-        results::ResultArena::new(capacity).map(Self).py_shm()
+    #[pyo3(signature = (capacity, warm_batches = 2))]
+    fn new(capacity: u64, warm_batches: u64) -> PyResult<Self> {
+        results::ResultArena::new(capacity)
+            .map(|a| Self(a.with_warm_batches(warm_batches)))
+            .py_shm()
     }
 
     #[getter]
@@ -943,9 +951,16 @@ impl ResultArena {
         self.0.abort()
     }
 
-    /// The training process released the busy range at `offset` (`LoaderError` if none is).
-    fn free(&mut self, offset: u64) -> PyResult<()> {
+    /// The training process released the busy range at `offset` (`LoaderError` if none is);
+    /// returns the free extents `(offset, length)` whose pages to give back to the system now.
+    fn free(&mut self, offset: u64) -> PyResult<Vec<(u64, u64)>> {
         self.0.free(offset).py_shm()
+    }
+
+    /// Bytes of the region that hold written pages (busy, or free and kept warm).
+    #[getter]
+    fn resident(&self) -> u64 {
+        self.0.resident()
     }
 }
 
