@@ -663,36 +663,19 @@ impl Chunk {
                 return;
             }
             let hi = (lo + CLAIM_BLOCK).min(self.len);
+            let n = hi - lo;
             let mut globals = [0u64; CLAIM_BLOCK];
-            let globals = &mut globals[..hi - lo];
-            match &self.samples {
-                ChunkSamples::Globals(all) => globals.copy_from_slice(&all[lo..hi]),
-                ChunkSamples::Positions { pass, first } => {
-                    for (i, g) in globals.iter_mut().enumerate() {
-                        *g = pass.global(first + (lo + i) as u64);
-                    }
-                }
-            }
-            // Shuffled records are scattered over the shards: asking for the block's headers at
-            // once overlaps the memory misses that reading them one by one would wait for in
-            // turn.
-            for &g in globals.iter() {
-                dataset.prefetch_record(g);
-            }
-            let mut fetched = Vec::with_capacity(globals.len());
-            for &g in globals.iter() {
-                // A panic is this sample's error: the chunk still completes, so nobody waits
-                // forever.
-                fetched.push(
-                    catch_unwind(AssertUnwindSafe(|| dataset.fetch(g)))
-                        .unwrap_or_else(|panic| Err(Error::Runtime(panic_message(&panic)))),
-                );
-                if let Some(hook) = hook {
-                    hook();
-                }
-            }
+            // A panic (here or in a read) is the error of the samples it concerns: the chunk
+            // still completes, so nobody waits forever.
+            let fetched = match catch_unwind(AssertUnwindSafe(|| {
+                self.block_samples(lo, &mut globals[..n])
+            })) {
+                Ok(()) => self.read_block(dataset, hook, &globals[..n]),
+                Err(panic) => (0..n)
+                    .map(|_| Err(Error::Runtime(panic_message(&panic))))
+                    .collect(),
+            };
             *self.results[block].lock().unwrap() = fetched;
-            let n = globals.len();
             if self.done.fetch_add(n, Ordering::AcqRel) + n == self.len {
                 let mut completion = self.completion.lock().unwrap();
                 completion.complete = true;
@@ -701,6 +684,43 @@ impl Chunk {
                 }
             }
         }
+    }
+
+    /// The global samples of positions `lo .. lo + out.len()` of the chunk.
+    fn block_samples(&self, lo: usize, out: &mut [u64]) {
+        match &self.samples {
+            ChunkSamples::Globals(all) => out.copy_from_slice(&all[lo..lo + out.len()]),
+            ChunkSamples::Positions { pass, first } => {
+                for (i, g) in out.iter_mut().enumerate() {
+                    *g = pass.global(first + (lo + i) as u64);
+                }
+            }
+        }
+    }
+
+    /// Reads one block's samples, each with its own result.
+    fn read_block(
+        &self,
+        dataset: &Dataset,
+        hook: Option<&FetchHook>,
+        globals: &[u64],
+    ) -> Vec<Result<Fetched>> {
+        // Shuffled records are scattered over the shards: asking for the block's headers at
+        // once overlaps the memory misses that reading them one by one would wait for in turn.
+        for &g in globals {
+            dataset.prefetch_record(g);
+        }
+        globals
+            .iter()
+            .map(|&g| {
+                let fetched = catch_unwind(AssertUnwindSafe(|| dataset.fetch(g)))
+                    .unwrap_or_else(|panic| Err(Error::Runtime(panic_message(&panic))));
+                if let Some(hook) = hook {
+                    hook();
+                }
+                fetched
+            })
+            .collect()
     }
 
     fn is_complete(&self) -> bool {
