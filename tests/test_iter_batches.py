@@ -146,6 +146,7 @@ def test_buffers_are_the_shards_then_the_decompressed_payloads(tmp_path: Path) -
         sizes = {p.stat().st_size for p in shards}
         batch = next(raw.iter_batches(40))
         buffers = batch.buffers
+        assert batch.buffers is buffers  # made once
         assert all(isinstance(b, memoryview) and b.readonly for b in buffers)
         assert {len(b) for b in buffers} <= sizes
         assert len(buffers) == len(shards)

@@ -701,7 +701,8 @@ impl BatchIterator {
 /// decompressed payloads end to end.
 struct BatchParts {
     spans: Vec<[u64; 3]>,
-    buffers: Vec<Py<PyAny>>,
+    /// Made once, so that every access hands out the same tuple.
+    buffers: Py<PyTuple>,
     /// The index in `buffers` of the decompressed payloads, if there are any.
     owned: Option<usize>,
     globals: Vec<u64>,
@@ -776,7 +777,7 @@ impl BatchParts {
         }
         Ok(Self {
             spans,
-            buffers,
+            buffers: PyTuple::new(py, buffers)?.unbind(),
             owned,
             globals,
         })
@@ -785,14 +786,15 @@ impl BatchParts {
     /// One object per payload, as `CachedSample.data`: a zero-copy `memoryview` of the shard, or
     /// `bytes` for a decompressed record.
     fn data<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let buffers = self.buffers.bind(py);
         let mut data = Vec::with_capacity(self.spans.len());
         for &[b, start, end] in &self.spans {
-            let buffer = self.buffers[b as usize].bind(py);
+            let buffer = buffers.get_item(b as usize)?;
             if Some(b as usize) == self.owned {
                 let arena = buffer.cast::<PyBytes>()?.as_bytes();
                 data.push(PyBytes::new(py, &arena[start as usize..end as usize]).into_any());
             } else {
-                data.push(subview(buffer, start, end)?);
+                data.push(subview(&buffer, start, end)?);
             }
         }
         PyList::new(py, data)
@@ -831,8 +833,8 @@ impl Batch {
 
     /// The buffers the spans point into, as a tuple.
     #[getter]
-    fn buffers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, self.parts.buffers.iter().map(|b| b.bind(py)))
+    fn buffers<'py>(&self, py: Python<'py>) -> Bound<'py, PyTuple> {
+        self.parts.buffers.bind(py).clone()
     }
 
     /// The spans, `[buffer, start, end]` per sample, as little-endian int64 bytes.
