@@ -1,5 +1,6 @@
-"""The committed golden cache of format v1 (`tests/data/golden_v1/golden`, written once by
-`tests/data/make_golden.py`): every later DatasetRT must keep reading these exact bytes.
+"""The committed golden caches, one per format version (`tests/data/golden_vN/golden`, each
+written once by `tests/data/make_golden.py` with the DatasetRT of that version): every later
+DatasetRT must keep reading these exact bytes.
 
 The expected values are written out here on purpose instead of imported from the generator: the
 bytes on disk are frozen, and so is what they must decode to.
@@ -18,7 +19,18 @@ import pytest
 
 from dataset_rt import CacheLoaded, CacheSourcesDatasetSuccess, ReaderConfig, WriterConfig
 
-GOLDEN = Path(__file__).parent / "data" / "golden_v1" / "golden"
+DATA = Path(__file__).parent / "data"
+VERSIONS = [1, 2]
+
+
+def golden(version: int) -> Path:
+    return DATA / f"golden_v{version}" / "golden"
+
+
+@pytest.fixture(params=VERSIONS, ids=lambda v: f"v{v}")
+def version(request) -> int:
+    return request.param
+
 
 PAYLOADS = [
     bytes.fromhex("77abc86d5c37fe261ce84966b29ddcc90a2ced0d"),
@@ -57,10 +69,10 @@ def same(a, b) -> bool:
 
 
 @pytest.fixture
-def golden_copy(tmp_path) -> Path:
+def golden_copy(tmp_path, version) -> Path:
     """A private copy: nothing is ever written next to the committed bytes."""
     dest = tmp_path / "base" / "golden"
-    shutil.copytree(GOLDEN, dest)
+    shutil.copytree(golden(version), dest)
     return dest
 
 
@@ -70,21 +82,28 @@ def files(root: Path) -> dict[str, bytes]:
     }
 
 
-def test_committed_golden_is_complete_and_has_no_lock_file():
-    assert sorted(files(GOLDEN)) == [
+def test_every_readable_version_has_a_committed_golden():
+    from dataset_rt import _native
+
+    assert VERSIONS[-1] == _native.FORMAT_VERSION
+    assert sorted(p.name for p in DATA.glob("golden_v*")) == [f"golden_v{v}" for v in VERSIONS]
+
+
+def test_committed_golden_is_complete_and_has_no_lock_file(version):
+    assert sorted(files(golden(version))) == [
         "index.bin",
         "manifest.json",
         "metadata.arrow",
         "shards/000000.bin",
         "shards/000001.bin",
     ]
-    assert not (GOLDEN.parent / ".golden.lock").exists()
+    assert not (golden(version).parent / ".golden.lock").exists()
 
 
-def test_manifest_is_format_v1():
-    manifest = json.loads((GOLDEN / "manifest.json").read_text(encoding="utf-8"))
+def test_manifest_has_its_format_version(version):
+    manifest = json.loads((golden(version) / "manifest.json").read_text(encoding="utf-8"))
     assert manifest["format"] == "dataset-rt-cache"
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == version
     assert manifest["name"] == "golden"
     assert manifest["num_samples"] == 6
     assert manifest["metadata_schema"] == SCHEMA
@@ -120,13 +139,13 @@ def test_reads_exact_samples_in_storage_order(runtime, golden_copy):
     assert files(golden_copy) == before
 
 
-def test_metadata_table_reads_with_pyarrow_and_polars():
+def test_metadata_table_reads_with_pyarrow_and_polars(version):
     import polars as pl
     import pyarrow.ipc
 
-    table = pyarrow.ipc.open_file(GOLDEN / "metadata.arrow").read_all()
+    table = pyarrow.ipc.open_file(golden(version) / "metadata.arrow").read_all()
     assert table.column_names == [f["name"] for f in SCHEMA]
-    frame = pl.read_ipc(GOLDEN / "metadata.arrow")
+    frame = pl.read_ipc(golden(version) / "metadata.arrow")
     assert frame["sample_id"].to_list() == [m["sample_id"] for m in METADATA]
     assert frame["label"].to_list() == [m["label"] for m in METADATA]
     assert frame["caption"].to_list() == [m["caption"] for m in METADATA]
@@ -135,29 +154,43 @@ def test_metadata_table_reads_with_pyarrow_and_polars():
     assert all(same(a, m["score"]) for a, m in zip(scores, METADATA, strict=True))
 
 
-def test_records_decode_by_the_documented_layout_alone():
-    """An independent reader of v1: index entries, record headers, embedded metadata JSON and
-    LZ4 block payloads, with no DatasetRT code involved."""
+def record_header(version: int, shard: bytes, offset: int) -> tuple:
+    """(magic, flags, meta_len, stored_len, raw_len, reserved, sample, checksum) of the record at
+    `offset`, by the documented layout of `version`'s record header."""
+    if version == 1:
+        return struct.unpack_from("<4sIIIIIQQ", shard, offset)
+    magic, reserved, checksum, flags, meta_len, stored, raw, sample = struct.unpack_from(
+        "<4sIQIIIIQ", shard, offset
+    )
+    return magic, flags, meta_len, stored, raw, reserved, sample, checksum
+
+
+def test_records_decode_by_the_documented_layout_alone(version):
+    """An independent reader: index entries, record headers, embedded metadata JSON and LZ4
+    block payloads, with no DatasetRT code involved."""
     import lz4.block
 
-    index = (GOLDEN / "index.bin").read_bytes()
+    root = golden(version)
+    index = (root / "index.bin").read_bytes()
+    entry_len = 40 if version >= 3 else 32
     assert index[:8] == b"DRTINDEX"
-    assert struct.unpack_from("<II", index, 8) == (1, 32)
-    shards = [(GOLDEN / "shards" / f"{k:06d}.bin").read_bytes() for k in range(2)]
+    assert struct.unpack_from("<II", index, 8) == (version, entry_len)
+    assert len(index) == 16 + entry_len * 6
+    shards = [(root / "shards" / f"{k:06d}.bin").read_bytes() for k in range(2)]
     for k, shard in enumerate(shards):
         assert shard[:8] == b"DRTSHARD"
-        assert struct.unpack_from("<II", shard, 8) == (1, k)
+        assert struct.unpack_from("<II", shard, 8) == (version, k)
     for i in range(6):
         offset, shard_no, flags, stored_len, raw_len, checksum = struct.unpack_from(
-            "<QIIIIQ", index, 16 + 32 * i
+            "<QIIIIQ", index, 16 + entry_len * i
         )
         assert shard_no == i // 3
         assert offset % 16 == 0
         assert flags == (1 if i in COMPRESSED else 0)
         assert raw_len == len(PAYLOADS[i])
         record = shards[shard_no]
-        magic, h_flags, meta_len, h_stored, h_raw, reserved, sample, h_checksum = (
-            struct.unpack_from("<4sIIIIIQQ", record, offset)
+        magic, h_flags, meta_len, h_stored, h_raw, reserved, sample, h_checksum = record_header(
+            version, record, offset
         )
         assert (magic, h_flags, h_stored, h_raw, reserved, sample, h_checksum) == (
             b"DRTR",

@@ -1,8 +1,8 @@
-"""Writes the golden v1 cache that `tests/test_golden_cache.py` reads.
+"""Writes a golden cache in the format this DatasetRT writes, for `tests/test_golden_cache.py`.
 
-The committed bytes under `tests/data/golden_v1/golden/` are the test's input: later DatasetRT
-versions must keep reading them. Never rerun this to "fix" a failing golden test; rerun it only
-to create a new golden set (`golden_v2`, ...) next to this one when the format version changes:
+The committed bytes under `tests/data/golden_vN/golden/` are the test's input: later DatasetRT
+versions must keep reading them. Never rerun this to "fix" a failing golden test; run it only to
+add the golden set of a new format version next to the others:
 
     python tests/data/make_golden.py tests/data/golden_vN
 
