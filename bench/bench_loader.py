@@ -259,15 +259,22 @@ class Layout:
     def store(self, kind: str) -> Path:
         return self.root / kind
 
-    def stamp_text(self) -> str:
-        return json.dumps({"v": STAMP_VERSION, "count": self.count, "size": self.size})
+    def stamp_text(self, kind: str) -> str:
+        return json.dumps(
+            {
+                "v": STAMP_VERSION,
+                "count": self.count,
+                "size": self.size,
+                "format": common.cache_format(kind),
+            }
+        )
 
     def ready(self, kind: str) -> bool:
         stamp = self.root / f"{kind}.ok"
-        return stamp.exists() and stamp.read_text() == self.stamp_text()
+        return stamp.exists() and stamp.read_text() == self.stamp_text(kind)
 
     def mark(self, kind: str) -> None:
-        (self.root / f"{kind}.ok").write_text(self.stamp_text())
+        (self.root / f"{kind}.ok").write_text(self.stamp_text(kind))
 
     def spans(self) -> tuple[list[int], list[int]]:
         offs = np.load(self.offsets)
@@ -461,41 +468,43 @@ class CacheMapDataset:
 
         self.cache_dir = cache_dir
         self.transform = transform
-        # The record header keeps meta_len at byte 8 in format v1 and at byte 20 in v2.
+        # The record header keeps meta_len at byte 8 in format v1 and at byte 20 from v2 on; a v3
+        # index entry has it too (40 bytes: the lengths, meta_len, 4 zero bytes, the checksum).
         version = json.loads((cache_dir / "manifest.json").read_text())["format_version"]
-        if version not in (1, 2):
-            raise ValueError(f"{cache_dir}: format version {version}; this reader knows 1 and 2")
-        meta_at = 8 if version == 1 else 20
+        if version not in (1, 2, 3):
+            raise ValueError(f"{cache_dir}: format version {version}; this reader knows 1 to 3")
+        fields = [
+            ("offset", "<u8"),
+            ("shard", "<u4"),
+            ("flags", "<u4"),
+            ("stored", "<u4"),
+            ("raw", "<u4"),
+        ]
+        if version >= 3:
+            fields += [("meta_len", "<u4"), ("padding", "<u4")]
         index = np.fromfile(cache_dir / "index.bin", dtype=np.uint8)[16:]
-        entries = index.view(
-            np.dtype(
-                [
-                    ("offset", "<u8"),
-                    ("shard", "<u4"),
-                    ("flags", "<u4"),
-                    ("stored", "<u4"),
-                    ("raw", "<u4"),
-                    ("checksum", "<u8"),
-                ]
-            )
-        )
+        entries = index.view(np.dtype([*fields, ("checksum", "<u8")]))
         if ((entries["flags"] | FLAG_LZ4) != FLAG_LZ4).any():
             raise ValueError("unknown record flags: this reader handles raw and LZ4 payloads")
         # Decoded length of each LZ4 record, -1 for a raw one.
         raw = entries["raw"].astype(np.int64)
         self.raw = np.where(entries["flags"] & FLAG_LZ4 != 0, raw, -1).tolist()
         shard_ids = entries["shard"].astype(np.int64)
-        starts = np.empty(len(entries), dtype=np.int64)
-        for shard in np.unique(shard_ids):
-            path = cache_dir / "shards" / f"{shard:06d}.bin"
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                words = np.frombuffer(mm, dtype="<u4", count=len(mm) // 4)
-                sel = shard_ids == shard
-                off = entries["offset"][sel].astype(np.int64)
-                meta_len = words[(off + meta_at) // 4].astype(np.int64)
-                del words
-            # payload = record start + align16(40-byte header + metadata)
-            starts[sel] = off + (40 + meta_len + 15) // 16 * 16
+        offsets = entries["offset"].astype(np.int64)
+        if version >= 3:
+            meta_lens = entries["meta_len"].astype(np.int64)
+        else:
+            meta_at = 8 if version == 1 else 20
+            meta_lens = np.empty(len(entries), dtype=np.int64)
+            for shard in np.unique(shard_ids):
+                path = cache_dir / "shards" / f"{shard:06d}.bin"
+                with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                    words = np.frombuffer(mm, dtype="<u4", count=len(mm) // 4)
+                    sel = shard_ids == shard
+                    meta_lens[sel] = words[(offsets[sel] + meta_at) // 4]
+                    del words
+        # payload = record start + align16(40-byte header + metadata)
+        starts = offsets + (40 + meta_lens + 15) // 16 * 16
         self.shards = shard_ids.tolist()
         self.starts = starts.tolist()
         self.ends = (starts + entries["stored"].astype(np.int64)).tolist()

@@ -133,15 +133,22 @@ class Layout:
     def stamp(self, kind: str) -> Path:
         return self.root / f"{kind}.ok"
 
-    def stamp_text(self) -> str:
-        return json.dumps({"v": STAMP_VERSION, "count": self.count, "size": self.size})
+    def stamp_text(self, kind: str) -> str:
+        return json.dumps(
+            {
+                "v": STAMP_VERSION,
+                "count": self.count,
+                "size": self.size,
+                "format": common.cache_format(kind),
+            }
+        )
 
     def ready(self, kind: str) -> bool:
         s = self.stamp(kind)
-        return s.exists() and s.read_text() == self.stamp_text()
+        return s.exists() and s.read_text() == self.stamp_text(kind)
 
     def mark(self, kind: str) -> None:
-        self.stamp(kind).write_text(self.stamp_text())
+        self.stamp(kind).write_text(self.stamp_text(kind))
 
     def flat_map(self) -> tuple[mmap.mmap, list[int], list[int]]:
         offs = np.load(self.offsets)
@@ -629,7 +636,8 @@ def first_sample(n: int, data_dir: Path, repeats: int, workers: int) -> dict[str
     drt = common.import_dataset_rt()
 
     class Eights:
-        name = f"first_sample_{n}"
+        # The format version in the name: a new format writes a new cache, not reads the old.
+        name = f"first_sample_{n}_v{common.cache_format('drt')}"
 
         def __iter__(self) -> Any:
             return (drt.CacheInput(i.to_bytes(8, "little")) for i in range(n))

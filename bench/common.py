@@ -40,6 +40,16 @@ REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
 # The package under test
 
 
+def cache_format(kind: str) -> int | None:
+    """The storage format version a prepared store of ``kind`` is written in: DatasetRT's for
+    its caches (so a new format rebuilds them instead of benchmarking an old one), else None."""
+    if not kind.startswith("drt"):
+        return None
+    from dataset_rt import _native
+
+    return int(_native.FORMAT_VERSION)
+
+
 def import_dataset_rt() -> Any:
     """Imports dataset_rt, prints where from, and checks it is the expected (release) copy.
 

@@ -114,14 +114,16 @@ def flip_byte(path: Path, offset: int) -> None:
 # --- inspect ---------------------------------------------------------------------------------
 
 
-def test_inspect_shows_a_v1_cache_as_v1_and_verifies_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("version", [1, 2])
+def test_inspect_shows_an_older_cache_with_its_version_and_verifies_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], version: int
 ) -> None:
-    """Caches of format v1 stay readable; inspect names their version."""
+    """Caches of older formats stay readable; inspect names their version."""
     cache = tmp_path / "golden"
-    shutil.copytree(Path(__file__).parent / "data" / "golden_v1" / "golden", cache)
+    golden = Path(__file__).parent / "data" / f"golden_v{version}" / "golden"
+    shutil.copytree(golden, cache)
     assert main(["inspect", str(cache)]) == EXIT_OK
-    assert summary(capsys.readouterr().out)["format"] == "dataset-rt-cache v1"
+    assert summary(capsys.readouterr().out)["format"] == f"dataset-rt-cache v{version}"
     assert main(["verify", str(cache)]) == EXIT_OK
 
 
@@ -136,7 +138,7 @@ def test_inspect_summarises_the_manifest(
 
     raw = sum(len(payload(i)) for i in range(30))
     assert rows["name"] == "train"
-    assert rows["format"] == "dataset-rt-cache v2"
+    assert rows["format"] == "dataset-rt-cache v3"
     assert rows["writer"] == manifest["writer_version"]
     assert rows["samples"] == "30"
     assert rows["schema"] == "sample_id: int, label: str"

@@ -84,16 +84,18 @@ def snapshot(cache_dir: Path) -> dict[str, bytes]:
 
 def record_payload_offset(cache_dir: Path, sample: int) -> tuple[Path, int, int]:
     """(shard path, record offset, payload offset) of `sample`, read the documented way: index
-    entry `<offset u64, shard u32, ...>` after a 16-byte header, record header of 40 bytes with
-    the metadata length at byte 20 (v2; byte 8 in v1), payload aligned to 16."""
+    entries `<offset u64, shard u32, ...>` after a 16-byte header that gives their length (32
+    bytes, 40 from v3 on), record header of 40 bytes with the metadata length at byte 20 (v2 and
+    later; byte 8 in v1), payload aligned to 16."""
     index = (cache_dir / "index.bin").read_bytes()
-    offset, shard = struct.unpack_from("<QI", index, 16 + 32 * sample)
+    (entry_len,) = struct.unpack_from("<I", index, 12)
+    offset, shard = struct.unpack_from("<QI", index, 16 + entry_len * sample)
     path = cache_dir / "shards" / f"{shard:06d}.bin"
     data = path.read_bytes()
     (version,) = struct.unpack_from("<I", data, 8)
     header = data[offset : offset + 40]
     assert header[:4] == b"DRTR"
-    (meta_len,) = struct.unpack_from("<I", header, 20 if version == 2 else 8)
+    (meta_len,) = struct.unpack_from("<I", header, 8 if version == 1 else 20)
     return path, offset, offset + (40 + meta_len + 15) // 16 * 16
 
 
@@ -245,7 +247,7 @@ MALFORMED = {
         edit_manifest(set_in("format_version", 99)),
         False,
         "manifest.json",
-        ["unsupported format version 99", "reads versions 1 and 2"],
+        ["unsupported format version 99", "reads versions 1, 2 and 3"],
     ),
     "version_string": (
         edit_manifest(set_in("format_version", "1")),
@@ -282,7 +284,7 @@ MALFORMED = {
         edit_manifest(bump("index", "bytes")),
         False,
         "index.bin",
-        [f"{NUM_SAMPLES} samples need {16 + 32 * NUM_SAMPLES}"],
+        [f"{NUM_SAMPLES} samples need {16 + 40 * NUM_SAMPLES}"],
     ),
     "metadata_size_wrong": (
         edit_manifest(bump("metadata", "bytes")),

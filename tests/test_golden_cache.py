@@ -20,7 +20,7 @@ import pytest
 from dataset_rt import CacheLoaded, CacheSourcesDatasetSuccess, ReaderConfig, WriterConfig
 
 DATA = Path(__file__).parent / "data"
-VERSIONS = [1, 2]
+VERSIONS = [1, 2, 3]
 
 
 def golden(version: int) -> Path:
@@ -181,9 +181,13 @@ def test_records_decode_by_the_documented_layout_alone(version):
         assert shard[:8] == b"DRTSHARD"
         assert struct.unpack_from("<II", shard, 8) == (version, k)
     for i in range(6):
-        offset, shard_no, flags, stored_len, raw_len, checksum = struct.unpack_from(
-            "<QIIIIQ", index, 16 + entry_len * i
-        )
+        at = 16 + entry_len * i
+        offset, shard_no, flags, stored_len, raw_len = struct.unpack_from("<QIIII", index, at)
+        if version >= 3:
+            entry_meta_len, padding, checksum = struct.unpack_from("<IIQ", index, at + 24)
+            assert padding == 0
+        else:
+            entry_meta_len, (checksum,) = None, struct.unpack_from("<Q", index, at + 24)
         assert shard_no == i // 3
         assert offset % 16 == 0
         assert flags == (1 if i in COMPRESSED else 0)
@@ -201,6 +205,7 @@ def test_records_decode_by_the_documented_layout_alone(version):
             i,
             checksum,
         )
+        assert entry_meta_len in (None, meta_len)
         embedded = json.loads(record[offset + 40 : offset + 40 + meta_len])
         want = {
             k: ("NaN" if isinstance(v, float) and math.isnan(v) else v)

@@ -294,9 +294,9 @@ def test_metadata_keys_longer_than_64_kib_arrive_whole(tmp_path, num_workers):
 def damage_largest_record(cache) -> None:
     """Flips a byte of the stored payload of sample 11, the largest of `load`/`load_lz4`."""
     index = (cache / "index.bin").read_bytes()
-    offset, shard = struct.unpack_from("<QI", index, 16 + 32 * 11)
+    offset, shard = struct.unpack_from("<QI", index, 16 + 40 * 11)  # format v3
     shard_path = cache / "shards" / f"{shard:06d}.bin"
-    meta_len = struct.unpack_from("<I", shard_path.read_bytes(), offset + 20)[0]  # format v2
+    meta_len = struct.unpack_from("<I", shard_path.read_bytes(), offset + 20)[0]
     os.chmod(shard_path, 0o644)
     corrupt_byte(shard_path, offset + ((40 + meta_len + 15) // 16) * 16 + 5)
 

@@ -87,7 +87,7 @@ def records(shard: Path) -> list[dict[str, int]]:
     offset = SHARD_HEADER_LEN
     while offset < len(data):
         assert data[offset : offset + 4] == b"DRTR", f"no record at {offset}"
-        if version == 2:
+        if version >= 2:  # v2 and v3 share the record layout
             flags, meta_len, stored_len, raw_len, sample = struct.unpack_from(
                 "<IIIIQ", data, offset + 16
             )

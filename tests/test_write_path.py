@@ -49,11 +49,12 @@ def write(runtime, sources, base, *, reader=STORAGE_ORDER, **writer):
 
 
 def index_flags(cache_dir: Path) -> list[int]:
-    """The flags of every index entry (format v1: 16-byte header, 32-byte entries)."""
+    """The flags of every index entry: after a 16-byte header that gives the entries' length
+    (at byte 12), at byte 12 of each entry."""
     index = (cache_dir / "index.bin").read_bytes()
-    return [
-        struct.unpack_from("<I", index, 16 + 32 * i + 12)[0] for i in range((len(index) - 16) // 32)
-    ]
+    (entry_len,) = struct.unpack_from("<I", index, 12)
+    count = (len(index) - 16) // entry_len
+    return [struct.unpack_from("<I", index, 16 + entry_len * i + 12)[0] for i in range(count)]
 
 
 def incompressible(n: int, seed: int = 0) -> bytes:

@@ -8,8 +8,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use arbitrary::Arbitrary;
 use dataset_rt_core::format::{
-    align_up, checksum_hex, hash_bytes, shard_file_name, Compression, Manifest, INDEX_ENTRY_LEN,
-    INDEX_FILE, INDEX_HEADER_LEN, MANIFEST_FILE, METADATA_FILE, RECORD_HEADER_LEN, SHARDS_DIR,
+    align_up, checksum_hex, hash_bytes, index_entry_len, shard_file_name, Compression, Manifest,
+    FORMAT_VERSION, INDEX_FILE, INDEX_HEADER_LEN, MANIFEST_FILE, METADATA_FILE, READABLE_VERSIONS,
+    RECORD_HEADER_LEN, RECORD_V2_HASHED_FROM, SHARDS_DIR,
 };
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
@@ -190,6 +191,8 @@ pub enum IndexField {
     Flags,
     StoredLen,
     RawLen,
+    /// From v3 on; nothing in older entries.
+    MetaLen,
 }
 
 #[derive(Arbitrary, Clone, Copy, Debug)]
@@ -358,29 +361,74 @@ fn get_u64(bytes: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
 }
 
-fn entry_at(entry: usize) -> usize {
-    (INDEX_HEADER_LEN + INDEX_ENTRY_LEN * entry as u64) as usize
+/// The format version the index header names (damage may have changed it: a version this
+/// DatasetRT does not read is laid out as the one it writes).
+fn version_of(files: &Files) -> u32 {
+    get_u32(&files.index, 8)
+        .filter(|v| READABLE_VERSIONS.contains(v))
+        .unwrap_or(FORMAT_VERSION)
 }
 
-fn entries(index: &[u8]) -> usize {
-    (index.len().saturating_sub(INDEX_HEADER_LEN as usize)) / INDEX_ENTRY_LEN as usize
+fn entry_at(version: u32, entry: usize) -> usize {
+    (INDEX_HEADER_LEN + index_entry_len(version) * entry as u64) as usize
+}
+
+fn entries(version: u32, index: &[u8]) -> usize {
+    (index.len().saturating_sub(INDEX_HEADER_LEN as usize)) / index_entry_len(version) as usize
 }
 
 /// (shard, offset) of index entry `k`, when it names an existing shard.
 fn record_of(files: &Files, k: usize) -> Option<(usize, usize)> {
-    let e = entry_at(k);
+    let e = entry_at(version_of(files), k);
     let offset = usize::try_from(get_u64(&files.index, e)?).ok()?;
     let shard = get_u32(&files.index, e + 8)? as usize;
     (shard < files.shards.len()).then_some((shard, offset))
 }
 
-fn index_field(field: IndexField) -> (usize, usize) {
-    match field {
+/// (offset in the entry, width) of an index entry's field in format `version`.
+fn index_field(version: u32, field: IndexField) -> Option<(usize, usize)> {
+    Some(match field {
         IndexField::Offset => (0, 8),
         IndexField::Shard => (8, 4),
         IndexField::Flags => (12, 4),
         IndexField::StoredLen => (16, 4),
         IndexField::RawLen => (20, 4),
+        IndexField::MetaLen if version >= 3 => (24, 4),
+        IndexField::MetaLen => return None,
+    })
+}
+
+/// Where an index entry keeps its copy of the record checksum.
+fn index_checksum_at(version: u32) -> usize {
+    if version >= 3 {
+        32
+    } else {
+        24
+    }
+}
+
+/// (offset in the record, width) of a record header's field in format `version`.
+fn record_field(version: u32, field: RecordField) -> (usize, usize) {
+    if version == 1 {
+        match field {
+            RecordField::Magic => (0, 4),
+            RecordField::Flags => (4, 4),
+            RecordField::MetaLen => (8, 4),
+            RecordField::StoredLen => (12, 4),
+            RecordField::RawLen => (16, 4),
+            RecordField::Reserved => (20, 4),
+            RecordField::Sample => (24, 8),
+        }
+    } else {
+        match field {
+            RecordField::Magic => (0, 4),
+            RecordField::Reserved => (4, 4),
+            RecordField::Flags => (16, 4),
+            RecordField::MetaLen => (20, 4),
+            RecordField::StoredLen => (24, 4),
+            RecordField::RawLen => (28, 4),
+            RecordField::Sample => (32, 8),
+        }
     }
 }
 
@@ -453,10 +501,10 @@ fn damage_files(files: &mut Files, m: &mut Value, d: &Damage) {
             field,
             value,
         } => {
-            let n = entries(&files.index);
-            if n > 0 {
-                let (off, width) = index_field(*field);
-                let at = entry_at(usize::from(*entry) % n) + off;
+            let version = version_of(files);
+            let n = entries(version, &files.index);
+            if let (true, Some((off, width))) = (n > 0, index_field(version, *field)) {
+                let at = entry_at(version, usize::from(*entry) % n) + off;
                 put(&mut files.index, at, &le(*value, width));
             }
         }
@@ -466,7 +514,8 @@ fn damage_files(files: &mut Files, m: &mut Value, d: &Damage) {
             value,
             also_index,
         } => {
-            let n = entries(&files.index);
+            let version = version_of(files);
+            let n = entries(version, &files.index);
             if n == 0 {
                 return;
             }
@@ -474,38 +523,35 @@ fn damage_files(files: &mut Files, m: &mut Value, d: &Damage) {
             let Some((shard, offset)) = record_of(files, k) else {
                 return;
             };
-            let (off, width) = match field {
-                RecordField::Magic => (0, 4),
-                RecordField::Flags => (4, 4),
-                RecordField::MetaLen => (8, 4),
-                RecordField::StoredLen => (12, 4),
-                RecordField::RawLen => (16, 4),
-                RecordField::Reserved => (20, 4),
-                RecordField::Sample => (24, 8),
-            };
+            let (off, width) = record_field(version, *field);
             if let Some(at) = offset.checked_add(off) {
                 put(&mut files.shards[shard], at, &le(*value, width));
             }
             let in_index = match field {
-                RecordField::Flags => Some(IndexField::Flags),
-                RecordField::StoredLen => Some(IndexField::StoredLen),
-                RecordField::RawLen => Some(IndexField::RawLen),
+                RecordField::Flags => index_field(version, IndexField::Flags),
+                RecordField::StoredLen => index_field(version, IndexField::StoredLen),
+                RecordField::RawLen => index_field(version, IndexField::RawLen),
+                RecordField::MetaLen => index_field(version, IndexField::MetaLen),
                 _ => None,
             };
-            if let (true, Some(f)) = (*also_index, in_index) {
-                let (off, width) = index_field(f);
-                put(&mut files.index, entry_at(k) + off, &le(*value, width));
+            if let (true, Some((off, width))) = (*also_index, in_index) {
+                put(
+                    &mut files.index,
+                    entry_at(version, k) + off,
+                    &le(*value, width),
+                );
             }
         }
         Damage::Samples { n } => {
             let n = usize::from(*n) % 16;
-            let old = entries(&files.index);
+            let version = version_of(files);
+            let old = entries(version, &files.index);
             let entry0 = files
                 .index
-                .get(entry_at(0)..entry_at(1))
+                .get(entry_at(version, 0)..entry_at(version, 1))
                 .map(<[u8]>::to_vec)
-                .unwrap_or_else(|| vec![0; INDEX_ENTRY_LEN as usize]);
-            files.index.resize(entry_at(old.min(n)), 0);
+                .unwrap_or_else(|| vec![0; index_entry_len(version) as usize]);
+            files.index.resize(entry_at(version, old.min(n)), 0);
             for _ in old..n {
                 files.index.extend_from_slice(&entry0);
             }
@@ -586,7 +632,8 @@ fn damage_manifest(m: &mut Value, d: &Damage) {
 /// Gives every record that lies inside its shard the checksum of its bytes, in its header and
 /// in its index entry.
 pub fn resign_records(files: &mut Files) {
-    for k in 0..entries(&files.index) {
+    let version = version_of(files);
+    for k in 0..entries(version, &files.index) {
         let Some((shard, start)) = record_of(files, k) else {
             continue;
         };
@@ -597,21 +644,35 @@ pub fn resign_records(files: &mut Files) {
         else {
             continue;
         };
-        let meta_len = u64::from(get_u32(header, 8).unwrap());
-        let stored_len = u64::from(get_u32(header, 12).unwrap());
+        let field =
+            |f: RecordField| u64::from(get_u32(header, record_field(version, f).0).unwrap());
+        let meta_len = field(RecordField::MetaLen);
+        let stored_len = field(RecordField::StoredLen);
         let meta_start = start as u64 + RECORD_HEADER_LEN;
         let payload_start = start as u64 + align_up(RECORD_HEADER_LEN + meta_len);
         let payload_end = payload_start + stored_len;
         if payload_end > bytes.len() as u64 {
             continue;
         }
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
-        h.update(&header[..32]);
-        h.update(&bytes[meta_start as usize..(meta_start + meta_len) as usize]);
-        h.update(&bytes[payload_start as usize..payload_end as usize]);
-        let sum = h.digest().to_le_bytes();
-        put(&mut files.shards[shard], start + 32, &sum);
-        put(&mut files.index, entry_at(k) + 24, &sum);
+        let (sum, sum_at) = if version == 1 {
+            // v1: the header without its checksum, the metadata, the payload; the sum after them.
+            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            h.update(&header[..32]);
+            h.update(&bytes[meta_start as usize..(meta_start + meta_len) as usize]);
+            h.update(&bytes[payload_start as usize..payload_end as usize]);
+            (h.digest(), 32)
+        } else {
+            // v2 and later: one range from the fields to the payload's end; the sum at 8.
+            let from = start + RECORD_V2_HASHED_FROM as usize;
+            (hash_bytes(&bytes[from..payload_end as usize]), 8)
+        };
+        let sum = sum.to_le_bytes();
+        put(&mut files.shards[shard], start + sum_at, &sum);
+        put(
+            &mut files.index,
+            entry_at(version, k) + index_checksum_at(version),
+            &sum,
+        );
     }
 }
 

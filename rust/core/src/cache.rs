@@ -22,6 +22,8 @@ pub struct Cache {
     pub dir: PathBuf,
     pub manifest: Manifest,
     index: Mmap,
+    /// Bytes of one entry of `index`, by the cache's format version.
+    entry_len: u64,
     shards: Vec<Mmap>,
     /// The files `shards` map, kept open: whoever maps a shard again (the bindings' zero-copy
     /// views) must map this file, whose bytes were validated, not whatever the path names now.
@@ -137,6 +139,15 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
 
 /// Parses and checks the bytes of a `manifest.json` (every check `read_manifest` runs), naming
 /// `path` in its errors. Takes bytes so that fuzzers and tests can call it without files.
+/// The versions this DatasetRT reads, in words: "1, 2 and 3".
+fn readable_versions() -> String {
+    let names: Vec<String> = READABLE_VERSIONS.iter().map(u32::to_string).collect();
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => names.join(""),
+    }
+}
+
 pub fn parse_manifest(bytes: &[u8], cache: &str, path: &Path) -> Result<Manifest> {
     let cache = cache.to_owned();
     let value: serde_json::Value = serde_json::from_slice(bytes)
@@ -160,7 +171,7 @@ pub fn parse_manifest(bytes: &[u8], cache: &str, path: &Path) -> Result<Manifest
                 format!(
                     "unsupported format version {v}: this DatasetRT reads versions {} (and \
                      writes {FORMAT_VERSION}); upgrade dataset-rt or rebuild the cache",
-                    READABLE_VERSIONS.map(|r| r.to_string()).join(" and ")
+                    readable_versions()
                 ),
             ))
         }
@@ -281,9 +292,10 @@ impl Cache {
 
         // 1. Sizes the manifest implies, with checked arithmetic.
         let index_path = dir.join(INDEX_FILE);
+        let entry_len = index_entry_len(manifest.format_version);
         let index_len = manifest
             .num_samples
-            .checked_mul(INDEX_ENTRY_LEN)
+            .checked_mul(entry_len)
             .and_then(|n| n.checked_add(INDEX_HEADER_LEN));
         if index_len != Some(manifest.index.bytes) {
             let need = index_len.map_or("more than 2**64".to_owned(), |n| n.to_string());
@@ -360,6 +372,7 @@ impl Cache {
             dir: dir.to_owned(),
             manifest,
             index,
+            entry_len,
             shards,
             shard_files,
             metadata_map,
@@ -436,8 +449,29 @@ impl Cache {
     }
 
     pub fn entry(&self, sample: u64) -> IndexEntry {
-        let start = (INDEX_HEADER_LEN + sample * INDEX_ENTRY_LEN) as usize;
-        IndexEntry::decode(&self.index[start..start + INDEX_ENTRY_LEN as usize])
+        let start = (INDEX_HEADER_LEN + sample * self.entry_len) as usize;
+        IndexEntry::decode_as(
+            self.manifest.format_version,
+            &self.index[start..start + self.entry_len as usize],
+        )
+    }
+
+    /// Whether a record this process verified can be served from its index entry alone
+    /// ([`Cache::trusted_record`]): from format v3 on, where the entry holds the metadata length.
+    pub fn serves_from_index(&self) -> bool {
+        self.manifest.format_version >= 3
+    }
+
+    /// Asks the CPU to bring in the index entry of `sample` (a hint, like
+    /// [`Cache::prefetch_record`]): what a read served from the index touches.
+    pub fn prefetch_entry(&self, sample: u64) {
+        let start = (INDEX_HEADER_LEN + sample * self.entry_len) as usize;
+        let Some(entry) = self.index.get(start..start + self.entry_len as usize) else {
+            return;
+        };
+        prefetch(entry);
+        // An entry may straddle two cache lines; the fields a read needs end at byte 28.
+        prefetch(&entry[27..]);
     }
 
     /// Asks the CPU to bring in the header of record `sample` (a hint: nothing is read, no
@@ -450,15 +484,7 @@ impl Cache {
         let Some(header) = usize::try_from(e.offset).ok().and_then(|o| shard.get(o..)) else {
             return;
         };
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            // SAFETY: a prefetch is a hint: it reads no data and cannot fault, and the address
-            // lies in the shard's map anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(header.as_ptr().cast()) };
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = header;
+        prefetch(header);
     }
 
     pub fn shard_path(&self, shard: u32) -> PathBuf {
@@ -532,18 +558,10 @@ impl Cache {
         checksum: bool,
     ) -> Result<(IndexEntry, RecordHeader, u64)> {
         // The index entry is unchecked until here: every field of it is bounded before use.
-        let shard = self.shards.get(e.shard as usize).ok_or_else(|| {
-            self.corrupt(
-                e.shard,
-                e.offset,
-                sample,
-                format!(
-                    "{INDEX_FILE} names shard {}, which does not exist (the cache has {})",
-                    e.shard,
-                    self.shards.len()
-                ),
-            )
-        })?;
+        let shard = self
+            .shards
+            .get(e.shard as usize)
+            .ok_or_else(|| self.missing_shard(sample, &e))?;
         let start = usize::try_from(e.offset).unwrap_or(usize::MAX);
         let header_end = start.saturating_add(RECORD_HEADER_LEN as usize);
         if header_end > shard.len() {
@@ -566,6 +584,7 @@ impl Cache {
             || h.stored_len != e.stored_len
             || h.raw_len != e.raw_len
             || h.checksum != e.checksum
+            || e.meta_len.is_some_and(|m| m != h.meta_len)
         {
             return Err(self.corrupt(
                 e.shard,
@@ -577,63 +596,12 @@ impl Cache {
                 ),
             ));
         }
-        if h.flags & !KNOWN_FLAGS != 0 {
-            return Err(self.corrupt(
-                e.shard,
-                e.offset,
-                sample,
-                format!("unknown flags {:#x}", h.flags),
-            ));
-        }
-        // Before any byte is hashed or any buffer allocated: a raw payload is `raw_len` bytes
-        // as stored, and an LZ4 one decodes to at most LZ4_MAX_RATIO bytes per stored byte.
-        let lz4 = h.flags & FLAG_LZ4 != 0;
-        if !lz4 && h.raw_len != h.stored_len {
-            return Err(self.corrupt(
-                e.shard,
-                e.offset,
-                sample,
-                format!(
-                    "payload stored raw, but stored_len {} and raw_len {} differ",
-                    h.stored_len, h.raw_len
-                ),
-            ));
-        }
-        if lz4 && self.manifest.compression.algo == CompressionAlgo::None {
-            // Readers size their read-ahead on this: a cache written without compression has
-            // nothing to decompress.
-            return Err(self.corrupt(
-                e.shard,
-                e.offset,
-                sample,
-                "the record is stored LZ4-compressed, but the manifest says the cache was \
-                 written without compression",
-            ));
-        }
-        if lz4 && u64::from(h.raw_len) > LZ4_MAX_RATIO * u64::from(h.stored_len) {
-            return Err(self.corrupt(
-                e.shard,
-                e.offset,
-                sample,
-                format!(
-                    "raw length {} is more than LZ4 can expand {} stored bytes to",
-                    h.raw_len, h.stored_len
-                ),
-            ));
-        }
-        let payload_start = start as u64 + h.payload_offset();
-        let payload_end = payload_start + u64::from(h.stored_len);
-        if payload_end > shard.len() as u64 {
-            return Err(self.corrupt(
-                e.shard,
-                e.offset,
-                sample,
-                "record lies past the end of its shard",
-            ));
-        }
+        // The header and the entry agree: the rules below read the entry.
+        let payload_start = self.check_layout(sample, &e, h.meta_len, shard)?;
         if !checksum {
             return Ok((e, h, payload_start));
         }
+        let payload_end = payload_start + u64::from(h.stored_len);
         let actual = if version == 1 {
             let meta = &shard[header_end..header_end + h.meta_len as usize];
             let payload = &shard[payload_start as usize..payload_end as usize];
@@ -655,6 +623,111 @@ impl Cache {
             ));
         }
         Ok((e, h, payload_start))
+    }
+
+    fn missing_shard(&self, sample: u64, e: &IndexEntry) -> Error {
+        self.corrupt(
+            e.shard,
+            e.offset,
+            sample,
+            format!(
+                "{INDEX_FILE} names shard {}, which does not exist (the cache has {})",
+                e.shard,
+                self.shards.len()
+            ),
+        )
+    }
+
+    /// Where the payload of record `sample` lies, from its index entry alone, without reading
+    /// the record: for a record whose header this process already checked against this entry
+    /// (and whose checksum matched), under `VerifyPolicy::Once`. `None` before format v3, whose
+    /// entries lack the metadata length. The entry's bounds are checked again, as on every
+    /// read: the shard exists, the payload lies inside it, the lengths are possible.
+    pub fn trusted_record(&self, sample: u64) -> Option<Result<(IndexEntry, RecordHeader, u64)>> {
+        let e = self.entry(sample);
+        let meta_len = e.meta_len?;
+        let Some(shard) = self.shards.get(e.shard as usize) else {
+            return Some(Err(self.missing_shard(sample, &e)));
+        };
+        Some(self.check_layout(sample, &e, meta_len, shard).map(|start| {
+            let h = RecordHeader {
+                flags: e.flags,
+                meta_len,
+                stored_len: e.stored_len,
+                raw_len: e.raw_len,
+                sample,
+                checksum: e.checksum,
+            };
+            (e, h, start)
+        }))
+    }
+
+    /// The rules of a record's layout that keep reading and decoding in bounds, checked on
+    /// index entry `e` (which a full read has found equal to the record's header): known flags,
+    /// possible lengths, and a payload inside `shard`. Returns where the payload starts.
+    fn check_layout(
+        &self,
+        sample: u64,
+        e: &IndexEntry,
+        meta_len: u32,
+        shard: &Mmap,
+    ) -> Result<u64> {
+        if e.flags & !KNOWN_FLAGS != 0 {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!("unknown flags {:#x}", e.flags),
+            ));
+        }
+        // Before any byte is hashed or any buffer allocated: a raw payload is `raw_len` bytes
+        // as stored, and an LZ4 one decodes to at most LZ4_MAX_RATIO bytes per stored byte.
+        let lz4 = e.flags & FLAG_LZ4 != 0;
+        if !lz4 && e.raw_len != e.stored_len {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!(
+                    "payload stored raw, but stored_len {} and raw_len {} differ",
+                    e.stored_len, e.raw_len
+                ),
+            ));
+        }
+        if lz4 && self.manifest.compression.algo == CompressionAlgo::None {
+            // Readers size their read-ahead on this: a cache written without compression has
+            // nothing to decompress.
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                "the record is stored LZ4-compressed, but the manifest says the cache was \
+                 written without compression",
+            ));
+        }
+        if lz4 && u64::from(e.raw_len) > LZ4_MAX_RATIO * u64::from(e.stored_len) {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!(
+                    "raw length {} is more than LZ4 can expand {} stored bytes to",
+                    e.raw_len, e.stored_len
+                ),
+            ));
+        }
+        // Checked arithmetic: an entry that no read has checked yet may hold any offset.
+        let payload_start = e.offset.checked_add(payload_offset(meta_len));
+        let payload_end = payload_start.and_then(|p| p.checked_add(u64::from(e.stored_len)));
+        match (payload_start, payload_end) {
+            (Some(start), Some(end)) if end <= shard.len() as u64 => Ok(start),
+            _ => Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                "record lies past the end of its shard",
+            )),
+        }
     }
 
     /// The verified, decompressed payload of `sample`: borrowed from the map when stored raw.
@@ -741,4 +814,18 @@ impl Cache {
         }
         Ok(())
     }
+}
+
+/// Asks the CPU to bring the cache line at the start of `bytes` closer (a hint: it reads no data
+/// and cannot fault).
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch is a hint: it reads no data and cannot fault, and the address lies
+        // in a live map anyway.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
 }

@@ -543,22 +543,47 @@ impl Dataset {
         }
     }
 
-    /// Asks the CPU to bring in the header of sample `global`'s record, without waiting for it.
+    /// Asks the CPU to bring in what reading sample `global` touches first, without waiting for
+    /// it: its index entry when [`Dataset::fetch`] will serve it from there, else its record's
+    /// header.
     pub fn prefetch_record(&self, global: u64) {
         let (c, row) = self.locate(global);
-        self.caches[c].prefetch_record(row);
+        let cache = &self.caches[c];
+        if self.is_trusted(global) && cache.serves_from_index() {
+            cache.prefetch_entry(row);
+        } else {
+            cache.prefetch_record(row);
+        }
+    }
+
+    /// Under `Once`, whether sample `global`'s record was verified already (by this dataset or a
+    /// producer sharing its set).
+    fn is_trusted(&self, global: u64) -> bool {
+        matches!(&self.verify, Verifier::Once(verified) if verified.contains(global))
     }
 
     /// Checks (under the verification policy) and, when compressed, decompresses one sample.
+    /// Under `Once`, a record verified before is served from its index entry when the cache's
+    /// format allows it ([`Cache::trusted_record`]): its header was checked against that entry
+    /// when it was verified, so the record itself is not read again until its payload is.
     pub fn fetch(&self, global: u64) -> Result<Fetched> {
         let (c, row) = self.locate(global);
         let cache = &self.caches[c];
+        let trusted = self.is_trusted(global);
         let checksum = match &self.verify {
             Verifier::Always => true,
-            Verifier::Once(verified) => !verified.contains(global),
+            Verifier::Once(_) => !trusted,
             Verifier::Never => false,
         };
-        let (entry, header, payload_start) = cache.check_record(row, checksum)?;
+        let from_index = if trusted {
+            cache.trusted_record(row)
+        } else {
+            None
+        };
+        let (entry, header, payload_start) = match from_index {
+            Some(checked) => checked?,
+            None => cache.check_record(row, checksum)?,
+        };
         if let (true, Verifier::Once(verified)) = (checksum, &self.verify) {
             // Only now: a record is never marked before its checksum matched.
             verified.mark(global);
@@ -588,6 +613,12 @@ impl Dataset {
 /// completion count per block rather than per sample. Per sample, those shared counters bounced
 /// between the cores of the threads reading the chunk and cost more than reading a mapped record.
 const CLAIM_BLOCK: usize = 16;
+
+/// Samples read ahead at least by [`EpochReader::read_ahead_when_mapped`].
+pub const MAPPED_READ_AHEAD: u64 = 512;
+
+/// Spent chunks an [`EpochReader`] keeps at most while a reading thread still holds them.
+const MAX_SPENT: usize = 64;
 
 /// Which samples a chunk reads.
 enum ChunkSamples {
@@ -624,8 +655,12 @@ struct Chunk {
     claimed: AtomicUsize,
     /// Samples read so far.
     done: AtomicUsize,
-    /// One result per sample, in blocks: a corrupt record fails only when its turn comes.
-    results: Vec<Mutex<Vec<Result<Fetched>>>>,
+    /// One result per sample, in blocks: a corrupt record fails only when its turn comes. The
+    /// consumer allocates (or reuses) the blocks and frees them ([`EpochReader::spent`]); the
+    /// reading threads allocate nothing. A block allocated by one thread and freed by another
+    /// takes a lock of glibc's allocator, and the consumer used to wait on that lock about
+    /// once per batch.
+    results: Vec<Mutex<Block>>,
     completion: Mutex<Completion>,
     completed: Condvar,
 }
@@ -638,11 +673,22 @@ struct Completion {
     waiting: bool,
 }
 
+/// The results of one claimed block, in order.
+struct Block([Option<Result<Fetched>>; CLAIM_BLOCK]);
+
+impl Default for Block {
+    fn default() -> Self {
+        Block(std::array::from_fn(|_| None))
+    }
+}
+
 impl Chunk {
-    fn new(samples: ChunkSamples, len: usize) -> Self {
-        let results = (0..len.div_ceil(CLAIM_BLOCK))
-            .map(|_| Mutex::new(Vec::new()))
-            .collect();
+    /// A chunk of `len` samples whose results go into `blocks` (empty ones, resized here).
+    fn new(samples: ChunkSamples, len: usize, mut blocks: Vec<Mutex<Block>>) -> Self {
+        let n = len.div_ceil(CLAIM_BLOCK);
+        blocks.truncate(n);
+        blocks.resize_with(n, Default::default);
+        let results = blocks;
         Chunk {
             samples,
             len,
@@ -665,17 +711,21 @@ impl Chunk {
             let hi = (lo + CLAIM_BLOCK).min(self.len);
             let n = hi - lo;
             let mut globals = [0u64; CLAIM_BLOCK];
+            let mut results = self.results[block].lock().unwrap();
+            let slots = &mut results.0[..n];
             // A panic (here or in a read) is the error of the samples it concerns: the chunk
             // still completes, so nobody waits forever.
-            let fetched = match catch_unwind(AssertUnwindSafe(|| {
+            match catch_unwind(AssertUnwindSafe(|| {
                 self.block_samples(lo, &mut globals[..n])
             })) {
-                Ok(()) => self.read_block(dataset, hook, &globals[..n]),
-                Err(panic) => (0..n)
-                    .map(|_| Err(Error::Runtime(panic_message(&panic))))
-                    .collect(),
-            };
-            *self.results[block].lock().unwrap() = fetched;
+                Ok(()) => self.read_block(dataset, hook, &globals[..n], slots),
+                Err(panic) => {
+                    for slot in slots {
+                        *slot = Some(Err(Error::Runtime(panic_message(&panic))));
+                    }
+                }
+            }
+            drop(results);
             if self.done.fetch_add(n, Ordering::AcqRel) + n == self.len {
                 let mut completion = self.completion.lock().unwrap();
                 completion.complete = true;
@@ -698,29 +748,27 @@ impl Chunk {
         }
     }
 
-    /// Reads one block's samples, each with its own result.
+    /// Reads one block's samples into `slots`, each with its own result.
     fn read_block(
         &self,
         dataset: &Dataset,
         hook: Option<&FetchHook>,
         globals: &[u64],
-    ) -> Vec<Result<Fetched>> {
+        slots: &mut [Option<Result<Fetched>>],
+    ) {
         // Shuffled records are scattered over the shards: asking for the block's headers at
         // once overlaps the memory misses that reading them one by one would wait for in turn.
         for &g in globals {
             dataset.prefetch_record(g);
         }
-        globals
-            .iter()
-            .map(|&g| {
-                let fetched = catch_unwind(AssertUnwindSafe(|| dataset.fetch(g)))
-                    .unwrap_or_else(|panic| Err(Error::Runtime(panic_message(&panic))));
-                if let Some(hook) = hook {
-                    hook();
-                }
-                fetched
-            })
-            .collect()
+        for (slot, &g) in slots.iter_mut().zip(globals) {
+            let fetched = catch_unwind(AssertUnwindSafe(|| dataset.fetch(g)))
+                .unwrap_or_else(|panic| Err(Error::Runtime(panic_message(&panic))));
+            if let Some(hook) = hook {
+                hook();
+            }
+            *slot = Some(fetched);
+        }
     }
 
     fn is_complete(&self) -> bool {
@@ -744,7 +792,8 @@ impl Chunk {
         }
         let before = ready.len();
         for block in &self.results {
-            ready.extend(std::mem::take(&mut *block.lock().unwrap()));
+            let mut block = block.lock().unwrap();
+            ready.extend(block.0.iter_mut().map_while(Option::take));
         }
         assert_eq!(
             ready.len() - before,
@@ -770,6 +819,10 @@ pub struct EpochReader {
     /// consumer of `next_chunk` still holds samples it has not handed out.
     yielded: u64,
     in_flight: VecDeque<Arc<Chunk>>,
+    /// Chunks taken, until the reading threads have dropped them too: the consumer drops them
+    /// (or reuses their result blocks), so their memory is freed by the thread that allocated
+    /// it.
+    spent: VecDeque<Arc<Chunk>>,
     /// Whether the consumer reads the samples of the chunk it waits for itself.
     helping: bool,
     ready: VecDeque<Result<Fetched>>,
@@ -819,6 +872,7 @@ impl EpochReader {
             taken: 0,
             yielded: 0,
             in_flight: VecDeque::new(),
+            spent: VecDeque::new(),
             helping: false,
             ready: VecDeque::new(),
             // Two chunks per prefetch window: one being read while the other is consumed, and
@@ -849,6 +903,19 @@ impl EpochReader {
             self.chunk = (samples / 2).clamp(1, 256);
         }
         self
+    }
+
+    /// For a dataset whose records are all served from the maps (none is compressed), reads at
+    /// least [`MAPPED_READ_AHEAD`] samples ahead, in chunks of 256, whatever `prefetch_size`
+    /// says: such samples take no memory while they wait. With a window of a few dozen samples
+    /// the workers read each chunk faster than the consumer takes it and sleep in between, and
+    /// every chunk then costs the consumer a system call to wake one of them.
+    pub fn read_ahead_when_mapped(self) -> Self {
+        if self.dataset.may_decompress {
+            self
+        } else {
+            self.read_ahead_at_least(MAPPED_READ_AHEAD)
+        }
     }
 
     /// Makes the consumer read the samples of a chunk it would otherwise wait for, beside the
@@ -922,7 +989,13 @@ impl EpochReader {
             && self.submitted - self.taken + self.chunk <= self.prefetch.max(self.chunk)
         {
             let k0 = self.submitted;
-            let k1 = (k0 + self.chunk).min(self.len);
+            // The pass's first chunk is one block: the first sample waits for that chunk only.
+            let size = if k0 == 0 {
+                self.chunk.min(CLAIM_BLOCK as u64)
+            } else {
+                self.chunk
+            };
+            let k1 = (k0 + size).min(self.len);
             let chunk = if self.dataset.may_decompress {
                 let mut globals = Vec::with_capacity((k1 - k0) as usize);
                 for k in k0..k1 {
@@ -943,14 +1016,14 @@ impl EpochReader {
                     break;
                 }
                 let len = globals.len();
-                Chunk::new(ChunkSamples::Globals(globals), len)
+                Chunk::new(ChunkSamples::Globals(globals), len, self.result_blocks())
             } else {
                 // Every sample is served from the map and costs no read-ahead bytes.
                 let samples = ChunkSamples::Positions {
                     pass: self.pass.clone(),
                     first: k0,
                 };
-                Chunk::new(samples, (k1 - k0) as usize)
+                Chunk::new(samples, (k1 - k0) as usize, self.result_blocks())
             };
             let k1 = k0 + chunk.len as u64;
             let chunk = Arc::new(chunk);
@@ -963,6 +1036,28 @@ impl EpochReader {
             self.submitted = k1;
         }
         Ok(())
+    }
+
+    /// Empty result blocks for the next chunk: those of a spent chunk that no reading thread
+    /// holds any more (a chunk's blocks are all empty once taken), else none. The other spent
+    /// chunks that no thread holds are freed here.
+    fn result_blocks(&mut self) -> Vec<Mutex<Block>> {
+        let mut reused = None;
+        while let Some(oldest) = self.spent.pop_front() {
+            match Arc::try_unwrap(oldest) {
+                Ok(chunk) => {
+                    reused.get_or_insert(chunk.results);
+                }
+                // A thread still holds it (a pool job not run yet, say). Past a bound it is let
+                // go: that thread frees it, which costs time, not memory.
+                Err(held) if self.spent.len() >= MAX_SPENT => drop(held),
+                Err(held) => {
+                    self.spent.push_front(held);
+                    break;
+                }
+            }
+        }
+        reused.unwrap_or_default()
     }
 
     /// Whether taking the next sample would wait for the pool (the caller then releases the
@@ -1008,6 +1103,7 @@ impl EpochReader {
             chunk.work(&self.dataset, self.on_fetched.as_ref());
         }
         chunk.take_into(&mut self.ready);
+        self.spent.push_back(chunk);
         Ok(())
     }
 

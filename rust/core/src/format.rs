@@ -1,10 +1,12 @@
-//! Storage format v2 (and v1, still read): byte layouts of shards, records and the index, and
-//! the manifest. `docs/storage-format.md` specifies the same thing for readers in other
+//! Storage format v3 (and v1 and v2, still read): byte layouts of shards, records and the index,
+//! and the manifest. `docs/storage-format.md` specifies the same thing for readers in other
 //! languages.
 //!
-//! The two versions differ only in the record header: v2 puts the checksum in front of the
-//! fields it covers, so a record's checksum is one xxh3-64 over one contiguous range of the
-//! shard (fields, metadata, padding, payload) instead of three pieces around it.
+//! v2 puts the record checksum in front of the fields it covers, so a record's checksum is one
+//! xxh3-64 over one contiguous range of the shard (fields, metadata, padding, payload) instead of
+//! three pieces around it. v3 keeps v2's records and adds the record's metadata length to its
+//! index entry (40 bytes instead of 32): a reader that verified a record once can then find its
+//! payload from the index entry alone, without touching the record again.
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
@@ -13,9 +15,9 @@ use crate::metadata::{Field, FieldType};
 
 pub const FORMAT_NAME: &str = "dataset-rt-cache";
 /// The version this DatasetRT writes.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// The versions this DatasetRT reads.
-pub const READABLE_VERSIONS: [u32; 2] = [1, 2];
+pub const READABLE_VERSIONS: [u32; 3] = [1, 2, 3];
 pub const WRITER_VERSION: &str = concat!("dataset-rt ", env!("CARGO_PKG_VERSION"));
 pub const CHECKSUM_ALGO: &str = "xxh3-64";
 
@@ -32,7 +34,8 @@ pub const SHARD_MAGIC: &[u8; 8] = b"DRTSHARD";
 pub const SHARD_HEADER_LEN: u64 = 16;
 pub const INDEX_MAGIC: &[u8; 8] = b"DRTINDEX";
 pub const INDEX_HEADER_LEN: u64 = 16;
-pub const INDEX_ENTRY_LEN: u64 = 32;
+/// Bytes of one index entry in the version this DatasetRT writes ([`index_entry_len`]).
+pub const INDEX_ENTRY_LEN: u64 = index_entry_len(FORMAT_VERSION);
 pub const RECORD_MAGIC: &[u8; 4] = b"DRTR";
 pub const RECORD_HEADER_LEN: u64 = 40;
 /// v1: bytes of the record header covered by the record checksum (all but the checksum itself).
@@ -43,6 +46,16 @@ pub const RECORD_V2_HASHED_FROM: u64 = 16;
 
 pub const FLAG_LZ4: u32 = 1;
 pub const KNOWN_FLAGS: u32 = FLAG_LZ4;
+
+/// Bytes of one index entry in format `version`: 32 in v1 and v2, 40 from v3 on (the record's
+/// metadata length and 4 bytes of zero padding).
+pub const fn index_entry_len(version: u32) -> u64 {
+    if version >= 3 {
+        40
+    } else {
+        32
+    }
+}
 
 pub fn align_up(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
@@ -84,8 +97,14 @@ pub fn index_header_of(version: u32) -> [u8; INDEX_HEADER_LEN as usize] {
     let mut h = [0u8; INDEX_HEADER_LEN as usize];
     h[..8].copy_from_slice(INDEX_MAGIC);
     h[8..12].copy_from_slice(&version.to_le_bytes());
-    h[12..16].copy_from_slice(&(INDEX_ENTRY_LEN as u32).to_le_bytes());
+    h[12..16].copy_from_slice(&(index_entry_len(version) as u32).to_le_bytes());
     h
+}
+
+/// Offset of the payload relative to the start of a record with `meta_len` bytes of metadata:
+/// after the header and the metadata, on the next [`ALIGN`] boundary.
+pub fn payload_offset(meta_len: u32) -> u64 {
+    align_up(RECORD_HEADER_LEN + u64::from(meta_len))
 }
 
 /// The fixed-width header in front of every record.
@@ -215,7 +234,7 @@ impl RecordHeader {
 
     /// Offset of the payload relative to the record start.
     pub fn payload_offset(&self) -> u64 {
-        align_up(RECORD_HEADER_LEN + u64::from(self.meta_len))
+        payload_offset(self.meta_len)
     }
 
     /// Length of the whole record including the trailing alignment padding.
@@ -224,7 +243,8 @@ impl RecordHeader {
     }
 }
 
-/// One entry of `index.bin`.
+/// One entry of `index.bin`. Every field repeats one of the record's header, which a read checks
+/// it against; `meta_len` is there from v3 on (`None` in an entry of v1 or v2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexEntry {
     pub offset: u64,
@@ -232,31 +252,64 @@ pub struct IndexEntry {
     pub flags: u32,
     pub stored_len: u32,
     pub raw_len: u32,
+    pub meta_len: Option<u32>,
     pub checksum: u64,
 }
 
 impl IndexEntry {
+    /// The entry as this version writes it (`meta_len` must be set).
     pub fn encode(&self) -> [u8; INDEX_ENTRY_LEN as usize] {
         let mut e = [0u8; INDEX_ENTRY_LEN as usize];
+        self.encode_into(FORMAT_VERSION, &mut e);
+        e
+    }
+
+    /// The entry in format `version`, [`index_entry_len`] bytes (for tests that forge caches of
+    /// an older version).
+    pub fn encode_as(&self, version: u32) -> Vec<u8> {
+        let mut e = vec![0u8; index_entry_len(version) as usize];
+        self.encode_into(version, &mut e);
+        e
+    }
+
+    fn encode_into(&self, version: u32, e: &mut [u8]) {
         e[..8].copy_from_slice(&self.offset.to_le_bytes());
         e[8..12].copy_from_slice(&self.shard.to_le_bytes());
         e[12..16].copy_from_slice(&self.flags.to_le_bytes());
         e[16..20].copy_from_slice(&self.stored_len.to_le_bytes());
         e[20..24].copy_from_slice(&self.raw_len.to_le_bytes());
-        e[24..32].copy_from_slice(&self.checksum.to_le_bytes());
-        e
+        if version >= 3 {
+            let meta_len = self.meta_len.expect("a v3 index entry has meta_len");
+            e[24..28].copy_from_slice(&meta_len.to_le_bytes());
+            // 28..32: zero padding, so the checksum stays 8-byte aligned.
+            e[32..40].copy_from_slice(&self.checksum.to_le_bytes());
+        } else {
+            e[24..32].copy_from_slice(&self.checksum.to_le_bytes());
+        }
     }
 
+    /// The entry of this version at the start of `e`.
     pub fn decode(e: &[u8]) -> Self {
+        Self::decode_as(FORMAT_VERSION, e)
+    }
+
+    /// The entry of format `version` at the start of `e` (at least [`index_entry_len`] bytes).
+    pub fn decode_as(version: u32, e: &[u8]) -> Self {
         let u32_at = |o: usize| u32::from_le_bytes(e[o..o + 4].try_into().unwrap());
         let u64_at = |o: usize| u64::from_le_bytes(e[o..o + 8].try_into().unwrap());
+        let (meta_len, checksum) = if version >= 3 {
+            (Some(u32_at(24)), u64_at(32))
+        } else {
+            (None, u64_at(24))
+        };
         IndexEntry {
             offset: u64_at(0),
             shard: u32_at(8),
             flags: u32_at(12),
             stored_len: u32_at(16),
             raw_len: u32_at(20),
-            checksum: u64_at(24),
+            meta_len,
+            checksum,
         }
     }
 }
@@ -473,20 +526,38 @@ mod tests {
         assert_eq!(shard_header(3), shard_header_of(FORMAT_VERSION, 3));
         assert_eq!(index_header_of(1)[8..12], 1u32.to_le_bytes());
         assert_eq!(index_header(), index_header_of(FORMAT_VERSION));
-        assert_eq!(FORMAT_VERSION, 2);
+        assert_eq!(FORMAT_VERSION, 3);
+        // The header also says how long an entry is.
+        assert_eq!(index_header_of(2)[12..16], 32u32.to_le_bytes());
+        assert_eq!(index_header_of(3)[12..16], 40u32.to_le_bytes());
     }
 
     #[test]
     fn index_entry_round_trip() {
-        let e = IndexEntry {
+        let mut e = IndexEntry {
             offset: 1 << 40,
             shard: 3,
             flags: 1,
             stored_len: 5,
             raw_len: 6,
+            meta_len: Some(70_000),
             checksum: u64::MAX - 1,
         };
-        assert_eq!(IndexEntry::decode(&e.encode()), e);
+        let bytes = e.encode();
+        assert_eq!(bytes.len(), 40);
+        assert_eq!(IndexEntry::decode(&bytes), e);
+        assert_eq!(bytes[24..28], 70_000u32.to_le_bytes());
+        assert_eq!(bytes[28..32], [0; 4]);
+        assert_eq!(bytes[32..40], (u64::MAX - 1).to_le_bytes());
+        assert_eq!(e.encode_as(3), bytes);
+        // v1 and v2 entries have no metadata length: the checksum follows the lengths.
+        e.meta_len = None;
+        for version in [1, 2] {
+            let old = e.encode_as(version);
+            assert_eq!(old.len(), 32);
+            assert_eq!(old[24..32], (u64::MAX - 1).to_le_bytes());
+            assert_eq!(IndexEntry::decode_as(version, &old), e);
+        }
     }
 
     #[test]

@@ -463,6 +463,7 @@ impl Sink {
             flags: rec.header.flags,
             stored_len: rec.header.stored_len,
             raw_len: rec.header.raw_len,
+            meta_len: Some(rec.header.meta_len),
             checksum: rec.header.checksum,
         };
         self.index

@@ -171,7 +171,7 @@ fn missing_manifest_is_named() {
 }
 
 #[test]
-fn unknown_format_version_is_refused_with_both_versions() {
+fn unknown_format_version_is_refused_naming_the_versions_read_and_written() {
     let (file, reason) = malformed(
         |d| {
             let path = d.join("manifest.json");
@@ -185,7 +185,7 @@ fn unknown_format_version_is_refused_with_both_versions() {
     assert_eq!(file, Path::new("manifest.json"));
     assert!(
         reason.starts_with(
-            "unsupported format version 99: this DatasetRT reads versions 1 and 2 (and writes 2)"
+            "unsupported format version 99: this DatasetRT reads versions 1, 2 and 3 (and writes 3)"
         ),
         "{reason}"
     );

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::format::{
-    checksum_hex, hash_bytes, Manifest, RecordHeader, INDEX_ENTRY_LEN, INDEX_HEADER_LEN,
+    checksum_hex, hash_bytes, index_entry_len, Manifest, RecordHeader, INDEX_HEADER_LEN,
     RECORD_HEADER_LEN,
 };
 use dataset_rt_core::Error;
@@ -47,12 +47,12 @@ static ALLOCATOR: Largest = Largest;
 fn forge_raw_len(dir: &Path, sample: u64, raw_len: u32) {
     let index_path = dir.join("index.bin");
     let mut index = std::fs::read(&index_path).unwrap();
-    let e = (INDEX_HEADER_LEN + INDEX_ENTRY_LEN * sample) as usize;
+    // The golden cache is format v1.
+    let e = (INDEX_HEADER_LEN + index_entry_len(1) * sample) as usize;
     let offset = u64::from_le_bytes(index[e..e + 8].try_into().unwrap()) as usize;
     let shard = u32::from_le_bytes(index[e + 8..e + 12].try_into().unwrap());
     let shard_path = dir.join(format!("shards/{shard:06}.bin"));
     let mut bytes = std::fs::read(&shard_path).unwrap();
-    // The golden cache is format v1.
     let mut h = RecordHeader::decode_as(1, &bytes[offset..]).unwrap();
     h.raw_len = raw_len;
     let meta_start = offset + RECORD_HEADER_LEN as usize;

@@ -1,21 +1,23 @@
-//! The committed golden cache of format v1 (`tests/data/golden_v1/golden`), read by the core
-//! alone: every later version must decode these exact bytes to these exact values. The values are
-//! the ones `tests/test_golden_cache.py` expects, written out again on purpose.
+//! The committed golden caches, one per format version (`tests/data/golden_vN/golden`), read by
+//! the core alone: every later version must decode these exact bytes to these exact values. The
+//! values are the ones `tests/test_golden_cache.py` expects, written out again on purpose.
 
 use std::path::{Path, PathBuf};
 
 use dataset_rt_core::cache::{Cache, Validation};
-use dataset_rt_core::format::{CompressionAlgo, SampleIdSource, FLAG_LZ4, FORMAT_VERSION};
+use dataset_rt_core::format::{
+    CompressionAlgo, SampleIdSource, FLAG_LZ4, FORMAT_VERSION, READABLE_VERSIONS,
+};
 use dataset_rt_core::metadata::{FieldType, MetaRef};
 
-fn golden_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/golden_v1/golden")
+fn golden_dir(version: u32) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../tests/data/golden_v{version}/golden"))
 }
 
 /// A private copy: nothing is ever opened or written next to the committed bytes.
-fn golden_copy(tmp: &Path) -> PathBuf {
-    let dest = tmp.join("golden");
-    copy_tree(&golden_dir(), &dest);
+fn golden_copy(tmp: &Path, version: u32) -> PathBuf {
+    let dest = tmp.join(format!("v{version}")).join("golden");
+    copy_tree(&golden_dir(version), &dest);
     dest
 }
 
@@ -67,16 +69,29 @@ fn same_float(a: f64, b: f64) -> bool {
 }
 
 #[test]
-fn golden_v1_opens_fully_validated_with_its_manifest() {
+fn every_readable_version_has_a_golden_cache() {
+    assert_eq!(READABLE_VERSIONS.last(), Some(&FORMAT_VERSION));
+    for version in READABLE_VERSIONS {
+        assert!(
+            golden_dir(version).join("manifest.json").is_file(),
+            "v{version}"
+        );
+    }
+}
+
+#[test]
+fn golden_caches_open_fully_validated_with_their_manifests() {
+    for version in READABLE_VERSIONS {
+        golden_opens_fully_validated_with_its_manifest(version);
+    }
+}
+
+fn golden_opens_fully_validated_with_its_manifest(version: u32) {
     let tmp = tempfile::tempdir().unwrap();
-    let cache = Cache::open(&golden_copy(tmp.path()), Validation::Full).unwrap();
+    let cache = Cache::open(&golden_copy(tmp.path(), version), Validation::Full).unwrap();
     cache.verify_all().unwrap();
     let m = &cache.manifest;
-    assert_eq!(m.format_version, 1);
-    assert_ne!(
-        FORMAT_VERSION, 1,
-        "the golden cache keeps an older version readable"
-    );
+    assert_eq!(m.format_version, version);
     assert_eq!(m.name, "golden");
     assert_eq!(cache.len(), 6);
     assert_eq!(m.sample_id, SampleIdSource::Metadata);
@@ -105,12 +120,43 @@ fn golden_v1_opens_fully_validated_with_its_manifest() {
 }
 
 #[test]
-fn golden_v1_payloads_and_metadata_are_exact() {
+fn golden_payloads_and_metadata_are_exact() {
+    for version in READABLE_VERSIONS {
+        golden_payloads_and_metadata_are_exact_in(version);
+    }
+}
+
+/// From v3 on, where the index entry holds the metadata length, a record is found from its entry
+/// alone exactly where a full read of its header finds it; before v3 it never is.
+#[test]
+fn only_v3_entries_locate_a_record_without_its_header() {
+    for version in READABLE_VERSIONS {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = Cache::open(&golden_copy(tmp.path(), version), Validation::Full).unwrap();
+        assert_eq!(cache.serves_from_index(), version >= 3, "v{version}");
+        for i in 0..cache.len() {
+            let full = cache.verify_record(i).unwrap();
+            match cache.trusted_record(i) {
+                Some(from_index) => {
+                    assert!(version >= 3);
+                    assert_eq!(from_index.unwrap(), full, "v{version} sample {i}");
+                }
+                None => assert!(version < 3, "v{version} sample {i}"),
+            }
+        }
+    }
+}
+
+fn golden_payloads_and_metadata_are_exact_in(version: u32) {
     let tmp = tempfile::tempdir().unwrap();
-    let cache = Cache::open(&golden_copy(tmp.path()), Validation::Structure).unwrap();
+    let cache = Cache::open(&golden_copy(tmp.path(), version), Validation::Structure).unwrap();
     for (i, want) in payloads().iter().enumerate() {
         let i = i as u64;
-        assert_eq!(&cache.payload(i).unwrap()[..], &want[..], "payload {i}");
+        assert_eq!(
+            &cache.payload(i).unwrap()[..],
+            &want[..],
+            "v{version} payload {i}"
+        );
         let lz4 = cache.entry(i).flags & FLAG_LZ4 != 0;
         assert_eq!(lz4, COMPRESSED.contains(&i), "compression of {i}");
         assert_eq!(cache.entry(i).shard, (i / 3) as u32);

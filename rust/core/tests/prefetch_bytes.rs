@@ -1,12 +1,16 @@
 //! The read-ahead of an `EpochReader` is bounded in decompressed bytes as well as in samples:
 //! records that compress well (LZ4) cannot make it hold `prefetch_size` times their raw size.
+//! Over records that are all served from the maps it may read further ahead than
+//! `prefetch_size`: they take no memory while they wait.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use dataset_rt_core::cache::{Cache, Validation};
-use dataset_rt_core::dataset::{Dataset, EpochReader, Payload, ReadOptions, WeightTable};
+use dataset_rt_core::dataset::{
+    Dataset, EpochReader, Payload, ReadOptions, WeightTable, MAPPED_READ_AHEAD,
+};
 use dataset_rt_core::format::{Compression, FLAG_LZ4};
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
@@ -146,4 +150,63 @@ fn small_chunks_on_several_workers_keep_the_order_and_both_bounds() {
     // One-sample jobs fill the window of prefetch_size = 8 up to the budget of 6 records.
     assert_eq!(most, 6);
     assert_eq!(fetched.load(Ordering::Relaxed), RECORDS);
+}
+
+/// `n` small raw records, each its sample number.
+fn raw_cache(pool: &Arc<Pool>, base: &Path, n: u64) -> Arc<Cache> {
+    let lock = CacheLock::acquire(base, "raw").unwrap();
+    let opts = WriterOptions {
+        prefetch_size: 64,
+        compression: Compression::NONE,
+        validate: false,
+        shard_size: 1 << 20,
+    };
+    let mut writer = CacheWriter::create(pool.clone(), lock, opts).unwrap();
+    for i in 0..n {
+        writer
+            .push(SampleInput {
+                data: i.to_le_bytes().to_vec(),
+                metadata: vec![],
+            })
+            .unwrap();
+    }
+    writer.finish().unwrap();
+    Arc::new(Cache::open(&base.join("raw"), Validation::Full).unwrap())
+}
+
+/// The most samples a reader ever held ahead of its consumer over a whole pass, checking that
+/// the pass yields every sample in order (unshuffled; a record holds its sample number).
+fn most_ahead(reader: &mut EpochReader, dataset: &Dataset) -> u64 {
+    let (mut most, mut seen) = (0, 0u64);
+    while let Some(sample) = reader.next_sample() {
+        let data = dataset.fetched_data(sample.unwrap()).into_owned();
+        assert_eq!(data, seen.to_le_bytes());
+        seen += 1;
+        most = most.max(reader.samples_in_flight());
+    }
+    assert_eq!(seen, dataset.len());
+    most
+}
+
+#[test]
+fn mapped_records_are_read_further_ahead_than_prefetch_size_and_others_are_not() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(2).unwrap();
+    let opts = options(4);
+
+    let raw = Arc::new(Dataset::new(vec![raw_cache(&pool, tmp.path(), 2000)]));
+    let order = Arc::new(raw.try_order(&opts, &WeightTable::uniform(), 0).unwrap());
+    let mut reader = EpochReader::new(pool.clone(), raw.clone(), order.clone(), &opts, 0, 0);
+    assert!(most_ahead(&mut reader, &raw) <= 4 + 2);
+    let mut reader =
+        EpochReader::new(pool.clone(), raw.clone(), order, &opts, 0, 0).read_ahead_when_mapped();
+    let most = most_ahead(&mut reader, &raw);
+    // The window, plus the chunk of 256 being handed out.
+    assert!(most > 4 && most <= MAPPED_READ_AHEAD + 256, "{most}");
+
+    let zeros = Arc::new(Dataset::new(vec![zeros_cache(&pool, tmp.path())]));
+    let order = Arc::new(zeros.try_order(&opts, &WeightTable::uniform(), 0).unwrap());
+    let mut reader = EpochReader::new(pool, zeros, order, &opts, 0, 0).read_ahead_when_mapped();
+    // Compressed records keep prefetch_size = 4 (plus the chunk of 2 being handed out).
+    assert!(read_pass(&mut reader, u64::MAX) <= 4 + 2);
 }

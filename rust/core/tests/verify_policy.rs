@@ -163,8 +163,10 @@ fn once_skips_the_hash_after_a_verified_read_and_always_does_not() {
     );
 }
 
+/// Before format v3 an index entry lacks the metadata length, so every read under "once" reads
+/// the record's header again and checks it against the entry.
 #[test]
-fn once_still_runs_the_structural_checks_on_every_read() {
+fn once_still_runs_the_structural_checks_on_every_read_before_v3() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = golden_copy(tmp.path());
     let ds = open(&dir, VerifyPolicy::Once);
@@ -178,6 +180,51 @@ fn once_still_runs_the_structural_checks_on_every_read() {
         &shard,
         SAMPLE,
         "record header",
+    );
+}
+
+/// From format v3 on, "once" serves a verified record from its index entry, which matched the
+/// record's header when the record was verified: damage to the header after that goes unseen,
+/// as damage to the payload does. "always" still catches it, and the entry is still bounded.
+#[test]
+fn once_serves_a_verified_v3_record_from_its_index_entry() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = common::golden_copy_of(tmp.path(), 3);
+    for sample in [SAMPLE, 2] {
+        // Sample 2 is stored LZ4-compressed: it is decoded from the entry's lengths.
+        let ds = open(&dir, VerifyPolicy::Once);
+        let sound = bytes(&ds, ds.fetch(sample).unwrap());
+        let e = ds.caches[0].entry(sample);
+        let shard = ds.caches[0].shard_path(e.shard);
+        // The record header's sample number no longer matches the index.
+        flip_in_place(&shard, e.offset + 32);
+        assert_eq!(
+            bytes(&ds, ds.fetch(sample).unwrap()),
+            sound,
+            "sample {sample}"
+        );
+        let always = Dataset::new(ds.caches.clone());
+        assert_corrupt(
+            always.fetch(sample).err().expect("a corrupt record"),
+            &shard,
+            sample,
+            "record header",
+        );
+        flip_in_place(&shard, e.offset + 32);
+    }
+
+    // An entry moved past the end of its shard is refused, not read out of bounds.
+    let ds = open(&dir, VerifyPolicy::Once);
+    ds.fetch(SAMPLE).unwrap();
+    let index = dir.join("index.bin");
+    let at = 16 + 40 * SAMPLE + 7; // the offset's most significant byte
+    flip_in_place(&index, at);
+    let shard = ds.caches[0].shard_path(ds.caches[0].entry(SAMPLE).shard);
+    assert_corrupt(
+        ds.fetch(SAMPLE).err().expect("a corrupt record"),
+        &shard,
+        SAMPLE,
+        "record lies past the end of its shard",
     );
 }
 

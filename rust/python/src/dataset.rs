@@ -421,7 +421,7 @@ impl Dataset {
         Ok(DatasetIterator {
             // The iterator waits for a chunk without the GIL: reading its samples beside the
             // workers then costs less than sleeping until they are done.
-            reader: pass.reader.consumer_helps(),
+            reader: pass.reader.read_ahead_when_mapped().consumer_helps(),
             dataset: self.inner.clone(),
             py_side: self.py_side.clone(),
             progress: pass.progress,

@@ -4,7 +4,14 @@ use std::path::{Path, PathBuf};
 
 /// A private copy of the committed golden v1 cache under `tmp`, for a test to damage.
 pub fn golden_copy(tmp: &Path) -> PathBuf {
-    let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/golden_v1/golden");
+    golden_copy_of(tmp, 1)
+}
+
+/// A private copy of the committed golden cache of format `version` under `tmp`.
+#[allow(dead_code)] // not every test file that includes this module uses it
+pub fn golden_copy_of(tmp: &Path, version: u32) -> PathBuf {
+    let from = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("../../tests/data/golden_v{version}/golden"));
     let dest = tmp.join("golden");
     std::fs::create_dir_all(dest.join("shards")).unwrap();
     for rel in [
