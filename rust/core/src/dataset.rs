@@ -748,6 +748,12 @@ impl Chunk {
         }
     }
 
+    /// Stops the reading threads from claiming more of this chunk, whose reader is gone: the
+    /// blocks already claimed finish, the others are never read (nobody waits for them).
+    fn abandon(&self) {
+        self.claimed.store(usize::MAX / 2, Ordering::Release);
+    }
+
     /// Reads one block's samples into `slots`, each with its own result.
     fn read_block(
         &self,
@@ -839,6 +845,17 @@ pub struct EpochReader {
     failed: bool,
     /// An error met while refilling the window on a hand-out, reported by the next take.
     deferred: Option<Error>,
+}
+
+impl Drop for EpochReader {
+    /// A pass left before its end (a `break` out of the loop, a new `iter()`) stops its
+    /// read-ahead: the pool's threads would otherwise read up to a window of samples nobody
+    /// takes, beside the reads of whatever comes next.
+    fn drop(&mut self) {
+        for chunk in &self.in_flight {
+            chunk.abandon();
+        }
+    }
 }
 
 /// What a reader calls on a pool thread after reading each sample.
@@ -989,7 +1006,8 @@ impl EpochReader {
             && self.submitted - self.taken + self.chunk <= self.prefetch.max(self.chunk)
         {
             let k0 = self.submitted;
-            // The pass's first chunk is one block: the first sample waits for that chunk only.
+            // The pass's first chunk is one block, alone in the window: the first sample waits
+            // for these 16 reads only.
             let size = if k0 == 0 {
                 self.chunk.min(CLAIM_BLOCK as u64)
             } else {
@@ -1034,6 +1052,11 @@ impl EpochReader {
             self.pool.spawn(move || job.work(&dataset, hook.as_ref()))?;
             self.in_flight.push_back(chunk);
             self.submitted = k1;
+            if k0 == 0 {
+                // Nothing else yet: the rest of the window is submitted once the consumer takes
+                // this chunk, so that no other read competes with the first sample's.
+                break;
+            }
         }
         Ok(())
     }

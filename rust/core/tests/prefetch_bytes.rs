@@ -210,3 +210,36 @@ fn mapped_records_are_read_further_ahead_than_prefetch_size_and_others_are_not()
     // Compressed records keep prefetch_size = 4 (plus the chunk of 2 being handed out).
     assert!(read_pass(&mut reader, u64::MAX) <= 4 + 2);
 }
+
+/// A reader dropped in the middle of its pass stops its read-ahead: the pool's threads finish the
+/// blocks they hold and read nothing more of it.
+#[test]
+fn a_dropped_reader_stops_reading_ahead() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(2).unwrap();
+    let raw = Arc::new(Dataset::new(vec![raw_cache(&pool, tmp.path(), 2000)]));
+    let opts = options(4);
+    let order = Arc::new(raw.try_order(&opts, &WeightTable::uniform(), 0).unwrap());
+    let fetched = Arc::new(AtomicU64::new(0));
+    let counter = fetched.clone();
+    let mut reader = EpochReader::new(pool.clone(), raw.clone(), order, &opts, 0, 0)
+        .read_ahead_when_mapped()
+        .on_fetched(Arc::new(move || {
+            counter.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }));
+    reader.next_sample().unwrap().unwrap();
+    // The first chunk (16) was read, and taking a sample submitted the rest of the window.
+    assert!(
+        reader.samples_in_flight() > 256,
+        "{}",
+        reader.samples_in_flight()
+    );
+    drop(reader);
+    // Long enough for the two threads to read the whole window (2 ms a sample) had it not
+    // stopped.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let read = fetched.load(Ordering::Relaxed);
+    // The first chunk, plus at most one block of 16 per pool thread.
+    assert!(read <= 16 + 2 * 16, "{read} samples read");
+}
