@@ -134,14 +134,7 @@ class Layout:
         return self.root / f"{kind}.ok"
 
     def stamp_text(self, kind: str) -> str:
-        return json.dumps(
-            {
-                "v": STAMP_VERSION,
-                "count": self.count,
-                "size": self.size,
-                "format": common.cache_format(kind),
-            }
-        )
+        return common.stamp_text(kind, STAMP_VERSION, self.count, self.size)
 
     def ready(self, kind: str) -> bool:
         s = self.stamp(kind)

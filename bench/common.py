@@ -50,6 +50,14 @@ def cache_format(kind: str) -> int | None:
     return int(_native.FORMAT_VERSION)
 
 
+def stamp_text(kind: str, stamp_version: int, count: int, size: Any) -> str:
+    """What a prepared store's ``.ok`` stamp holds: the layout it was prepared for and, for a
+    DatasetRT cache, the format version it was written in."""
+    return json.dumps(
+        {"v": stamp_version, "count": count, "size": size, "format": cache_format(kind)}
+    )
+
+
 def import_dataset_rt() -> Any:
     """Imports dataset_rt, prints where from, and checks it is the expected (release) copy.
 

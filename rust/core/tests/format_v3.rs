@@ -37,15 +37,22 @@ fn write(pool: &Arc<Pool>, base: &Path, name: &str, n: u64) {
     writer.finish().unwrap();
 }
 
-#[test]
-fn a_new_cache_is_v3_and_each_checksum_covers_one_contiguous_range() {
+/// A v3 cache of `n` samples in a fresh directory (kept as long as the returned guard).
+fn written(n: u64) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let pool = Pool::new(2).unwrap();
-    write(&pool, dir.path(), "v3", 5);
-    let cache = Cache::open(&dir.path().join("v3"), Validation::Full).unwrap();
+    write(&pool, dir.path(), "v3", n);
+    let path = dir.path().join("v3");
+    (dir, path)
+}
+
+#[test]
+fn a_new_cache_is_v3_and_each_checksum_covers_one_contiguous_range() {
+    let (_dir, path) = written(5);
+    let cache = Cache::open(&path, Validation::Full).unwrap();
     assert_eq!(FORMAT_VERSION, 3);
     assert_eq!(cache.manifest.format_version, 3);
-    let index = std::fs::read(dir.path().join("v3/index.bin")).unwrap();
+    let index = std::fs::read(path.join("index.bin")).unwrap();
     assert_eq!(index[8..12], 3u32.to_le_bytes());
     assert_eq!(index[12..16], 40u32.to_le_bytes());
     assert_eq!(index.len() as u64, INDEX_HEADER_LEN + 5 * INDEX_ENTRY_LEN);
@@ -72,10 +79,7 @@ fn a_new_cache_is_v3_and_each_checksum_covers_one_contiguous_range() {
 
 #[test]
 fn damage_anywhere_the_checksum_covers_is_caught_on_read() {
-    let dir = tempfile::tempdir().unwrap();
-    let pool = Pool::new(2).unwrap();
-    write(&pool, dir.path(), "v3", 3);
-    let path = dir.path().join("v3");
+    let (_dir, path) = written(3);
     let (shard_path, start, payload_offset, meta_len) = {
         let cache = Cache::open(&path, Validation::Full).unwrap();
         let (e, h, _) = cache.verify_record(1).unwrap();
@@ -122,10 +126,7 @@ fn damage_anywhere_the_checksum_covers_is_caught_on_read() {
 /// why only a record verified against its entry is ever read that way.
 #[test]
 fn an_entry_whose_metadata_length_disagrees_with_its_record_is_corrupt() {
-    let dir = tempfile::tempdir().unwrap();
-    let pool = Pool::new(2).unwrap();
-    write(&pool, dir.path(), "v3", 3);
-    let path = dir.path().join("v3");
+    let (_dir, path) = written(3);
     let (_, _, real) = Cache::open(&path, Validation::Full)
         .unwrap()
         .verify_record(1)
@@ -159,10 +160,7 @@ fn an_entry_whose_metadata_length_disagrees_with_its_record_is_corrupt() {
 /// corrupt record naming the sample, not a read out of bounds.
 #[test]
 fn a_read_from_the_entry_alone_still_bounds_it_by_its_shard() {
-    let dir = tempfile::tempdir().unwrap();
-    let pool = Pool::new(2).unwrap();
-    write(&pool, dir.path(), "v3", 3);
-    let path = dir.path().join("v3");
+    let (_dir, path) = written(3);
     let index_path = path.join("index.bin");
     let mut index = std::fs::read(&index_path).unwrap();
     let offset_at = (INDEX_HEADER_LEN + 2 * INDEX_ENTRY_LEN) as usize;
