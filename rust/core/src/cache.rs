@@ -137,8 +137,6 @@ pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
     parse_manifest(&bytes, cache, &path)
 }
 
-/// Parses and checks the bytes of a `manifest.json` (every check `read_manifest` runs), naming
-/// `path` in its errors. Takes bytes so that fuzzers and tests can call it without files.
 /// The versions this DatasetRT reads, in words: "1, 2 and 3".
 fn readable_versions() -> String {
     let names: Vec<String> = READABLE_VERSIONS.iter().map(u32::to_string).collect();
@@ -148,6 +146,8 @@ fn readable_versions() -> String {
     }
 }
 
+/// Parses and checks the bytes of a `manifest.json` (every check `read_manifest` runs), naming
+/// `path` in its errors. Takes bytes so that fuzzers and tests can call it without files.
 pub fn parse_manifest(bytes: &[u8], cache: &str, path: &Path) -> Result<Manifest> {
     let cache = cache.to_owned();
     let value: serde_json::Value = serde_json::from_slice(bytes)
@@ -448,11 +448,16 @@ impl Cache {
         self.manifest.compression.algo != CompressionAlgo::None
     }
 
-    pub fn entry(&self, sample: u64) -> IndexEntry {
+    /// Where index entry `sample` lies in `index.bin`.
+    fn entry_range(&self, sample: u64) -> std::ops::Range<usize> {
         let start = (INDEX_HEADER_LEN + sample * self.entry_len) as usize;
+        start..start + self.entry_len as usize
+    }
+
+    pub fn entry(&self, sample: u64) -> IndexEntry {
         IndexEntry::decode_as(
             self.manifest.format_version,
-            &self.index[start..start + self.entry_len as usize],
+            &self.index[self.entry_range(sample)],
         )
     }
 
@@ -465,8 +470,7 @@ impl Cache {
     /// Asks the CPU to bring in the index entry of `sample` (a hint, like
     /// [`Cache::prefetch_record`]): what a read served from the index touches.
     pub fn prefetch_entry(&self, sample: u64) {
-        let start = (INDEX_HEADER_LEN + sample * self.entry_len) as usize;
-        let Some(entry) = self.index.get(start..start + self.entry_len as usize) else {
+        let Some(entry) = self.index.get(self.entry_range(sample)) else {
             return;
         };
         prefetch(entry);

@@ -688,13 +688,12 @@ impl Chunk {
         let n = len.div_ceil(CLAIM_BLOCK);
         blocks.truncate(n);
         blocks.resize_with(n, Default::default);
-        let results = blocks;
         Chunk {
             samples,
             len,
             claimed: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
-            results,
+            results: blocks,
             completion: Mutex::new(Completion::default()),
             completed: Condvar::new(),
         }
