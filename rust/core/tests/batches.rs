@@ -15,7 +15,9 @@ use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::samples;
-use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_core::writer::{SampleInput, WriterOptions};
+
+mod common;
 
 const N: u64 = 29;
 
@@ -44,27 +46,23 @@ fn fixture() -> &'static Fixture {
 }
 
 fn write(pool: &Arc<Pool>, base: &Path, name: &str, n: u64, tag: bool) {
-    let lock = CacheLock::acquire(base, name).unwrap();
     let opts = WriterOptions {
         prefetch_size: 4,
         compression: Compression::NONE,
         validate: true,
         shard_size: 1 << 20,
     };
-    let mut writer = CacheWriter::create(pool.clone(), lock, opts).unwrap();
-    for i in 0..n {
+    let samples = (0..n).map(|i| {
         let mut metadata = vec![("i".to_owned(), MetaValue::Int(i as i64))];
         if tag {
             metadata.push(("tag".to_owned(), MetaValue::Str(format!("t{}", i % 4))));
         }
-        writer
-            .push(SampleInput {
-                data: i.to_le_bytes().to_vec(),
-                metadata,
-            })
-            .unwrap();
-    }
-    writer.finish().unwrap();
+        SampleInput {
+            data: i.to_le_bytes().to_vec(),
+            metadata,
+        }
+    });
+    common::write_cache(pool, base, name, opts, samples);
 }
 
 fn options(rank: u64, world_size: u64) -> ReadOptions {

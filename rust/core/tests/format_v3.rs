@@ -13,28 +13,24 @@ use dataset_rt_core::format::{
 };
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_core::writer::{SampleInput, WriterOptions};
 use dataset_rt_core::Error;
 
+mod common;
+
 fn write(pool: &Arc<Pool>, base: &Path, name: &str, n: u64) {
-    let lock = CacheLock::acquire(base, name).unwrap();
     let opts = WriterOptions {
         prefetch_size: 4,
         compression: Compression::NONE,
         validate: true,
         shard_size: 1 << 20,
     };
-    let mut writer = CacheWriter::create(pool.clone(), lock, opts).unwrap();
-    for i in 0..n {
-        writer
-            .push(SampleInput {
-                // Odd lengths and metadata sizes: padding on both sides of the payload.
-                data: vec![i as u8; 37 + i as usize],
-                metadata: vec![("i".to_owned(), MetaValue::Int(i as i64))],
-            })
-            .unwrap();
-    }
-    writer.finish().unwrap();
+    let samples = (0..n).map(|i| SampleInput {
+        // Odd lengths and metadata sizes: padding on both sides of the payload.
+        data: vec![i as u8; 37 + i as usize],
+        metadata: vec![("i".to_owned(), MetaValue::Int(i as i64))],
+    });
+    common::write_cache(pool, base, name, opts, samples);
 }
 
 /// A v3 cache of `n` samples in a fresh directory (kept as long as the returned guard).

@@ -15,32 +15,30 @@ use dataset_rt_core::format::{Compression, FLAG_LZ4};
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::RankPolicy;
-use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_core::writer::{SampleInput, WriterOptions};
+
+mod common;
 
 const RECORD: usize = 1 << 20;
 const RECORDS: u64 = 24;
 
 /// `RECORDS` records of `RECORD` zero bytes each (plus the sample number), stored as LZ4.
 fn zeros_cache(pool: &Arc<Pool>, base: &Path) -> Arc<Cache> {
-    let lock = CacheLock::acquire(base, "zeros").unwrap();
     let opts = WriterOptions {
         prefetch_size: 4,
         compression: Compression::new("lz4", 1.0).unwrap(),
         validate: false,
         shard_size: 1 << 20,
     };
-    let mut writer = CacheWriter::create(pool.clone(), lock, opts).unwrap();
-    for i in 0..RECORDS {
+    let samples = (0..RECORDS).map(|i| {
         let mut data = vec![0u8; RECORD];
         data[0] = i as u8;
-        writer
-            .push(SampleInput {
-                data,
-                metadata: vec![("i".to_string(), MetaValue::Int(i as i64))],
-            })
-            .unwrap();
-    }
-    writer.finish().unwrap();
+        SampleInput {
+            data,
+            metadata: vec![("i".to_string(), MetaValue::Int(i as i64))],
+        }
+    });
+    common::write_cache(pool, base, "zeros", opts, samples);
     let cache = Cache::open(&base.join("zeros"), Validation::Full).unwrap();
     assert!((0..RECORDS).all(|s| cache.entry(s).flags & FLAG_LZ4 != 0));
     assert!(
@@ -154,23 +152,17 @@ fn small_chunks_on_several_workers_keep_the_order_and_both_bounds() {
 
 /// `n` small raw records, each its sample number.
 fn raw_cache(pool: &Arc<Pool>, base: &Path, n: u64) -> Arc<Cache> {
-    let lock = CacheLock::acquire(base, "raw").unwrap();
     let opts = WriterOptions {
         prefetch_size: 64,
         compression: Compression::NONE,
         validate: false,
         shard_size: 1 << 20,
     };
-    let mut writer = CacheWriter::create(pool.clone(), lock, opts).unwrap();
-    for i in 0..n {
-        writer
-            .push(SampleInput {
-                data: i.to_le_bytes().to_vec(),
-                metadata: vec![],
-            })
-            .unwrap();
-    }
-    writer.finish().unwrap();
+    let samples = (0..n).map(|i| SampleInput {
+        data: i.to_le_bytes().to_vec(),
+        metadata: vec![],
+    });
+    common::write_cache(pool, base, "raw", opts, samples);
     Arc::new(Cache::open(&base.join("raw"), Validation::Full).unwrap())
 }
 

@@ -13,9 +13,11 @@ use dataset_rt_core::format::Compression;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::{RankPolicy, SAMPLER_VERSION};
-use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_core::writer::{SampleInput, WriterOptions};
 use dataset_rt_core::Error;
 use proptest::prelude::*;
+
+mod common;
 
 const N: u64 = 23;
 
@@ -42,23 +44,17 @@ fn fixture() -> &'static Fixture {
 }
 
 fn write(pool: &Arc<Pool>, base: &Path, name: &str) {
-    let lock = CacheLock::acquire(base, name).unwrap();
     let opts = WriterOptions {
         prefetch_size: 4,
         compression: Compression::NONE,
         validate: true,
         shard_size: 1 << 20,
     };
-    let mut writer = CacheWriter::create(pool.clone(), lock, opts).unwrap();
-    for i in 0..N {
-        writer
-            .push(SampleInput {
-                data: i.to_le_bytes().to_vec(),
-                metadata: vec![("i".to_owned(), MetaValue::Int(i as i64))],
-            })
-            .unwrap();
-    }
-    writer.finish().unwrap();
+    let samples = (0..N).map(|i| SampleInput {
+        data: i.to_le_bytes().to_vec(),
+        metadata: vec![("i".to_owned(), MetaValue::Int(i as i64))],
+    });
+    common::write_cache(pool, base, name, opts, samples);
 }
 
 fn options(epoch_len: u64, rank: u64, world_size: u64, policy: RankPolicy) -> ReadOptions {
