@@ -149,3 +149,104 @@ def test_make_docs_installs_the_docs_extra():
     assert f"DOCS_REQUIREMENT := {extra[1]}\n" in makefile
     ci = makefile.split("\nci:\n", 1)[1].split("\n\n", 1)[0]
     assert ci.index("$(MAKE) lint") < ci.index("$(MAKE) docs") < ci.index("$(MAKE) test")
+
+
+# --- the README's comparison against the benchmarks page ---------------------------------------
+
+NUMBER = r"\d[\d,]*(?:\.\d+)?"
+# A figure of the README: a range of ratios ("2.1-2.8x"), a ratio ("14.7x", "14.7×"; not the
+# "3x" of "3x224x224"), a rate ("3.7 million", "432 thousand", "3.7 M", "1,143,909 samples/s"),
+# a percentage or a time in ms. Sizes, worker counts, batch sizes and dates are not figures.
+RATIO_RANGE = re.compile(rf"(?<![\w.,])({NUMBER})\s*[–-]\s*({NUMBER})\s*[x×](?![\w])")
+RATIO = re.compile(rf"(?<![\w.,–-])({NUMBER})\s*[x×](?![\w])")
+SCALED = re.compile(rf"(?<![\w.,])({NUMBER})\s*(million|thousand|M|k)\b")
+PLAIN = re.compile(rf"(?<![\w.,])({NUMBER})\s*(?:samples/s|%|ms\b)")
+SCALES = {"million": 1e6, "M": 1e6, "thousand": 1e3, "k": 1e3}
+
+
+def readme_figures(text: str) -> list[tuple[str, str, float, int]]:
+    """`(as written, kind, value, decimals)` of each figure in `text`; kind "ratio" or "plain"."""
+    figures: list[tuple[str, str, float, int]] = []
+
+    def add(token: str, kind: str, scale: float = 1.0) -> None:
+        decimals = len(token.split(".")[1]) if "." in token else 0
+        figures.append((token, kind, float(token.replace(",", "")) * scale, decimals))
+
+    for match in RATIO_RANGE.finditer(text):
+        add(match[1], "ratio")
+        add(match[2], "ratio")
+    text = RATIO_RANGE.sub(" ", text)
+    for match in RATIO.finditer(text):
+        add(match[1], "ratio")
+    for match in SCALED.finditer(text):
+        add(match[1], "plain", SCALES[match[2]])
+    for match in PLAIN.finditer(text):
+        add(match[1], "plain")
+    return figures
+
+
+def page_figures(text: str) -> dict[str, list[float]]:
+    """Every number of `text`, as "ratio" (followed by x or ×) or "plain"."""
+    found: dict[str, list[float]] = {"ratio": [], "plain": []}
+    for match in re.finditer(rf"(?<![\w.])({NUMBER})(\s*[x×](?!\d))?", text):
+        kind = "ratio" if match[2] else "plain"
+        found[kind].append(float(match[1].replace(",", "")))
+    return found
+
+
+def missing_figures(readme_text: str, results_text: str) -> list[str]:
+    """The README figures that no number of the results states. A figure matches a number of
+    its kind that, in the figure's unit and rounded to its decimals, is the figure: "3.7 million"
+    matches 3,662,792, "2.8x" matches 2.79x, "14.8x" matches nothing but a 14.8x (or 14.75x)."""
+    page = page_figures(results_text)
+    missing = []
+    for token, kind, value, decimals in readme_figures(readme_text):
+        scale = value / float(token.replace(",", ""))
+        if not any(
+            round(number / scale, decimals) == round(value / scale, decimals)
+            for number in page[kind]
+        ):
+            missing.append(token + ("x" if kind == "ratio" else ""))
+    return missing
+
+
+def section(text: str, heading: str) -> str:
+    """The section of `text` under the line `heading` up to the next heading of its level."""
+    level = heading.split(" ", 1)[0]
+    assert f"\n{heading}\n" in text, f"no heading {heading!r}"
+    body = text.split(f"\n{heading}\n", 1)[1]
+    return re.split(rf"\n{level} ", body, maxsplit=1)[0]
+
+
+def test_the_readme_comparison_quotes_the_current_benchmark_results():
+    comparison = section((ROOT / "README.md").read_text(), "## How it compares")
+    results = section((DOCS / "benchmarks.md").read_text(), "## Results")
+    assert "(docs/benchmarks.md#results)" in comparison, "the comparison links the results"
+    assert len(readme_figures(comparison)) >= 10, "the comparison's figures were not found"
+    assert missing_figures(comparison, results) == []
+    # The commands the README names are the ones the results section gives, with arguments.
+    scripts = set(re.findall(r"python (bench/\w+\.py)", comparison))
+    assert scripts, "the comparison names the commands that made its figures"
+    for script in scripts:
+        assert re.search(rf"python {script} --", results), f"no {script} command in the results"
+
+
+@pytest.mark.parametrize(
+    ("readme", "results", "missing"),
+    [
+        ("about 3.7 million samples/s", "| 3,662,792 |", []),
+        ("3.7 M samples/s, 14.7× LitData", "3,662,792 ... (DatasetRT 14.7x it)", []),
+        ("about 3.8 million samples/s", "| 3,662,792 |", ["3.8"]),
+        ("432 thousand samples/s", "| 3,662,792 |", ["432"]),
+        ("14.8x LitData", "(DatasetRT 14.7x it)", ["14.8x"]),
+        ("12.2x torch", "12.2 ms", ["12.2x"]),
+        ("2.1–2.8× torch", "tensors 2.14x ..., `np.stack` 2.79x", []),
+        ("2.1-2.9x torch", "tensors 2.14x ..., `np.stack` 2.79x", ["2.9x"]),
+        ("1,143,909 samples/s", "12.2x (1,143,909)", []),
+        ("1,143,910 samples/s", "12.2x (1,143,909)", ["1,143,910"]),
+        ("101% of a pool", "101% (Pool 2,683)", []),
+        ("3x224x224 arrays, batch 64, 2 workers, 4 KiB, 2026-12-02", "", []),
+    ],
+)
+def test_the_comparison_check_finds_what_the_results_do_not_say(readme, results, missing):
+    assert missing_figures(readme, results) == missing
