@@ -137,7 +137,8 @@ soak:
 	$(PYTHON) soak/writer_kill.py --cycles 50
 	$(PYTHON) soak/loader_kill.py --cycles 100
 
-## demo: write the embedded synthetic dataset to ./demo-cache, read it back shuffled, summarise
+## demo: write the embedded synthetic dataset to ./demo-cache, read it back shuffled, summarise,
+## then decode it with the shared-memory loader (2 workers), resume it mid-epoch, time it
 demo:
 	$(PYTHON) -m dataset_rt demo
 

@@ -2,19 +2,27 @@
 
 The dataset is generated, never fetched: small raw RGB "images" whose bytes are a pure function of
 ``(GENERATOR_SEED, index)`` (a class-coloured gradient plus seeded noise, so LZ4 has something to
-compress). Reading back checks every payload against the generator.
+compress). Reading back checks every payload against the generator. Then the shared-memory loader
+decodes the cache in worker processes, resumes from a checkpoint taken mid-epoch, and is timed
+beside torch's ``DataLoader`` when torch is installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
+from dataset_rt import _native
 from dataset_rt._config import ReaderConfig, ShardCompression, WriterConfig
+from dataset_rt._dataset import Dataset
 from dataset_rt._results import (
     CacheInput,
     CacheLoaded,
@@ -23,6 +31,7 @@ from dataset_rt._results import (
     CacheWritten,
 )
 from dataset_rt._runtime import DatasetRuntime
+from dataset_rt.exceptions import ConfigError
 
 __all__ = ["DEMO_SOURCE_NAME", "DemoImages", "fake_image", "run_demo"]
 
@@ -33,6 +42,8 @@ CLASSES = ("cat", "dog", "bird", "fish")
 _COLOURS = ((200, 120, 40), (90, 60, 30), (40, 140, 220), (30, 200, 160))
 _SIZES = ((32, 32), (48, 32), (32, 48), (64, 48))
 _RUN = 4
+LOADER_WORKERS = 2
+LOADER_BATCH = 32
 
 
 def fake_image(index: int) -> tuple[bytes, str, int, int]:
@@ -144,4 +155,115 @@ def run_demo(out: Path, *, num_samples: int = 2000, num_workers: int = 4) -> int
         reads = sum(len(o) for o in orders)
         print(f"payloads and metadata match the generator: {reads - mismatches} of {reads} reads")
         print(f"state_dict: {json.dumps(dataset.state_dict())}")
-    return 0 if permutations and mismatches == 0 else 1
+        resumed_ok = _loader_demo(dataset)
+    return 0 if permutations and mismatches == 0 and resumed_ok else 1
+
+
+# --- the shared-memory loader -----------------------------------------------------------------
+
+Decoded = tuple[str, npt.NDArray[np.float32]]
+DecodedBatch = tuple[list[str], npt.NDArray[np.float32]]
+
+
+def decode(sample: _native.CachedSample) -> Decoded:
+    """The demo's transform: the payload as an ``(height, width, 3)`` image, without a copy, and
+    its mean colour (the "training" input), with the sample's id."""
+    meta = sample.metadata
+    pixels = np.frombuffer(sample.data, dtype=np.uint8)
+    image = pixels.reshape(int(meta["height"]), int(meta["width"]), 3)
+    return str(meta["sample_id"]), image.mean(axis=(0, 1), dtype=np.float32)
+
+
+def collate(items: list[Decoded]) -> DecodedBatch:
+    """A batch: the ids in order and one ``(batch, 3)`` array of mean colours."""
+    return [sample_id for sample_id, _ in items], np.stack([mean for _, mean in items])
+
+
+def _same(a: list[DecodedBatch], b: list[DecodedBatch]) -> bool:
+    return len(a) == len(b) and all(
+        ids_a == ids_b and np.array_equal(x_a, x_b) for (ids_a, x_a), (ids_b, x_b) in zip(a, b)
+    )
+
+
+def _rate(batches: int, seconds: float) -> str:
+    return f"{batches} batches in {seconds:.2f} s, {batches / seconds:,.0f} batches/s"
+
+
+def _loader_demo(dataset: Dataset) -> bool:
+    """Runs ``dataset_rt.DataLoader`` with workers and a decoding transform over the demo cache,
+    resumes it from a mid-epoch ``state_dict`` and checks that the resumed batches are the rest
+    of the epoch; then times torch's ``DataLoader`` over the same records when torch is there.
+    Returns whether the resumed batches matched."""
+    from dataset_rt._loader import DataLoader
+
+    options: dict[str, Any] = {
+        "batch_size": LOADER_BATCH,
+        "num_workers": LOADER_WORKERS,
+        "transform": decode,
+        "collate_fn": collate,
+    }
+    try:
+        loader = DataLoader(dataset, **options)
+    except ConfigError as e:  # not Linux
+        print(f"loader: skipped ({e})")
+        return True
+    with loader:
+        batches = len(loader)
+        middle = batches // 2
+        epoch: list[DecodedBatch] = []
+        checkpoint = loader.state_dict()  # replaced mid-epoch
+        started = time.perf_counter()
+        for batch in loader:
+            epoch.append(batch)
+            if len(epoch) == middle:
+                checkpoint = loader.state_dict()
+        elapsed = time.perf_counter() - started
+    print(
+        f"loader: dataset_rt.DataLoader, {LOADER_WORKERS} workers decoding, batch "
+        f"{LOADER_BATCH}: {_rate(len(epoch), elapsed)} (one epoch, processes started included)"
+    )
+    with DataLoader(dataset, **options) as resumed_loader:
+        resumed_loader.load_state_dict(checkpoint)
+        resumed = list(resumed_loader)
+    same = _same(resumed, epoch[middle:])
+    print(
+        f"resume: state_dict after batch {middle} of {batches}; a new loader resumed from it "
+        f"delivered {len(resumed)} batches, equal to the rest of the epoch: "
+        f"{'yes' if same else 'NO'}"
+    )
+    _torch_beside(dataset)
+    return same
+
+
+def _torch_beside(dataset: Dataset) -> None:
+    """Times torch's ``DataLoader`` with the same workers, batch, transform and collate over a
+    map-style dataset of the same records, held in memory (torch's workers read them there)."""
+    if importlib.util.find_spec("torch") is None:
+        print("torch: not installed, so no comparison with its DataLoader (pip install torch)")
+        return
+    import torch.utils.data
+
+    records = [_native.CachedSample(bytes(s.data), dict(s.metadata)) for s in dataset]
+
+    class Records(torch.utils.data.Dataset[Decoded]):
+        def __len__(self) -> int:
+            return len(records)
+
+        def __getitem__(self, index: int) -> Decoded:
+            return decode(records[index])
+
+    loader = torch.utils.data.DataLoader(
+        Records(),
+        batch_size=LOADER_BATCH,
+        shuffle=True,
+        num_workers=LOADER_WORKERS,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(READER_SEED),
+    )
+    started = time.perf_counter()
+    count = sum(1 for _ in loader)
+    elapsed = time.perf_counter() - started
+    print(
+        f"torch: torch.utils.data.DataLoader, {LOADER_WORKERS} workers, the same transform over "
+        f"the same records in memory: {_rate(count, elapsed)}"
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import pytest
 
 import dataset_rt
@@ -22,6 +24,7 @@ from dataset_rt import (
     ShardCompression,
     WriterConfig,
 )
+from dataset_rt import _demo
 from dataset_rt.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 
 REPO_ROOT = Path(dataset_rt.__file__).resolve().parents[1]
@@ -609,14 +612,46 @@ def test_demo_writes_then_reuses(tmp_path: Path, capsys: pytest.CaptureFixture[s
         counts = dict(part.split() for part in rows["classes"].split(", "))
         assert sum(int(c) for c in counts.values()) == 150
         assert set(counts) <= {"cat", "dog", "bird", "fish"}
-        state = json.loads(out.split("state_dict:", 1)[1])
+        state = json.loads(out.split("state_dict:", 1)[1].splitlines()[0])
         assert (state["epoch"], state["position"], state["seed"]) == (2, 0, 42)
+        # The shared-memory loader: 150 samples are 5 batches of 32; a checkpoint after the
+        # second, and a new loader resumed from it delivers the other three, as they were.
+        assert rows["loader"].startswith("dataset_rt.DataLoader, 2 workers decoding, batch 32: 5 ")
+        assert rows["loader"].count(" batches/s") == 1
+        assert rows["resume"] == (
+            "state_dict after batch 2 of 5; a new loader resumed from it delivered 3 batches, "
+            "equal to the rest of the epoch: yes"
+        )
+        if importlib.util.find_spec("torch") is None:
+            assert rows["torch"].startswith("not installed")
+        else:
+            assert "the same records in memory: 5 batches in " in rows["torch"]
+            assert rows["torch"].endswith(" batches/s")
     # Both runs read the same cache in the same seeded orders.
     assert rows["epoch 0"] == summary(first.out)["epoch 0"]
 
     manifest = json.loads((tmp_path / "demo" / "demo_images" / "manifest.json").read_text())
     assert manifest["num_samples"] == 150
     assert manifest["stored_payload_bytes"] < manifest["raw_payload_bytes"]
+
+
+def test_demo_compares_batches_by_ids_and_values() -> None:
+    ids, means = ["img-000001", "img-000002"], np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    assert _demo._same([(ids, means)], [(list(ids), means.copy())])
+    assert not _demo._same([(ids, means)], [(ids[::-1], means)])
+    assert not _demo._same([(ids, means)], [(ids, means + 1)])
+    assert not _demo._same([(ids, means)], [])
+
+
+def test_demo_says_when_torch_is_not_installed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find_spec(name, *a)
+    )
+    _demo._torch_beside(None)  # type: ignore[arg-type]  # not reached without torch
+    assert capsys.readouterr().out.startswith("torch: not installed")
 
 
 # --- the real command line -------------------------------------------------------------------
