@@ -181,7 +181,8 @@ def collate(items: list[Decoded]) -> DecodedBatch:
 
 def _same(a: list[DecodedBatch], b: list[DecodedBatch]) -> bool:
     return len(a) == len(b) and all(
-        ids_a == ids_b and np.array_equal(x_a, x_b) for (ids_a, x_a), (ids_b, x_b) in zip(a, b)
+        ids_a == ids_b and np.array_equal(x_a, x_b)
+        for (ids_a, x_a), (ids_b, x_b) in zip(a, b, strict=True)
     )
 
 

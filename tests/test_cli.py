@@ -23,8 +23,8 @@ from dataset_rt import (
     ReaderConfig,
     ShardCompression,
     WriterConfig,
+    _demo,
 )
-from dataset_rt import _demo
 from dataset_rt.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 
 REPO_ROOT = Path(dataset_rt.__file__).resolve().parents[1]
@@ -648,7 +648,9 @@ def test_demo_says_when_torch_is_not_installed(
 ) -> None:
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find_spec(name, *a)
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "torch" else find_spec(name, *a),
     )
     _demo._torch_beside(None)  # type: ignore[arg-type]  # not reached without torch
     assert capsys.readouterr().out.startswith("torch: not installed")

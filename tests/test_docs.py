@@ -154,11 +154,12 @@ def test_make_docs_installs_the_docs_extra():
 # --- the README's comparison against the benchmarks page ---------------------------------------
 
 NUMBER = r"\d[\d,]*(?:\.\d+)?"
-# A figure of the README: a range of ratios ("2.1-2.8x"), a ratio ("14.7x", "14.7×"; not the
-# "3x" of "3x224x224"), a rate ("3.7 million", "432 thousand", "3.7 M", "1,143,909 samples/s"),
-# a percentage or a time in ms. Sizes, worker counts, batch sizes and dates are not figures.
-RATIO_RANGE = re.compile(rf"(?<![\w.,])({NUMBER})\s*[–-]\s*({NUMBER})\s*[x×](?![\w])")
-RATIO = re.compile(rf"(?<![\w.,–-])({NUMBER})\s*[x×](?![\w])")
+# A figure of the README: a range of ratios ("2.1-2.8x", with a hyphen or an en dash), a ratio
+# ("14.7x", or with the multiplication sign; not the "3x" of "3x224x224"), a rate ("3.7 million",
+# "432 thousand", "3.7 M", "1,143,909 samples/s"), a percentage or a time in ms. Sizes, worker
+# counts, batch sizes and dates are not figures.
+RATIO_RANGE = re.compile(rf"(?<![\w.,])({NUMBER})\s*[\u2013-]\s*({NUMBER})\s*[x\u00d7](?![\w])")
+RATIO = re.compile(rf"(?<![\w.,\u2013-])({NUMBER})\s*[x\u00d7](?![\w])")
 SCALED = re.compile(rf"(?<![\w.,])({NUMBER})\s*(million|thousand|M|k)\b")
 PLAIN = re.compile(rf"(?<![\w.,])({NUMBER})\s*(?:samples/s|%|ms\b)")
 SCALES = {"million": 1e6, "M": 1e6, "thousand": 1e3, "k": 1e3}
@@ -186,9 +187,9 @@ def readme_figures(text: str) -> list[tuple[str, str, float, int]]:
 
 
 def page_figures(text: str) -> dict[str, list[float]]:
-    """Every number of `text`, as "ratio" (followed by x or ×) or "plain"."""
+    """Every number of `text`, as "ratio" (followed by x or the multiplication sign) or "plain"."""
     found: dict[str, list[float]] = {"ratio": [], "plain": []}
-    for match in re.finditer(rf"(?<![\w.])({NUMBER})(\s*[x×](?!\d))?", text):
+    for match in re.finditer(rf"(?<![\w.])({NUMBER})(\s*[x\u00d7](?!\d))?", text):
         kind = "ratio" if match[2] else "plain"
         found[kind].append(float(match[1].replace(",", "")))
     return found
@@ -235,12 +236,12 @@ def test_the_readme_comparison_quotes_the_current_benchmark_results():
     ("readme", "results", "missing"),
     [
         ("about 3.7 million samples/s", "| 3,662,792 |", []),
-        ("3.7 M samples/s, 14.7× LitData", "3,662,792 ... (DatasetRT 14.7x it)", []),
+        ("3.7 M samples/s, 14.7\u00d7 LitData", "3,662,792 ... (DatasetRT 14.7x it)", []),
         ("about 3.8 million samples/s", "| 3,662,792 |", ["3.8"]),
         ("432 thousand samples/s", "| 3,662,792 |", ["432"]),
         ("14.8x LitData", "(DatasetRT 14.7x it)", ["14.8x"]),
         ("12.2x torch", "12.2 ms", ["12.2x"]),
-        ("2.1–2.8× torch", "tensors 2.14x ..., `np.stack` 2.79x", []),
+        ("2.1\u20132.8\u00d7 torch", "tensors 2.14x ..., `np.stack` 2.79x", []),
         ("2.1-2.9x torch", "tensors 2.14x ..., `np.stack` 2.79x", ["2.9x"]),
         ("1,143,909 samples/s", "12.2x (1,143,909)", []),
         ("1,143,910 samples/s", "12.2x (1,143,909)", ["1,143,910"]),
