@@ -391,63 +391,9 @@ class RegionWriter:
         state holds (a numpy scalar's bytes, an object array's items, a dataclass's fields),
         whose reconstructors need exactly what they pickled. A buffer that does not fit stays
         as it is (pickled, one more copy)."""
-        numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
-        ndarray = getattr(numpy, "ndarray", None)
-        tensor = getattr(torch, "Tensor", None)
-        memo: dict[int, Any] = {}
-
-        def visit(obj: Any) -> Any:
-            kind = type(obj)
-            if kind in _ATOMS:
-                return obj
-            key = id(obj)
-            if key in memo:
-                got = memo[key]
-                if got is _BUSY:  # a tuple that holds itself (through a list or dict)
-                    raise _Cycle
-                return got
-            pid: Any = None
-            if kind is list:
-                if obj:
-                    first = type(obj[0])
-                    if first is CachedSample or first in _BUFFER_TYPES:
-                        pid = self.put_list(obj, first is CachedSample)
-                if pid is None:
-                    items: list[Any] = []
-                    memo[key] = items  # before the items: a list may hold itself
-                    items.extend([x if type(x) in _ATOMS else visit(x) for x in obj])
-                    return items
-            elif kind is dict:
-                values: dict[Any, Any] = {}
-                memo[key] = values
-                for k, v in obj.items():
-                    values[k] = v if type(v) in _ATOMS else visit(v)
-                return values
-            elif kind is tuple or (issubclass(kind, tuple) and _plain_namedtuple(kind, obj)):
-                memo[key] = _BUSY
-                fields = [x if type(x) in _ATOMS else visit(x) for x in obj]
-                new = tuple(fields) if kind is tuple else tuple.__new__(kind, fields)
-                memo[key] = new
-                return new
-            elif kind is bytes or kind is bytearray:
-                got = self.put_bytes(obj)
-                pid = None if got is None else ("b", *got)
-            elif kind is memoryview:
-                pid = self.put_view(obj)
-            elif kind is CachedSample:
-                pid = self.put_sample(obj)
-            elif kind is ndarray:
-                pid = self.put_array(obj)
-            elif kind is tensor:
-                pid = self.put_tensor(obj)
-            else:
-                return obj
-            new = obj if pid is None else _Ref(pid)
-            memo[key] = new
-            return new
-
+        walk = _Walk(self)
         try:
-            return visit(result)
+            return walk.visit(result)
         except (_Cycle, RecursionError):
             # Pickled as it is (what was written is freed with the batch's other ranges).
             return result
@@ -598,6 +544,72 @@ class _Ref:
 
     def __init__(self, pid: Any) -> None:
         self.pid = pid
+
+
+class _Walk:
+    """One walk of :meth:`RegionWriter.skeleton` (a class, not a closure: a closure that calls
+    itself is a reference cycle, and would keep each batch's skeleton until a collection)."""
+
+    __slots__ = ("memo", "ndarray", "tensor", "writer")
+
+    def __init__(self, writer: RegionWriter) -> None:
+        numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+        self.writer = writer
+        self.ndarray = getattr(numpy, "ndarray", None)
+        self.tensor = getattr(torch, "Tensor", None)
+        # id -> what replaces the object; the objects stay alive in the result meanwhile.
+        self.memo: dict[int, Any] = {}
+
+    def visit(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind in _ATOMS:
+            return obj
+        memo, writer, visit = self.memo, self.writer, self.visit
+        key = id(obj)
+        if key in memo:
+            got = memo[key]
+            if got is _BUSY:  # a tuple that holds itself (through a list or dict)
+                raise _Cycle
+            return got
+        pid: Any = None
+        if kind is list:
+            if obj:
+                first = type(obj[0])
+                if first is CachedSample or first in _BUFFER_TYPES:
+                    pid = writer.put_list(obj, first is CachedSample)
+            if pid is None:
+                items: list[Any] = []
+                memo[key] = items  # before the items: a list may hold itself
+                items.extend([x if type(x) in _ATOMS else visit(x) for x in obj])
+                return items
+        elif kind is dict:
+            values: dict[Any, Any] = {}
+            memo[key] = values
+            for k, v in obj.items():
+                values[k] = v if type(v) in _ATOMS else visit(v)
+            return values
+        elif kind is tuple or (issubclass(kind, tuple) and _plain_namedtuple(kind, obj)):
+            memo[key] = _BUSY
+            fields = [x if type(x) in _ATOMS else visit(x) for x in obj]
+            new = tuple(fields) if kind is tuple else tuple.__new__(kind, fields)
+            memo[key] = new
+            return new
+        elif kind is bytes or kind is bytearray:
+            got = writer.put_bytes(obj)
+            pid = None if got is None else ("b", *got)
+        elif kind is memoryview:
+            pid = writer.put_view(obj)
+        elif kind is CachedSample:
+            pid = writer.put_sample(obj)
+        elif kind is self.ndarray:
+            pid = writer.put_array(obj)
+        elif kind is self.tensor:
+            pid = writer.put_tensor(obj)
+        else:
+            return obj
+        new = obj if pid is None else _Ref(pid)
+        memo[key] = new
+        return new
 
 
 _NAMEDTUPLES: dict[type, bool] = {}
