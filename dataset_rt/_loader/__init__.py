@@ -25,15 +25,18 @@ Lifetimes of the zero-copy views (``CachedSample.data``, a ``memoryview`` into a
   (same address and bytes: one copy of each kept batch, so memory grows with what is kept, as
   with torch). A slot is never reused while anything can read it. See
   ``LoaderIterator._release_held`` in :mod:`.passes`.
-- ``num_workers>0``: slot views are valid inside ``transform`` / ``collate_fn``. The buffers of
-  the result (bytes, bytearray, memoryview, numpy arrays, CPU tensors, ``CachedSample.data``, at
-  any nesting) are written once by the worker into its result memory before the slot is
-  released (:mod:`.results`). The training loop receives views of that memory: numpy arrays and
-  tensors (writable), read-only ``memoryview`` for bytes-like leaves, ``CachedSample`` whose
-  ``data`` is such a view; other objects as pickled. They stay valid as long as you hold them,
-  also after the pass ends: the memory is reused only once nothing references it. When held
-  batches fill ``result_bytes``, buffers that do not fit are pickled (one more copy) with a
-  ``RuntimeWarning`` once per pass; nothing waits, nothing is overwritten.
+- ``num_workers>0``: slot views are valid inside ``transform`` / ``collate_fn``. The result's
+  own buffers (bytes, bytearray, memoryview, numpy arrays, CPU tensors, ``CachedSample.data``:
+  the result itself, or what lies in it through lists, tuples, plain named tuples and dict
+  values) are written once by the worker into its result memory before the slot is released
+  (:mod:`.results`). The training loop receives views of that memory: numpy arrays and tensors
+  (writable), read-only ``memoryview`` for bytes-like leaves (a memoryview keeps its format and
+  shape), ``CachedSample`` whose ``data`` is such a view. Everything else (dict keys, and what
+  lies in another object's pickled state: a numpy scalar, an object or masked array, a
+  dataclass's fields) arrives as pickled, as pickle made it. They stay valid as long as you
+  hold them, also after the pass ends: the memory is reused only once nothing references it.
+  When held batches fill ``result_bytes``, buffers that do not fit are pickled (one more copy)
+  with a ``RuntimeWarning`` once per pass; nothing waits, nothing is overwritten.
 
 Stopping: a pass still open when the interpreter exits is closed by an ``atexit`` hook that runs
 before multiprocessing's own (which would SIGTERM the workers and join them without a bound);

@@ -2,11 +2,15 @@
 
 Each loader worker has an arena, one anonymous shared file (``memfd``: nothing is named in
 /dev/shm, so nothing can leak when a process is killed) that the training process creates and
-both map. A worker writes every buffer of a result (bytes, bytearray, memoryview, numpy arrays,
-CPU tensors, ``CachedSample.data``, at any nesting) once into the arena, where Rust's
-``ResultArena`` says, and sends only the skeleton: a pickle in which each buffer is a small
-descriptor (kind, range, offset, size, dtype, shape). The training process maps the arena once
-and rebuilds each result as views of it: zero copies there.
+both map. A worker writes each of a result's own buffers (bytes, bytearray, memoryview, numpy
+arrays, CPU tensors, ``CachedSample.data``: the result itself, or what lies in it through lists,
+tuples, plain named tuples and dict values) once into the arena, where Rust's ``ResultArena``
+says, and sends only the skeleton: a pickle in which each such buffer is a small descriptor
+(kind, range, offset, size, dtype, shape, a memoryview's format). The training process maps the
+arena once and rebuilds each result as views of it: zero copies there. Everything else, dict
+keys and what lies in another object's pickled state (a numpy scalar's or a date's bytes, an
+object array's items, a dataclass's fields) included, is pickled as pickle makes it: a
+reconstructor gets exactly what it pickled (see :meth:`RegionWriter.skeleton`).
 
 A buffer that is already a view of one of the worker's shard maps (``sample.data`` of a record
 stored uncompressed, a slice of it, a numpy array over it) is not written at all: Rust's index of
@@ -30,6 +34,7 @@ from the file.
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import ctypes
 import io
 import mmap
@@ -56,15 +61,63 @@ _BUFFER_TYPES = (bytes, bytearray, memoryview)
 
 
 class BatchPickler(pickle.Pickler):
-    """Pickles a worker's result; slot views become bytes (the one copy across processes)."""
+    """Pickles a worker's result; slot views become bytes (the one copy across processes), a
+    memoryview of another format or shape a read-only memoryview of them over its bytes."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, memoryview):
-            return bytes, (obj.tobytes(),)
+            layout = view_layout(obj)
+            if layout is None:
+                return bytes, (obj.tobytes(),)
+            return shaped_view, (obj.tobytes(), *layout)
         if isinstance(obj, CachedSample):
             data = obj.data
             return CachedSample, (data if isinstance(data, bytes) else bytes(data), obj.metadata)
         return NotImplemented
+
+
+def view_layout(view: memoryview) -> tuple[str, tuple[int, ...], Any] | None:
+    """How to give ``view``'s bytes back its format and shape: ``None`` for a flat ``B`` view
+    (bytes as they are), else ``(format, shape, dtype)``, where ``dtype`` is ``None`` when
+    ``memoryview.cast`` takes the format (Python's native single-character ones), else the numpy
+    dtype of the format (byte orders, complex, structured formats, empty views), or ``None`` as a
+    whole when numpy has none either: the view then arrives flat."""
+    fmt, shape = view.format, view.shape or ()
+    if fmt == "B" and len(shape) == 1:
+        return None
+    castable = _CASTABLE.get(fmt) if view.nbytes else False  # no cast to a shape with a 0
+    if castable is None:
+        try:
+            probe: Any = memoryview(bytes(view.itemsize))
+            probe.cast(fmt)
+            castable = True
+        except (TypeError, ValueError):
+            castable = False
+        _CASTABLE[fmt] = castable
+    if castable:
+        return fmt, shape, None
+    try:
+        import numpy
+
+        dtype = numpy.asarray(view).dtype
+    except Exception:  # a format numpy does not read either: flat bytes
+        return None
+    return fmt, shape, dtype
+
+
+_CASTABLE: dict[str, bool] = {}
+
+
+def shaped_view(data: Any, fmt: str, shape: tuple[int, ...], dtype: Any) -> memoryview:
+    """A read-only memoryview of ``data`` (C-ordered bytes) with ``view_layout``'s format and
+    shape."""
+    if dtype is None:
+        flat: Any = memoryview(data).toreadonly()
+        return flat.cast(fmt, shape)  # type: ignore[no-any-return]
+    import numpy
+
+    array: Any = numpy.frombuffer(data, dtype).reshape(shape)
+    return memoryview(array).toreadonly()
 
 
 def dumps(message: tuple[str, int, Any, list[int]]) -> bytes:
@@ -193,7 +246,8 @@ class _RegionUnpickler(pickle.Unpickler):
                 return views
             return [CachedSample(v, m) for v, m in zip(views, pickle.loads(pid[2]), strict=True)]
         if kind == "r":
-            return self._shard_views(pid[1])[0]
+            view = self._shard_views(pid[1])[0]
+            return view if len(pid) == 2 else shaped_view(view, *pid[2:])
         if kind == "rs":
             return CachedSample(self._shard_views(pid[1])[0], pid[2])
         if kind == "ra":
@@ -205,7 +259,7 @@ class _RegionUnpickler(pickle.Unpickler):
         at = offset - self._starts[r]
         part = self._roots[r][at : at + n]
         if kind == "b":
-            return memoryview(part).toreadonly()
+            return memoryview(part).toreadonly() if len(pid) == 4 else shaped_view(part, *pid[4:])
         if kind == "s":
             return CachedSample(memoryview(part).toreadonly(), pid[4])
         if kind == "a":
@@ -296,7 +350,7 @@ class RegionWriter:
         """The message of a batch: a header (ranges, whether something fell back, the samples'
         global indices) and the skeleton, one after the other."""
         body = io.BytesIO()
-        _RegionPickler(body, self).dump(result)
+        _RegionPickler(body, protocol=pickle.HIGHEST_PROTOCOL).dump(self.skeleton(result))
         ranges = self.arena.finish()
         header = pickle.dumps(
             ("region", seq, (ranges, self.fallback), indices), pickle.HIGHEST_PROTOCOL
@@ -327,7 +381,33 @@ class RegionWriter:
         spans = self.shards.shard_spans(buffers)
         return None if spans is None else pickle.PickleBuffer(array("Q", spans).tobytes())
 
+    def skeleton(self, result: Any) -> Any:
+        """``result`` with each of its own buffers written to the region (or found in a shard
+        map) and replaced by a :class:`_Ref`: the result itself, and what lies in it through
+        lists, tuples, named tuples and the values of dicts (exact types): numpy arrays, CPU
+        tensors, ``bytes``, ``bytearray``, ``memoryview``, ``CachedSample``. The containers
+        on the way are new ones (sharing and cycles kept); everything else is the result's own
+        object, pickled as pickle makes it: dict keys, sets, and what another object's pickled
+        state holds (a numpy scalar's bytes, an object array's items, a dataclass's fields),
+        whose reconstructors need exactly what they pickled. A buffer that does not fit stays
+        as it is (pickled, one more copy)."""
+        walk = _Walk(self)
+        try:
+            return walk.visit(result)
+        except (_Cycle, RecursionError):
+            # Pickled as it is (what was written is freed with the batch's other ranges).
+            return result
+
     # ---- the leaves ----
+
+    def put_sample(self, sample: CachedSample) -> tuple[Any, ...] | None:
+        data = sample.data
+        if type(data) is memoryview:
+            spans = self.shard_spans([data])
+            if spans is not None:
+                return ("rs", spans, sample.metadata)
+        got = self.put_bytes(data)
+        return None if got is None else ("s", *got, sample.metadata)
 
     def put_bytes(self, obj: Any) -> tuple[int, int, int] | None:
         source = memoryview(obj)
@@ -344,6 +424,18 @@ class RegionWriter:
             target[:] = source.tobytes()
         return r, offset, n
 
+    def put_view(self, view: memoryview) -> tuple[Any, ...] | None:
+        """A memoryview: a reference when it lies in a shard map, else written; either way with
+        its format and shape unless it is flat bytes."""
+        layout = view_layout(view)
+        spans = self.shard_spans([view])
+        if spans is not None:
+            return ("r", spans) if layout is None else ("r", spans, *layout)
+        got = self.put_bytes(view)
+        if got is None:
+            return None
+        return ("b", *got) if layout is None else ("b", *got, *layout)
+
     def put_list(self, items: list[Any], samples: bool) -> tuple[Any, ...] | None:
         """A list of ``CachedSample`` (a batch without ``transform``) or of bytes-like objects:
         one allocation and one descriptor for all of it (per-item descriptors would cost more
@@ -356,6 +448,8 @@ class RegionWriter:
             if any(type(b) not in _BUFFER_TYPES for b in items):
                 return None
             views = [memoryview(b) for b in items]
+            if any(v.format != "B" or v.ndim != 1 for v in views):
+                return None  # each view keeps its own format and shape
         metadata = (
             pickle.PickleBuffer(pickle.dumps([s.metadata for s in items], pickle.HIGHEST_PROTOCOL))
             if samples
@@ -434,45 +528,126 @@ class RegionWriter:
         return ("t", r, offset, n, tensor.dtype, shape)
 
 
-class _RegionPickler(BatchPickler):
-    """Pickles a result with its buffers written to the region and replaced by descriptors;
-    a buffer that does not fit is pickled as :class:`BatchPickler` does."""
+_ATOMS = frozenset({int, float, str, bool, type(None), complex})
+_BUSY = object()
 
-    def __init__(self, stream: io.BytesIO, writer: RegionWriter) -> None:
-        super().__init__(stream, protocol=pickle.HIGHEST_PROTOCOL)
-        self._writer = writer
+
+class _Cycle(Exception):
+    pass
+
+
+class _Ref:
+    """A buffer of a result placed by :meth:`RegionWriter.skeleton`: pickled as ``pid``, its
+    descriptor (a persistent id)."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: Any) -> None:
+        self.pid = pid
+
+
+class _Walk:
+    """One walk of :meth:`RegionWriter.skeleton` (a class, not a closure: a closure that calls
+    itself is a reference cycle, and would keep each batch's skeleton until a collection)."""
+
+    __slots__ = ("memo", "ndarray", "tensor", "writer")
+
+    def __init__(self, writer: RegionWriter) -> None:
         numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
-        # Only exact types: a subclass may carry state that a plain view would lose.
-        self._ndarray = getattr(numpy, "ndarray", None)
-        self._tensor = getattr(torch, "Tensor", None)
+        self.writer = writer
+        self.ndarray = getattr(numpy, "ndarray", None)
+        self.tensor = getattr(torch, "Tensor", None)
+        # id -> what replaces the object; the objects stay alive in the result meanwhile.
+        self.memo: dict[int, Any] = {}
+
+    def visit(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind in _ATOMS:
+            return obj
+        memo, writer, visit = self.memo, self.writer, self.visit
+        key = id(obj)
+        if key in memo:
+            got = memo[key]
+            if got is _BUSY:  # a tuple that holds itself (through a list or dict)
+                raise _Cycle
+            return got
+        pid: Any = None
+        if kind is list:
+            if obj:
+                first = type(obj[0])
+                if first is CachedSample or first in _BUFFER_TYPES:
+                    pid = writer.put_list(obj, first is CachedSample)
+            if pid is None:
+                items: list[Any] = []
+                memo[key] = items  # before the items: a list may hold itself
+                items.extend([x if type(x) in _ATOMS else visit(x) for x in obj])
+                return items
+        elif kind is dict:
+            values: dict[Any, Any] = {}
+            memo[key] = values
+            for k, v in obj.items():
+                values[k] = v if type(v) in _ATOMS else visit(v)
+            return values
+        elif kind is tuple or (issubclass(kind, tuple) and _plain_namedtuple(kind, obj)):
+            memo[key] = _BUSY
+            fields = [x if type(x) in _ATOMS else visit(x) for x in obj]
+            new = tuple(fields) if kind is tuple else tuple.__new__(kind, fields)
+            memo[key] = new
+            return new
+        elif kind is bytes or kind is bytearray:
+            got = writer.put_bytes(obj)
+            pid = None if got is None else ("b", *got)
+        elif kind is memoryview:
+            pid = writer.put_view(obj)
+        elif kind is CachedSample:
+            pid = writer.put_sample(obj)
+        elif kind is self.ndarray:
+            pid = writer.put_array(obj)
+        elif kind is self.tensor:
+            pid = writer.put_tensor(obj)
+        else:
+            return obj
+        new = obj if pid is None else _Ref(pid)
+        memo[key] = new
+        return new
+
+
+_NAMEDTUPLES: dict[type, bool] = {}
+
+
+def _plain_namedtuple(kind: type, obj: Any) -> bool:
+    """Whether ``obj`` is a ``collections.namedtuple`` whose pickled form is its fields alone
+    (``cls.__new__(cls, *fields)``, which stores them as they come): nothing of the class
+    changes how it pickles or builds, and the instance has no attributes of its own."""
+    plain = _NAMEDTUPLES.get(kind)
+    if plain is None:
+        # The class namedtuple() made: its __new__ runs in a namespace of its own.
+        base = next((c for c in kind.__mro__ if _namedtuple_new(vars(c).get("__new__"))), None)
+        plain = (
+            base is not None
+            and kind.__new__ is base.__new__
+            and getattr(kind, "__getnewargs__", None) is getattr(base, "__getnewargs__", 0)
+            and kind.__reduce_ex__ is object.__reduce_ex__  # type: ignore[comparison-overlap]
+            and kind.__reduce__ is object.__reduce__  # type: ignore[comparison-overlap]
+            and getattr(kind, "__getstate__", None) is getattr(object, "__getstate__", None)
+            and not hasattr(kind, "__setstate__")
+            and kind not in copyreg.dispatch_table
+        )
+        _NAMEDTUPLES[kind] = plain
+    return plain and not getattr(obj, "__dict__", None)
+
+
+def _namedtuple_new(new: Any) -> bool:
+    function = getattr(new, "__func__", new)  # a class's __new__ is a staticmethod there
+    return str(getattr(function, "__globals__", {}).get("__name__", "")).startswith("namedtuple_")
+
+
+class _RegionPickler(BatchPickler):
+    """Pickles a result's skeleton (:meth:`RegionWriter.skeleton`): each :class:`_Ref` as its
+    descriptor, everything else as :class:`BatchPickler` does."""
 
     def persistent_id(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind is list and obj:
-            first = type(obj[0])
-            if first is CachedSample or first in _BUFFER_TYPES:
-                return self._writer.put_list(obj, first is CachedSample)
-            return None
-        if kind is memoryview:
-            spans = self._writer.shard_spans([obj])
-            if spans is not None:
-                return ("r", spans)
-        if kind in _BUFFER_TYPES:
-            got = self._writer.put_bytes(obj)
-            return None if got is None else ("b", *got)
-        if kind is CachedSample:
-            data = obj.data
-            if type(data) is memoryview:
-                spans = self._writer.shard_spans([data])
-                if spans is not None:
-                    return ("rs", spans, obj.metadata)
-            got = self._writer.put_bytes(data)
-            return None if got is None else ("s", *got, obj.metadata)
-        if kind is self._ndarray:
-            return self._writer.put_array(obj)
-        if kind is self._tensor:
-            return self._writer.put_tensor(obj)
-        return None
+        return obj.pid if type(obj) is _Ref else None
 
 
 _current: RegionWriter | None = None
