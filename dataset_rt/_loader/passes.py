@@ -54,6 +54,8 @@ class LoaderIterator(Iterator[Any]):
         self._heartbeat_timeout = loader.heartbeat_timeout
         self._persistent = loader.persistent_workers
         self._owner = os.getpid()
+        # False in a forked child (lifecycle.forget_in_child): the pass is the parent's.
+        self._owned = True
         self._closed = False
         # Persistent pipeline between passes: the pass was fully received and ended.
         self._idle = False
@@ -144,6 +146,7 @@ class LoaderIterator(Iterator[Any]):
                 if region is not None:
                     region.started()
             self._workers.append(process)
+            lifecycle.started_workers.add(process)
             self._conns.append(receiver)
             self._open.add(i)
         # Every process runs: only now does the pass use up a loaded state or the epoch.
@@ -156,7 +159,7 @@ class LoaderIterator(Iterator[Any]):
         received to its end, or the dataset's weights or reading options changed): the loader
         then starts a fresh one. A process that died since the last pass raises ``LoaderError``
         after closing the pipeline: the next ``iter()`` starts a fresh one."""
-        if self._closed or not self._idle or os.getpid() != self._owner:
+        if self._closed or not self._idle or not self._in_owner():
             return False
         ring = self._ring
         assert ring is not None and self._producer is not None
@@ -192,10 +195,25 @@ class LoaderIterator(Iterator[Any]):
             raise
         return True
 
+    def _in_owner(self) -> bool:
+        """Whether this process started the pass (``False`` in a forked child)."""
+        return self._owned and os.getpid() == self._owner
+
+    def _require_owner(self) -> None:
+        if not self._in_owner():
+            raise lifecycle.forked_error(self._owner, "DataLoader iterator")
+
+    def _disown(self) -> None:
+        """In a forked child (:func:`.lifecycle.forget_in_child`): the pass is the parent's;
+        every use raises ``RuntimeStateError`` and closing does nothing."""
+        self._owned = False
+
     def __iter__(self) -> LoaderIterator:
+        self._require_owner()
         return self
 
     def __len__(self) -> int:
+        self._require_owner()
         return max(0, self._total - self._next) if not self._closed else 0
 
     @property
@@ -222,6 +240,9 @@ class LoaderIterator(Iterator[Any]):
         return self._slot_size
 
     def __next__(self) -> Any:
+        # Before anything else: a forked child must not take the parent's batch, nor close the
+        # parent's pass on the way out.
+        self._require_owner()
         if self._closed:
             raise StopIteration
         try:
@@ -462,8 +483,8 @@ class LoaderIterator(Iterator[Any]):
     def shutdown(self, grace: float) -> None:
         """Sets the stop flag and wakes every party; waits up to ``grace`` seconds in all for
         the children to exit, then SIGKILLs the rest. No wait is unbounded."""
-        if self._closed or os.getpid() != self._owner:
-            return
+        if self._closed or not self._in_owner():
+            return  # a forked child: the processes, ring and pipes are the parent's
         self._closed = True
         lifecycle.open_passes.discard(self)
         ring = self._ring
