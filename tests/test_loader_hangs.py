@@ -1,17 +1,22 @@
 """Hangs that a beating heartbeat hides: a worker forked from a training process that used torch's
-thread pool (each worker runs one torch thread, as torch's own workers do)."""
+thread pool (each worker runs one torch thread, as torch's own workers do), and a batch that takes
+far longer than the workers' recent ones (a ``RuntimeWarning`` naming the worker that holds it)."""
 
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 from loader_helpers import load, no_leaks  # noqa: F401
 
 from dataset_rt import DataLoader
+from dataset_rt._loader import passes
 
 N = 48
 BATCH = 4
@@ -87,3 +92,49 @@ def test_each_worker_runs_one_torch_thread_unless_worker_init_fn_raises_it(datas
         assert {n for batch in loader for n in batch} == {1}
     with DataLoader(dataset, BATCH, worker_init_fn=more_threads, **kwargs) as loader:
         assert {n for batch in loader for n in batch} == {2}
+
+
+def sleepy(pid_file: str, sleeper: int, seconds: float, sample):
+    """Sleeps on sample ``sleeper`` (recording which process did), then returns its index."""
+    if sample.metadata["i"] == sleeper:
+        Path(pid_file).write_text(str(os.getpid()))
+        time.sleep(seconds)
+    return sample.metadata["i"]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_batch_awaited_far_longer_than_recent_ones_is_reported_once(
+    dataset, tmp_path, monkeypatch, context
+):
+    with DataLoader(dataset, BATCH) as loader:
+        order = [[s.metadata["i"] for s in b] for b in loader]
+    slow = 6  # a batch after several quick ones
+    pid_file = tmp_path / "sleeper"
+    transform = functools.partial(sleepy, str(pid_file), order[slow][0], 2.0)
+    loader = DataLoader(
+        dataset, BATCH, num_workers=2, transform=transform, multiprocessing_context=context
+    )
+    with loader:
+        it = iter(loader)
+        # The workers' start (seconds with spawn) is awaited under the default rule.
+        got = [next(it) for _ in range(slow)]
+        workers = it.pids["workers"]
+        monkeypatch.setattr(passes, "SLOW_BATCH_FLOOR_S", 0.5)
+        with pytest.warns(RuntimeWarning, match="has been awaited for") as caught:
+            got += list(it)
+    assert got == order
+    slow_warnings = [str(w.message) for w in caught if "has been awaited" in str(w.message)]
+    assert len(slow_warnings) == 1, slow_warnings  # once per batch, not once per poll
+    (message,) = slow_warnings
+    sleeper = int(pid_file.read_text())
+    assert message.startswith(f"batch {slow} has been awaited for "), message
+    assert f"loader worker {workers.index(sleeper)} (pid {sleeper}) holds it" in message, message
+    assert "timeout=" in message
+
+
+def test_the_slow_batch_rule_is_not_triggered_by_ordinary_batches(dataset):
+    """The default rule: a floor of a minute, and ten times the recent batch time above it."""
+    assert passes.SLOW_BATCH_FLOOR_S == 60.0
+    assert passes.SLOW_BATCH_FACTOR == 10.0
+    with DataLoader(dataset, BATCH, num_workers=2) as loader:
+        assert sum(len(b) for b in loader) == N  # warnings are errors in this suite
