@@ -87,7 +87,7 @@ def test_each_worker_runs_one_torch_thread_unless_worker_init_fn_raises_it(datas
     # With spawn, unpickling the transform (which holds a torch function) imports torch in the
     # worker before it starts, as a transform from a module that imports torch would.
     transform = functools.partial(threads_in_worker, torch.get_num_threads)
-    kwargs = {"num_workers": 2, "transform": transform, "multiprocessing_context": context}
+    kwargs = {"num_workers": 1, "transform": transform, "multiprocessing_context": context}
     with DataLoader(dataset, BATCH, **kwargs) as loader:
         assert {n for batch in loader for n in batch} == {1}
     with DataLoader(dataset, BATCH, worker_init_fn=more_threads, **kwargs) as loader:
