@@ -246,14 +246,15 @@ def _predict_split(dataset: Dataset, wrapper: Any) -> _RankSplit:
 
 
 class _WorkerInit:
-    """What torch's workers do first: one intra-op thread each (the workers are the
-    parallelism; more threads only fight over the cores), then the user's ``worker_init_fn``."""
+    """The user's ``worker_init_fn``, from this module: a spawned worker that unpickles it
+    imports torch before it starts, so every worker of this adapter runs with one intra-op
+    thread (set by every loader worker where torch is imported, before ``worker_init_fn``:
+    ``dataset_rt._loader.workers.one_torch_thread``), as torch's own workers do."""
 
     def __init__(self, user: Callable[[int], None] | None) -> None:
         self.user = user
 
     def __call__(self, index: int) -> None:
-        torch.set_num_threads(1)
         if self.user is not None:
             self.user(index)
 

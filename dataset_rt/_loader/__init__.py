@@ -14,7 +14,8 @@ parts, plus what only Python does:
 - :mod:`.workers`: the worker processes.
 - :mod:`.results`: worker results through shared memory (result regions, skeletons).
 - :mod:`.signals`: the children's signal dispositions.
-- :mod:`.lifecycle`: bounded stops, SIGKILL and reaping, the interpreter's exit hook.
+- :mod:`.lifecycle`: bounded stops, SIGKILL and reaping, the interpreter's exit hook, and the
+  fork hook after which a forked child can use nothing of its parent's loaders.
 
 Lifetimes of the zero-copy views (``CachedSample.data``, a ``memoryview`` into a slot):
 

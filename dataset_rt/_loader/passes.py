@@ -14,10 +14,12 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import statistics
 import subprocess
 import sys
 import time
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,15 @@ if TYPE_CHECKING:
 
 # How often the training loop checks its producer and workers while it waits.
 _POLL_S = 0.1
+
+# A batch the training loop has awaited longer than the larger of SLOW_BATCH_FLOOR_S and
+# SLOW_BATCH_FACTOR times the median of the workers' recent batch times (the time between two
+# results of one worker, over the last _RECENT_BATCHES results) is reported once, with a
+# RuntimeWarning naming the worker that holds it: a worker hung in user code keeps its
+# heartbeat thread beating, so with timeout=0 the wait would otherwise be silent.
+SLOW_BATCH_FLOOR_S = 60.0
+SLOW_BATCH_FACTOR = 10.0
+_RECENT_BATCHES = 32
 
 
 class LoaderIterator(Iterator[Any]):
@@ -54,6 +65,8 @@ class LoaderIterator(Iterator[Any]):
         self._heartbeat_timeout = loader.heartbeat_timeout
         self._persistent = loader.persistent_workers
         self._owner = os.getpid()
+        # False in a forked child (lifecycle.forget_in_child): the pass is the parent's.
+        self._owned = True
         self._closed = False
         # Persistent pipeline between passes: the pass was fully received and ended.
         self._idle = False
@@ -65,6 +78,11 @@ class LoaderIterator(Iterator[Any]):
         # Each worker's result memory (None: results are pickled whole).
         self._regions: list[results.RegionOwner | None] = []
         self._warned_fallback = False
+        # For the slow-batch warning: each worker's latest batch received this pass and when,
+        # the time between two results of one worker (recent ones), the batch warned about.
+        self._latest: dict[int, tuple[int, float]] = {}
+        self._recent: deque[float] = deque(maxlen=_RECENT_BATCHES)
+        self._warned_slow = -1
         # Workers whose pipe is still open, and those that exited cleanly (pass done).
         self._open: set[int] = set()
         self._exited: set[int] = set()
@@ -144,6 +162,7 @@ class LoaderIterator(Iterator[Any]):
                 if region is not None:
                     region.started()
             self._workers.append(process)
+            lifecycle.started_workers.add(process)
             self._conns.append(receiver)
             self._open.add(i)
         # Every process runs: only now does the pass use up a loaded state or the epoch.
@@ -156,7 +175,7 @@ class LoaderIterator(Iterator[Any]):
         received to its end, or the dataset's weights or reading options changed): the loader
         then starts a fresh one. A process that died since the last pass raises ``LoaderError``
         after closing the pipeline: the next ``iter()`` starts a fresh one."""
-        if self._closed or not self._idle or os.getpid() != self._owner:
+        if self._closed or not self._idle or not self._in_owner():
             return False
         ring = self._ring
         assert ring is not None and self._producer is not None
@@ -185,6 +204,8 @@ class LoaderIterator(Iterator[Any]):
             self._next = 0
             self._buffer.clear()
             self._warned_fallback = False
+            self._latest.clear()
+            self._warned_slow = -1
             self._idle = False
             self._plan.commit_pass(handle)
         except BaseException:
@@ -192,10 +213,25 @@ class LoaderIterator(Iterator[Any]):
             raise
         return True
 
+    def _in_owner(self) -> bool:
+        """Whether this process started the pass (``False`` in a forked child)."""
+        return self._owned and os.getpid() == self._owner
+
+    def _require_owner(self) -> None:
+        if not self._in_owner():
+            raise lifecycle.forked_error(self._owner, "DataLoader iterator")
+
+    def _disown(self) -> None:
+        """In a forked child (:func:`.lifecycle.forget_in_child`): the pass is the parent's;
+        every use raises ``RuntimeStateError`` and closing does nothing."""
+        self._owned = False
+
     def __iter__(self) -> LoaderIterator:
+        self._require_owner()
         return self
 
     def __len__(self) -> int:
+        self._require_owner()
         return max(0, self._total - self._next) if not self._closed else 0
 
     @property
@@ -222,6 +258,9 @@ class LoaderIterator(Iterator[Any]):
         return self._slot_size
 
     def __next__(self) -> Any:
+        # Before anything else: a forked child must not take the parent's batch, nor close the
+        # parent's pass on the way out.
+        self._require_owner()
         if self._closed:
             raise StopIteration
         try:
@@ -380,6 +419,11 @@ class LoaderIterator(Iterator[Any]):
                 if fell_back:
                     self._warn_fallback()
             self._buffer[t] = (tag, payload, indices)
+            now = time.monotonic()
+            latest = self._latest.get(i)
+            if latest is not None:
+                self._recent.append(now - latest[1])
+            self._latest[i] = (t, now)
 
     def _warn_fallback(self) -> None:
         if not self._warned_fallback:
@@ -394,6 +438,44 @@ class LoaderIterator(Iterator[Any]):
                 RuntimeWarning,
                 stacklevel=5,  # the loop that called next()
             )
+
+    def _check_slow(self, seq: int, started: float) -> None:
+        """Warns once when batch ``seq`` has been awaited far longer than the workers' recent
+        batches took (see ``SLOW_BATCH_FLOOR_S``), naming the worker that holds it."""
+        waited = time.monotonic() - started
+        if seq == self._warned_slow or waited <= SLOW_BATCH_FLOOR_S:
+            return
+        median = statistics.median(self._recent) if self._recent else 0.0
+        bound = max(SLOW_BATCH_FLOOR_S, SLOW_BATCH_FACTOR * median)
+        if waited <= bound:
+            return
+        self._warned_slow = seq
+        # A worker takes its tickets in increasing order and sends its results in that order:
+        # the one that took batch seq has sent nothing after it yet.
+        holders = [
+            i
+            for i in range(len(self._workers))
+            if i not in self._exited and self._latest.get(i, (-1, 0.0))[0] < seq
+        ]
+        named = ", ".join(f"loader worker {i} (pid {self._workers[i].pid})" for i in holders)
+        assert self._ring is not None
+        if seq >= self._ring.produced:
+            where = "the producer has not written it yet"
+        elif len(holders) == 1:
+            where = f"{named} holds it and is still running"
+        elif holders:
+            where = f"one of {named} holds it (none of them has sent a later batch)"
+        else:
+            where = "no running worker can hold it"
+        recent = f"{median:.3g} s" if self._recent else "none yet"
+        warnings.warn(
+            f"batch {seq} has been awaited for {waited:.1f} s, more than {bound:.1f} s (the "
+            f"larger of {SLOW_BATCH_FLOOR_S:g} s and {SLOW_BATCH_FACTOR:g} times the workers' "
+            f"recent batch time, {recent}): {where}. A worker hung in transform or collate_fn "
+            "keeps beating; timeout= turns such a wait into LoaderError (warned once per batch)",
+            RuntimeWarning,
+            stacklevel=4,  # the loop that called next()
+        )
 
     def _worker_failed(self, i: int, stage: str, report: str) -> LoaderError:
         pid = self._workers[i].pid
@@ -424,6 +506,7 @@ class LoaderIterator(Iterator[Any]):
         while seq not in self._buffer:
             self._flush_frees()
             self._check(seq, started)
+            self._check_slow(seq, started)
             conns: dict[Any, int] = {self._conns[i]: i for i in self._open}
             sentinels = {
                 p.sentinel: i for i, p in enumerate(self._workers) if i not in self._exited
@@ -462,8 +545,8 @@ class LoaderIterator(Iterator[Any]):
     def shutdown(self, grace: float) -> None:
         """Sets the stop flag and wakes every party; waits up to ``grace`` seconds in all for
         the children to exit, then SIGKILLs the rest. No wait is unbounded."""
-        if self._closed or os.getpid() != self._owner:
-            return
+        if self._closed or not self._in_owner():
+            return  # a forked child: the processes, ring and pipes are the parent's
         self._closed = True
         lifecycle.open_passes.discard(self)
         ring = self._ring

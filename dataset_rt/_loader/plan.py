@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
 from dataset_rt import _native
-from dataset_rt._loader import results
+from dataset_rt._loader import lifecycle, results
 from dataset_rt._loader.passes import LoaderIterator
 from dataset_rt._native import CachedSample, ConfigError
 
@@ -147,8 +148,16 @@ class DataLoader:
         self._plan = _native.LoaderPlan(dataset._native, batch_size, drop_last, producer_threads)
         self.producer_threads = self._plan.producer_threads
         self._iterator: LoaderIterator | None = None
+        self._owner = os.getpid()
+
+    def _require_owner(self) -> None:
+        """A loader is its creator's: in a forked child every use raises ``RuntimeStateError``
+        (``close()`` does nothing there)."""
+        if os.getpid() != self._owner:
+            raise lifecycle.forked_error(self._owner, "DataLoader")
 
     def __iter__(self) -> LoaderIterator:
+        self._require_owner()
         iterator = self._iterator
         if iterator is not None and iterator.persistent and iterator._restart():
             return iterator
@@ -158,31 +167,38 @@ class DataLoader:
 
     def __len__(self) -> int:
         """Batches per epoch of this rank."""
+        self._require_owner()
         return len(self._plan)
 
     def set_epoch(self, epoch: int) -> None:
         """Makes the next ``iter(loader)`` read ``epoch`` from its start; the state describes
         that start from now on (``ConfigError`` for a negative epoch)."""
+        self._require_owner()
         self._plan.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """The dataset's state format at the batches the training loop has received: resume it
         with another ``num_workers``, ``batch_size`` or world size."""
+        self._require_owner()
         state: dict[str, Any] = json.loads(self._plan.state_json())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the next ``iter(loader)`` continue at the exact next sample of ``state``."""
+        self._require_owner()
         self._plan.load_state_json(json.dumps(state))
 
     def close(self) -> None:
         """Stops the current pass's processes (with ``persistent_workers``, the pipeline's)
-        and removes its segments."""
+        and removes its segments. In a forked child it does nothing: they are the parent's."""
+        if os.getpid() != self._owner:
+            return
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None
 
     def __enter__(self) -> DataLoader:
+        self._require_owner()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -43,6 +43,17 @@ def collate(items: list[Any], collate_fn: Callable[[list[Any]], Any]) -> Any:
     return collate_fn(items)
 
 
+def one_torch_thread() -> None:
+    """One torch intra-op thread in this worker when torch is imported, as torch's own
+    DataLoader sets in its workers: the workers are the parallelism, more threads only fight
+    over the cores, and a worker forked from a training process that already used torch's
+    thread pool can deadlock in its first parallel op otherwise. ``worker_init_fn``, which runs
+    after this, may raise the count again. Never imports torch."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
 def consumer_main(
     ctl_name: str,
     shard_table: str,
@@ -84,6 +95,7 @@ def consumer_main(
         fd = slots.open_ring(ring.ring_name)
         ring.mark_attached()
         writer = None if region is None else results.RegionWriter(*region, shards=ring)
+        one_torch_thread()
         if worker_init_fn is not None:
             stage = "worker_init_fn"
             worker_init_fn(index)
