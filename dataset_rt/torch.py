@@ -245,6 +245,12 @@ def _predict_split(dataset: Dataset, wrapper: Any) -> _RankSplit:
     return split
 
 
+def _callable(name: str, value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise ConfigError(f"invalid DataLoader.{name}: expected a callable or None, got {value!r}")
+    return value
+
+
 class _WorkerInit:
     """What torch's workers do first: one intra-op thread each (the workers are the
     parallelism; more threads only fight over the cores), then the user's ``worker_init_fn``."""
@@ -340,11 +346,17 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             multiprocessing_context=multiprocessing_context,
             timeout=timeout,
             heartbeat_timeout=heartbeat_timeout,
-            worker_init_fn=_WorkerInit(worker_init_fn),
+            worker_init_fn=_WorkerInit(_callable("worker_init_fn", worker_init_fn)),
             producer_threads=producer_threads,
             result_bytes=result_bytes,
             persistent_workers=persistent_workers,
         )
+        # The arguments as the loader checked them (an int for numpy's ints, a float timeout).
+        shm = self._shm
+        batch_size, drop_last, num_workers = shm.batch_size, shm.drop_last, shm.num_workers
+        timeout, persistent_workers = shm.timeout, shm.persistent_workers
+        if prefetch_factor is not None:
+            prefetch_factor = shm.prefetch_factor
         # Frameworks that re-create a loader from its attributes (Lightning, for a loader made
         # outside its hooks) find these arguments too.
         self.transform = transform

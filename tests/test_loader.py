@@ -539,14 +539,14 @@ def test_a_failed_start_keeps_the_loaded_state_and_the_epoch(dataset):
         with pytest.raises(Exception, match=r"lambda|pickle"):
             iter(broken)
         assert broken.state_dict() == resumed_state
-        broken.slot_size_bytes = 1 << 50  # cannot be allocated: the segments fail
+        broken.slot_size_bytes = 1 << 40  # cannot be allocated: the segments fail
         with pytest.raises(OSError):
             iter(broken)
         assert broken.state_dict() == resumed_state
         broken.slot_size_bytes = None
         broken.transform = keyed
         assert ids_of(broken) == expected[15:]
-    with DataLoader(dataset, batch_size=5, slot_size_bytes=1 << 50) as loader:
+    with DataLoader(dataset, batch_size=5, slot_size_bytes=1 << 40) as loader:
         loader.set_epoch(3)
         with pytest.raises(OSError):
             iter(loader)
