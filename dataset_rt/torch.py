@@ -264,6 +264,25 @@ class _WorkerInit:
             self.user(index)
 
 
+# The options that torch's DataLoader lets one reassign and this one does not: the loader reads
+# them at construction (torch's own guard covers batch_size, drop_last, dataset, sampler,
+# batch_sampler and persistent_workers).
+_FIXED_AFTER_INIT = frozenset(
+    {
+        "num_workers",
+        "collate_fn",
+        "timeout",
+        "prefetch_factor",
+        "multiprocessing_context",
+        "transform",
+        "slot_size_bytes",
+        "heartbeat_timeout",
+        "producer_threads",
+        "result_bytes",
+    }
+)
+
+
 class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     """A drop-in ``torch.utils.data.DataLoader`` over a DatasetRT dataset.
 
@@ -393,6 +412,21 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
         )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # torch refuses batch_size, drop_last, dataset, sampler, batch_sampler and
+        # persistent_workers once its constructor has run; the loader's other options are
+        # refused here in the same words (the loader read them at construction). worker_init_fn
+        # is the exception: Lightning sets it under seed_everything(workers=True), and it
+        # applies from the next pass that starts workers.
+        if getattr(self, "_DataLoader__initialized", False):
+            if name == "worker_init_fn":
+                self._shm._replace_worker_init_fn(_WorkerInit(_callable(name, value)))
+            elif name in _FIXED_AFTER_INIT:
+                raise ConfigError(
+                    f"{name} attribute should not be set after {type(self).__name__} is initialized"
+                )
+        super().__setattr__(name, value)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         batches: Iterator[Any] = iter(self._shm)

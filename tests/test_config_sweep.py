@@ -6,6 +6,7 @@ the constructor let through cannot fail later in another way."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -378,6 +379,41 @@ def test_shard_compression_fields() -> None:
         WriterConfig(shard_compression="lz4")  # type: ignore[arg-type]
 
 
+# --- reassigning a loader's options ------------------------------------------------------------
+
+OPTIONS = [
+    "dataset",
+    "batch_size",
+    "num_workers",
+    "transform",
+    "collate_fn",
+    "drop_last",
+    "prefetch_factor",
+    "slot_size_bytes",
+    "timeout",
+    "heartbeat_timeout",
+    "worker_init_fn",
+    "producer_threads",
+    "result_bytes",
+    "persistent_workers",
+]
+
+
+@TIMEOUT
+def test_loader_options_cannot_be_reassigned(dataset) -> None:
+    with DataLoader(dataset, 4) as loader:
+        for name in OPTIONS:
+            before = getattr(loader, name)
+            with pytest.raises(
+                ValueError,
+                match=f"^{name} attribute should not be set after DataLoader is initialized$",
+            ):
+                setattr(loader, name, before)
+            assert getattr(loader, name) is before
+        loader.custom = 1  # other attributes are the caller's
+        assert [len(b) for b in loader] == [4, 4, 4]
+
+
 # --- dataset_rt.torch.DataLoader ---------------------------------------------------------------
 
 
@@ -411,3 +447,33 @@ def test_torch_loader_normalises_numpy_ints(dataset) -> None:
     loader = torch_loader()(dataset, np.int64(4), num_workers=np.int64(0))
     assert (type(loader.batch_size), loader.batch_size, loader.num_workers) == (int, 4, 0)
     assert len(loader) == 3
+
+
+def _touch(path: Path, index: int) -> None:
+    Path(f"{path}-{index}").touch()
+
+
+@TIMEOUT
+@pytest.mark.torch
+def test_torch_loader_options_cannot_be_reassigned(dataset, tmp_path: Path) -> None:
+    loader = torch_loader()(dataset, 4, num_workers=1, multiprocessing_context="fork")
+    with loader:
+        for name in [o for o in OPTIONS if o != "worker_init_fn"] + [
+            "sampler",
+            "batch_sampler",
+            "multiprocessing_context",
+        ]:
+            before = getattr(loader, name)
+            with pytest.raises(
+                ValueError,
+                match=f"^{name} attribute should not be set after DataLoader is initialized$",
+            ):
+                setattr(loader, name, before)
+            assert getattr(loader, name) is before
+        # Lightning sets worker_init_fn (seed_everything(workers=True)): it applies.
+        loader.worker_init_fn = functools.partial(_touch, tmp_path / "init")
+        assert sum(len(b["data"]) for b in loader) == N
+        assert (tmp_path / "init-0").exists()
+        with pytest.raises(ConfigError, match="worker_init_fn"):
+            loader.worker_init_fn = "seed"
+        loader.pin_memory = False  # what torch lets one change and the loader honours

@@ -35,6 +35,26 @@ MAX_NUM_WORKERS = 1024
 MAX_PREFETCH_FACTOR = 1024
 MAX_SLOT_SIZE_BYTES = 2**40
 
+# The constructor's options, held as attributes that cannot be reassigned.
+OPTIONS = frozenset(
+    {
+        "dataset",
+        "batch_size",
+        "num_workers",
+        "transform",
+        "collate_fn",
+        "drop_last",
+        "prefetch_factor",
+        "slot_size_bytes",
+        "timeout",
+        "heartbeat_timeout",
+        "worker_init_fn",
+        "producer_threads",
+        "result_bytes",
+        "persistent_workers",
+    }
+)
+
 
 def max_result_bytes() -> int:
     """The most ``result_bytes`` may be: the machine's physical memory (more could never be
@@ -107,7 +127,12 @@ class DataLoader:
 
     Each ``iter(loader)`` is one epoch (the next one, or the one a loaded state resumes).
     :meth:`state_dict` reflects the batches the training loop has received.
+
+    The options are fixed at construction: assigning one of the attributes that hold them
+    raises ``ConfigError`` (a ``ValueError``, as torch raises).
     """
+
+    _initialized = False
 
     def __init__(
         self,
@@ -183,6 +208,22 @@ class DataLoader:
         self._plan = _native.LoaderPlan(dataset._native, batch_size, drop_last, producer_threads)
         self.producer_threads = self._plan.producer_threads
         self._iterator: LoaderIterator | None = None
+        self._initialized = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The options are read when a pass starts, and the plan holds batch_size and drop_last:
+        # a new value would apply to some passes, half of one, or none. Refused, as torch
+        # refuses it (and in its words); make a new loader instead.
+        if name in OPTIONS and self._initialized:
+            raise ConfigError(
+                f"{name} attribute should not be set after {type(self).__name__} is initialized"
+            )
+        super().__setattr__(name, value)
+
+    def _replace_worker_init_fn(self, worker_init_fn: Callable[[int], None] | None) -> None:
+        """For ``dataset_rt.torch.DataLoader``, whose ``worker_init_fn`` frameworks set: applies
+        from the next pass that starts workers."""
+        object.__setattr__(self, "worker_init_fn", worker_init_fn)
 
     def __iter__(self) -> LoaderIterator:
         iterator = self._iterator
