@@ -6,12 +6,73 @@ written, with a message naming the field.
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 from typing import Literal
 
 from dataset_rt import _native
 
 __all__ = ["ReaderConfig", "ShardCompression", "WriterConfig"]
+
+# The last epoch there is: the epoch after it would not fit the state's 64 bits.
+LAST_EPOCH = 2**64 - 2
+
+
+def is_bool(value: object) -> bool:
+    """Python's ``bool`` or numpy's (``numpy.bool_``, named ``numpy.bool`` in numpy 2)."""
+    kind = type(value)
+    return isinstance(value, bool) or (
+        kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
+    )
+
+
+def as_index(value: object) -> int | None:
+    """``value`` as an int when it is one (or has ``__index__``, as numpy's integers do); a bool
+    (Python's or numpy's) is never a count or an epoch."""
+    if is_bool(value):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def check_int(where: str, value: object, low: int, high: int) -> int:
+    """``value`` when it is an int from ``low`` to ``high``; otherwise ``ConfigError`` naming
+    ``where`` and the range."""
+    number = as_index(value)
+    if number is None or not low <= number <= high:
+        raise _native.ConfigError(
+            f"invalid {where}: expected an int from {low} to {high}, got {value!r}"
+        )
+    return number
+
+
+def check_seconds(where: str, value: object, *, zero: bool, high: float) -> float:
+    """``value`` as a float when it is a number of seconds (an int or a float, not a bool, not
+    NaN), positive (``>= 0`` with ``zero``) and at most ``high``; otherwise ``ConfigError``
+    naming ``where``. ``-0.0`` is ``0.0``."""
+    seconds = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = math.inf if isinstance(value, int) and value > 2**1000 else float(value)
+    if not ((seconds >= 0 if zero else seconds > 0) and seconds <= high):  # NaN fails both
+        bound = ">= 0" if zero else "> 0"
+        limit = "" if math.isinf(high) else f" and at most {high:g}"
+        raise _native.ConfigError(
+            f"invalid {where}: expected a number of seconds {bound}{limit}, got {value!r}"
+        )
+    return seconds + 0.0  # -0.0 -> 0.0
+
+
+def check_epoch(where: str, epoch: object) -> int:
+    """An epoch: an int from 0 to 2**64 - 2 (``ConfigError`` otherwise, a bool included)."""
+    number = as_index(epoch)
+    if number is None or not 0 <= number <= LAST_EPOCH:
+        raise _native.ConfigError(
+            f"invalid {where}: expected an epoch, an int from 0 to 2**64 - 2, got {epoch!r}"
+        )
+    return number
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,6 +88,15 @@ class ShardCompression:
     ratio: float = 1.0
 
     def __post_init__(self) -> None:
+        # A bool or a string is never a ratio (the native check reads True as 1.0).
+        if isinstance(self.ratio, (str, bytes)) or is_bool(self.ratio):
+            raise _native.ConfigError(
+                f"invalid ShardCompression.ratio: expected a float, got {self.ratio!r}"
+            )
+        if not isinstance(self.algo, str):
+            raise _native.ConfigError(
+                f'invalid ShardCompression.algo: expected "none" or "lz4", got {self.algo!r}'
+            )
         _native.check_compression(self.algo, self.ratio)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dataset_rt import _native
+from dataset_rt._config import as_index, check_epoch, is_bool
 from dataset_rt._native import CachedSample
 
 if TYPE_CHECKING:
@@ -18,6 +19,9 @@ if TYPE_CHECKING:
     from dataset_rt.torch import TorchIterableDataset
 
 __all__ = ["Batch", "CachedSample", "Dataset", "require_dataset"]
+
+# The most samples of a batch: those of the longest epoch (ReaderConfig.samples_per_epoch).
+MAX_BATCH_SIZE = 2**40
 
 
 class _ArrowStream:
@@ -125,8 +129,21 @@ class Dataset:
         """One pass, ``batch_size`` samples at a time: the same order, rank split, epochs and
         state as ``for sample in dataset``. ``state_dict()`` counts the samples of the batches
         yielded; a state loaded at any position resumes at its exact next sample, and the first
-        batch then starts there. With ``drop_last`` the pass ends after its last whole batch."""
-        return map(Batch, self._native.iter_batches(batch_size, drop_last=drop_last))
+        batch then starts there. With ``drop_last`` the pass ends after its last whole batch.
+        ``batch_size`` is an int from 1 to 2**40 (``ConfigError`` out of that range,
+        ``TypeError`` for a non-int or a bool)."""
+        size = as_index(batch_size)
+        if size is None:
+            # What the native call has always raised for a non-int (2.5, "3", None).
+            raise TypeError(f"iter_batches: batch_size must be an int, got {batch_size!r}")
+        if not 1 <= size <= MAX_BATCH_SIZE:
+            raise _native.ConfigError(
+                f"iter_batches: invalid batch_size {batch_size}: must be at least 1 and at most "
+                "2**40"
+            )
+        if not is_bool(drop_last):
+            raise TypeError(f"iter_batches: drop_last must be a bool, got {drop_last!r}")
+        return map(Batch, self._native.iter_batches(size, drop_last=bool(drop_last)))
 
     def __len__(self) -> int:
         """This rank's samples per epoch."""
@@ -172,8 +189,9 @@ class Dataset:
         return self._native.verified_samples
 
     def set_epoch(self, epoch: int) -> None:
-        """Makes the next pass read ``epoch``."""
-        self._native.set_epoch(epoch)
+        """Makes the next pass read ``epoch``: an int from 0 to 2**64 - 2 (``ConfigError``
+        otherwise, a bool included)."""
+        self._native.set_epoch(check_epoch("Dataset.set_epoch epoch", epoch))
 
     def state_dict(self) -> dict[str, Any]:
         """The iterator state as plain JSON-serialisable data: what the loop has received."""

@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import Any
 
 from dataset_rt import _native
-from dataset_rt._config import ReaderConfig, WriterConfig
+from dataset_rt._config import ReaderConfig, WriterConfig, check_int
 from dataset_rt._dataset import Dataset
 from dataset_rt._results import (
     CacheLoaded,
@@ -24,6 +24,9 @@ from dataset_rt._results import (
 )
 
 __all__ = ["DatasetRuntime"]
+
+# The most worker threads a runtime starts (docs/python-api.md).
+MAX_RUNTIME_WORKERS = 1024
 
 
 def _resolve_rank(config: ReaderConfig) -> tuple[int, int]:
@@ -81,7 +84,8 @@ class DatasetRuntime:
     __slots__ = ("_native",)
 
     def __init__(self, num_workers: int = 4) -> None:
-        self._native = _native.Runtime(num_workers)
+        count = check_int("DatasetRuntime.num_workers", num_workers, 1, MAX_RUNTIME_WORKERS)
+        self._native = _native.Runtime(count)
 
     @property
     def num_workers(self) -> int:

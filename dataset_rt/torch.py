@@ -245,6 +245,12 @@ def _predict_split(dataset: Dataset, wrapper: Any) -> _RankSplit:
     return split
 
 
+def _callable(name: str, value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise ConfigError(f"invalid DataLoader.{name}: expected a callable or None, got {value!r}")
+    return value
+
+
 class _WorkerInit:
     """The user's ``worker_init_fn``, from this module: a spawned worker that unpickles it
     imports torch before it starts, so every worker of this adapter runs with one intra-op
@@ -257,6 +263,25 @@ class _WorkerInit:
     def __call__(self, index: int) -> None:
         if self.user is not None:
             self.user(index)
+
+
+# The options that torch's DataLoader lets one reassign and this one does not: the loader reads
+# them at construction (torch's own guard covers batch_size, drop_last, dataset, sampler,
+# batch_sampler and persistent_workers).
+_FIXED_AFTER_INIT = frozenset(
+    {
+        "num_workers",
+        "collate_fn",
+        "timeout",
+        "prefetch_factor",
+        "multiprocessing_context",
+        "transform",
+        "slot_size_bytes",
+        "heartbeat_timeout",
+        "producer_threads",
+        "result_bytes",
+    }
+)
 
 
 class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
@@ -341,11 +366,17 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             multiprocessing_context=multiprocessing_context,
             timeout=timeout,
             heartbeat_timeout=heartbeat_timeout,
-            worker_init_fn=_WorkerInit(worker_init_fn),
+            worker_init_fn=_WorkerInit(_callable("worker_init_fn", worker_init_fn)),
             producer_threads=producer_threads,
             result_bytes=result_bytes,
             persistent_workers=persistent_workers,
         )
+        # The arguments as the loader checked them (an int for numpy's ints, a float timeout).
+        shm = self._shm
+        batch_size, drop_last, num_workers = shm.batch_size, shm.drop_last, shm.num_workers
+        timeout, persistent_workers = shm.timeout, shm.persistent_workers
+        if prefetch_factor is not None:
+            prefetch_factor = shm.prefetch_factor
         # Frameworks that re-create a loader from its attributes (Lightning, for a loader made
         # outside its hooks) find these arguments too.
         self.transform = transform
@@ -382,6 +413,21 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
         )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # torch refuses batch_size, drop_last, dataset, sampler, batch_sampler and
+        # persistent_workers once its constructor has run; the loader's other options are
+        # refused here in the same words (the loader read them at construction). worker_init_fn
+        # is the exception: Lightning sets it under seed_everything(workers=True), and it
+        # applies from the next pass that starts workers.
+        if getattr(self, "_DataLoader__initialized", False):
+            if name == "worker_init_fn":
+                self._shm._replace_worker_init_fn(_WorkerInit(_callable(name, value)))
+            elif name in _FIXED_AFTER_INIT:
+                raise ConfigError(
+                    f"{name} attribute should not be set after {type(self).__name__} is initialized"
+                )
+        super().__setattr__(name, value)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         batches: Iterator[Any] = iter(self._shm)

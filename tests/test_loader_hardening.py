@@ -269,7 +269,7 @@ def test_loading_reaps_writer_leftovers_only_once_no_writer_holds_the_lock(tmp_p
 
 
 def test_a_full_dev_shm_raises_its_errno(dataset):
-    loader = DataLoader(dataset, batch_size=2, slot_size_bytes=1 << 50)
+    loader = DataLoader(dataset, batch_size=2, slot_size_bytes=1 << 40)
     with loader, pytest.raises(OSError) as caught:
         iter(loader)
     assert caught.value.errno == errno.ENOSPC

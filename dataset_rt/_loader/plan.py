@@ -5,6 +5,7 @@ state; each ``iter(loader)`` runs a pass (:mod:`.passes`)."""
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -13,6 +14,7 @@ from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
 from dataset_rt import _native
+from dataset_rt._config import check_epoch, check_int, check_seconds, is_bool
 from dataset_rt._loader import lifecycle, results
 from dataset_rt._loader.passes import LoaderIterator
 from dataset_rt._native import CachedSample, ConfigError
@@ -24,6 +26,51 @@ __all__ = ["DataLoader"]
 
 # Seconds a live producer or worker may show no sign of life before the loop gives up on it.
 DEFAULT_HEARTBEAT_TIMEOUT = 30.0
+# The largest values the options take (docs/python-api.md). A batch holds at most an epoch's
+# samples (2**40); the others are far beyond any use and keep every size the ring is made of
+# (slot count times slot size) within 64 bits.
+MAX_HEARTBEAT_TIMEOUT = 7 * 24 * 3600.0
+MAX_BATCH_SIZE = 2**40
+MAX_NUM_WORKERS = 1024
+MAX_PREFETCH_FACTOR = 1024
+MAX_SLOT_SIZE_BYTES = 2**40
+
+# The constructor's options, held as attributes that cannot be reassigned.
+OPTIONS = frozenset(
+    {
+        "dataset",
+        "batch_size",
+        "num_workers",
+        "transform",
+        "collate_fn",
+        "drop_last",
+        "prefetch_factor",
+        "slot_size_bytes",
+        "timeout",
+        "heartbeat_timeout",
+        "worker_init_fn",
+        "producer_threads",
+        "result_bytes",
+        "persistent_workers",
+    }
+)
+
+
+def max_result_bytes() -> int:
+    """The most ``result_bytes`` may be: the machine's physical memory (more could never be
+    filled; a region is shared memory)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # pragma: no cover - Linux has both
+        return 2**48
+
+
+def _flag(where: str, value: object) -> bool:
+    """A bool argument: ``True`` or ``False`` (a ``numpy.bool_`` too); ``ConfigError``
+    otherwise, rather than reading ``1`` or ``"no"`` as truthy."""
+    if is_bool(value):
+        return bool(value)
+    raise ConfigError(f"invalid {where}: {value!r} is not a bool")
 
 
 def _context(value: str | BaseContext | None) -> Any:
@@ -32,6 +79,11 @@ def _context(value: str | BaseContext | None) -> Any:
         # Python's default; where that is forkserver (Linux from 3.14), spawn instead.
         default = multiprocessing.get_start_method()
         return multiprocessing.get_context(default if default in ("fork", "spawn") else "spawn")
+    if not isinstance(value, str) and not callable(getattr(value, "get_start_method", None)):
+        raise ConfigError(
+            "invalid DataLoader.multiprocessing_context: expected 'fork', 'spawn', a "
+            f"multiprocessing context or None, got {value!r}"
+        )
     method = value if isinstance(value, str) else value.get_start_method()
     if method not in ("fork", "spawn"):
         raise ConfigError(
@@ -75,7 +127,12 @@ class DataLoader:
 
     Each ``iter(loader)`` is one epoch (the next one, or the one a loaded state resumes).
     :meth:`state_dict` reflects the batches the training loop has received.
+
+    The options are fixed at construction: assigning one of the attributes that hold them
+    raises ``ConfigError`` (a ``ValueError``, as torch raises).
     """
+
+    _initialized = False
 
     def __init__(
         self,
@@ -102,35 +159,38 @@ class DataLoader:
         from dataset_rt._dataset import require_dataset
 
         require_dataset(dataset, "dataset_rt.DataLoader")
-        checks = [
-            ("batch_size", batch_size, 1),
-            ("num_workers", num_workers, 0),
-            ("prefetch_factor", prefetch_factor, 1),
-        ]
+        batch_size = check_int("DataLoader.batch_size", batch_size, 1, MAX_BATCH_SIZE)
+        num_workers = check_int("DataLoader.num_workers", num_workers, 0, MAX_NUM_WORKERS)
+        prefetch_factor = check_int(
+            "DataLoader.prefetch_factor", prefetch_factor, 1, MAX_PREFETCH_FACTOR
+        )
         if slot_size_bytes is not None:
-            checks.append(("slot_size_bytes", slot_size_bytes, 1))
-        if result_bytes is not None:
-            checks.append(("result_bytes", result_bytes, 0))
-        for name, value, low in checks:
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"invalid DataLoader.{name}: {value!r} is not an int >= {low}")
-        if not isinstance(persistent_workers, bool):
-            raise ConfigError(
-                f"invalid DataLoader.persistent_workers: {persistent_workers!r} is not a bool"
+            slot_size_bytes = check_int(
+                "DataLoader.slot_size_bytes", slot_size_bytes, 1, MAX_SLOT_SIZE_BYTES
             )
+        if result_bytes is not None:
+            result_bytes = check_int("DataLoader.result_bytes", result_bytes, 0, max_result_bytes())
+        drop_last = _flag("DataLoader.drop_last", drop_last)
+        persistent_workers = _flag("DataLoader.persistent_workers", persistent_workers)
         if persistent_workers and num_workers == 0:
             # torch's own check and words.
             raise ConfigError("persistent_workers option needs num_workers > 0")
-        if timeout < 0:
-            raise ConfigError(f"invalid DataLoader.timeout: {timeout!r} is negative")
-        if (
-            isinstance(heartbeat_timeout, bool)
-            or not isinstance(heartbeat_timeout, (int, float))
-            or not heartbeat_timeout > 0  # NaN included
+        timeout = check_seconds("DataLoader.timeout", timeout, zero=True, high=math.inf)
+        heartbeat_timeout = check_seconds(
+            "DataLoader.heartbeat_timeout",
+            heartbeat_timeout,
+            zero=False,
+            high=MAX_HEARTBEAT_TIMEOUT,
+        )
+        for name, function in (
+            ("transform", transform),
+            ("collate_fn", collate_fn),
+            ("worker_init_fn", worker_init_fn),
         ):
-            raise ConfigError(
-                f"invalid DataLoader.heartbeat_timeout: {heartbeat_timeout!r} is not positive"
-            )
+            if function is not None and not callable(function):
+                raise ConfigError(
+                    f"invalid DataLoader.{name}: expected a callable or None, got {function!r}"
+                )
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -149,6 +209,22 @@ class DataLoader:
         self.producer_threads = self._plan.producer_threads
         self._iterator: LoaderIterator | None = None
         self._owner = os.getpid()
+        self._initialized = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The options are read when a pass starts, and the plan holds batch_size and drop_last:
+        # a new value would apply to some passes, half of one, or none. Refused, as torch
+        # refuses it (and in its words); make a new loader instead.
+        if name in OPTIONS and self._initialized:
+            raise ConfigError(
+                f"{name} attribute should not be set after {type(self).__name__} is initialized"
+            )
+        super().__setattr__(name, value)
+
+    def _replace_worker_init_fn(self, worker_init_fn: Callable[[int], None] | None) -> None:
+        """For ``dataset_rt.torch.DataLoader``, whose ``worker_init_fn`` frameworks set: applies
+        from the next pass that starts workers."""
+        object.__setattr__(self, "worker_init_fn", worker_init_fn)
 
     def _require_owner(self) -> None:
         """A loader is its creator's: in a forked child every use raises ``RuntimeStateError``
@@ -172,9 +248,9 @@ class DataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Makes the next ``iter(loader)`` read ``epoch`` from its start; the state describes
-        that start from now on (``ConfigError`` for a negative epoch)."""
+        that start from now on (``ConfigError`` for anything but an int from 0 to 2**64 - 2)."""
         self._require_owner()
-        self._plan.set_epoch(epoch)
+        self._plan.set_epoch(check_epoch("DataLoader.set_epoch epoch", epoch))
 
     def state_dict(self) -> dict[str, Any]:
         """The dataset's state format at the batches the training loop has received: resume it

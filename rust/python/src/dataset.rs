@@ -465,10 +465,13 @@ impl Dataset {
     }
 
     /// Fixes the epoch of the next pass (and drops a loaded state's position).
-    fn set_epoch(&self, epoch: i64) -> PyResult<()> {
-        let epoch = u64::try_from(epoch).map_err(|_| {
-            crate::errors::ConfigError::new_err(format!("invalid epoch {epoch}: must be >= 0"))
-        })?;
+    /// Epochs are 0 to `LAST_EPOCH` (2**64 - 2): a u64, so that 2**63 and above are epochs.
+    fn set_epoch(&self, epoch: u64) -> PyResult<()> {
+        if epoch > dataset_rt_core::dataset::LAST_EPOCH {
+            return Err(crate::errors::ConfigError::new_err(format!(
+                "invalid epoch {epoch}: the last epoch is 2**64 - 2"
+            )));
+        }
         // The state now describes the start of that epoch, not the last pass.
         self.control.lock().unwrap().passes.set_epoch(epoch);
         Ok(())

@@ -53,6 +53,14 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
+/// Seconds from Python as a `Duration`: negative and NaN are zero, and anything above 2**32 s
+/// (136 years; infinity, 1e300) is 2**32 s, so that neither the conversion nor a deadline
+/// `Instant::now() + d` can overflow and panic.
+fn seconds(value: f64) -> Duration {
+    const LONGEST: f64 = 4_294_967_296.0;
+    Duration::from_secs_f64(value.max(0.0).min(LONGEST)) // max first: NaN.max(0.0) is 0.0
+}
+
 /// The exception of the error the producer recorded (its kind code and errno), as if raised here.
 fn producer_error(kind: u32, errno: Option<i32>, batch: u64, text: &str) -> PyErr {
     let msg = format!("the loader's producer failed at batch {batch}: {text}");
@@ -159,9 +167,13 @@ impl LoaderPlan {
 
     /// Fixes the epoch of the next pass; the state now describes that epoch's start (a loaded
     /// state's position and the last pass's progress are dropped), as `Dataset.set_epoch`.
-    fn set_epoch(&self, epoch: i64) -> PyResult<()> {
-        let epoch = u64::try_from(epoch)
-            .map_err(|_| ConfigError::new_err(format!("invalid epoch {epoch}: must be >= 0")))?;
+    /// Epochs are 0 to `LAST_EPOCH` (2**64 - 2): a u64, so that 2**63 and above are epochs.
+    fn set_epoch(&self, epoch: u64) -> PyResult<()> {
+        if epoch > dataset_rt_core::dataset::LAST_EPOCH {
+            return Err(ConfigError::new_err(format!(
+                "invalid epoch {epoch}: the last epoch is 2**64 - 2"
+            )));
+        }
         self.plan.set_epoch(epoch);
         Ok(())
     }
@@ -448,7 +460,7 @@ impl RingHandle {
     /// None for the producer, seconds silent)`. Finished parties are not listed.
     fn stalls(&self, bound: f64) -> Vec<(Option<usize>, f64)> {
         self.ring
-            .stalls(Duration::from_secs_f64(bound.max(0.0)))
+            .stalls(seconds(bound))
             .into_iter()
             .map(|s| {
                 let index = match s.party {
@@ -544,7 +556,7 @@ impl RingHandle {
     /// Sleeps (without the GIL) until a party attaches, at most `timeout` seconds (capped at
     /// 0.1); says whether every party has attached.
     fn wait_attached(&self, py: Python<'_>, timeout: f64) -> bool {
-        let timeout = Duration::from_secs_f64(timeout.max(0.0));
+        let timeout = seconds(timeout);
         py.detach(|| self.ring.wait_attached(timeout))
     }
 
@@ -598,7 +610,7 @@ impl RingHandle {
             Vec<u64>,
         )>,
     > {
-        let timeout = Duration::from_secs_f64(timeout.max(0.0));
+        let timeout = seconds(timeout);
         let ring = &self.ring;
         let taken = py.detach(|| ring.wait_ready(ticket, timeout, self.role, self.consumer));
         let taken = match (taken, self.role) {
@@ -653,7 +665,7 @@ impl RingHandle {
         let Some(owner) = &self.owner else {
             return Err(LoaderError::new_err("take_batch needs the owner's handle"));
         };
-        let timeout = Duration::from_secs_f64(timeout.max(0.0));
+        let timeout = seconds(timeout);
         let ring = &self.ring;
         if !py
             .detach(|| ring.wait_ready(ticket, timeout, self.role, self.consumer))
