@@ -30,8 +30,33 @@ pub struct Cache {
     shard_files: Vec<File>,
     /// `metadata.arrow`, mapped at open; checksummed and decoded by the first use of the table.
     metadata_map: Arc<Mmap>,
+    /// The identities of the `index.bin` and `metadata.arrow` files that `index` and
+    /// `metadata_map` map: another process that opens the cache by its path (the loader's
+    /// producer) must read these very files, not ones renamed over them since.
+    index_identity: FileIdentity,
+    metadata_identity: FileIdentity,
     /// The decoded table, or why `metadata.arrow` was refused (reported at every use).
     metadata: OnceLock<std::result::Result<MetadataTable, String>>,
+}
+
+/// Which file an open descriptor is: its device and inode. Two openings of one path read the
+/// same bytes only when their identities are equal (a file renamed over the path has another).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileIdentity {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+impl FileIdentity {
+    /// The identity of `file`, opened from `path` (named in the error).
+    pub fn of(file: &File, path: &Path) -> Result<FileIdentity> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = file.metadata().ctx("stat", path)?;
+        Ok(FileIdentity {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        })
+    }
 }
 
 /// How much to check when opening. `Structure` reads no byte per sample, so a load takes the
@@ -49,7 +74,14 @@ pub enum Validation {
 }
 
 /// Opens a cache file and checks its real size against the manifest's, before anything reads it.
-fn open_sized(cache: &str, dir: &Path, rel: &str, expected_len: u64) -> Result<File> {
+/// With `short_ok`, a file shorter than expected is accepted too (see [`Cache::open_in_use`]).
+fn open_sized(
+    cache: &str,
+    dir: &Path,
+    rel: &str,
+    expected_len: u64,
+    short_ok: bool,
+) -> Result<(File, u64)> {
     let path = dir.join(rel);
     let file = match File::open(&path) {
         Ok(f) => f,
@@ -59,14 +91,14 @@ fn open_sized(cache: &str, dir: &Path, rel: &str, expected_len: u64) -> Result<F
         Err(e) => return Err(Error::io("open", &path, e)),
     };
     let len = file.metadata().ctx("stat", &path)?.len();
-    if len != expected_len {
+    if len != expected_len && !(short_ok && len < expected_len) {
         return Err(Error::malformed(
             cache,
             &path,
             format!("size is {len} bytes, the manifest says {expected_len}"),
         ));
     }
-    Ok(file)
+    Ok((file, len))
 }
 
 /// Maps a file opened by `open_sized`, with exactly the size just validated: the map never
@@ -272,7 +304,26 @@ impl Cache {
     /// panics: a panic in a parser is caught as a last line of defence and reported as a
     /// malformed cache.
     pub fn open_as(dir: &Path, name: &str, validation: Validation) -> Result<Cache> {
-        std::panic::catch_unwind(|| Self::open_checked(dir, name, validation)).unwrap_or_else(
+        Self::open_catching(dir, name, validation, false)
+    }
+
+    /// Opens a cache that another process of this dataset opened and validated, and that may
+    /// have been damaged since (the loader's producer): a shard shorter than the manifest says
+    /// is opened anyway, so that the samples before its records are still served and each of
+    /// its records is refused as it comes, naming the shard and the sample
+    /// ([`Cache::check_shard_size`]), as in the process that opened it first.
+    pub fn open_in_use(dir: &Path) -> Result<Cache> {
+        Self::open_catching(dir, &dir_cache_name(dir), Validation::Structure, true)
+    }
+
+    fn open_catching(
+        dir: &Path,
+        name: &str,
+        validation: Validation,
+        short_shards_ok: bool,
+    ) -> Result<Cache> {
+        let open = || Self::open_checked(dir, name, validation, short_shards_ok);
+        std::panic::catch_unwind(open).unwrap_or_else(
             |panic| {
                 Err(Error::malformed(
                     name,
@@ -286,7 +337,12 @@ impl Cache {
         )
     }
 
-    fn open_checked(dir: &Path, name: &str, validation: Validation) -> Result<Cache> {
+    fn open_checked(
+        dir: &Path,
+        name: &str,
+        validation: Validation,
+        short_shards_ok: bool,
+    ) -> Result<Cache> {
         let manifest = read_manifest(dir, name)?;
         let name = manifest.name.clone();
 
@@ -329,11 +385,12 @@ impl Cache {
         }
 
         // 2. Every file's real size against the manifest, before any of them is read.
-        let index_file = open_sized(&name, dir, INDEX_FILE, index_len)?;
-        let meta_file = open_sized(&name, dir, METADATA_FILE, manifest.metadata.bytes)?;
+        let (index_file, _) = open_sized(&name, dir, INDEX_FILE, index_len, false)?;
+        let (meta_file, _) =
+            open_sized(&name, dir, METADATA_FILE, manifest.metadata.bytes, false)?;
         let mut shard_files = Vec::with_capacity(manifest.shards.len());
         for s in &manifest.shards {
-            shard_files.push(open_sized(&name, dir, &s.file, s.bytes)?);
+            shard_files.push(open_sized(&name, dir, &s.file, s.bytes, short_shards_ok)?);
         }
 
         // 3. Contents: headers, and under `Full` the checksums and the metadata table. Under
@@ -348,6 +405,8 @@ impl Cache {
             return Err(Error::malformed(&name, &index_path, "bad index header"));
         }
 
+        let index_identity = FileIdentity::of(&index_file, &index_path)?;
+        let metadata_identity = FileIdentity::of(&meta_file, &dir.join(METADATA_FILE))?;
         let metadata_map = Arc::new(map_sized(
             &name,
             dir,
@@ -357,10 +416,12 @@ impl Cache {
         )?);
 
         let mut shards = Vec::with_capacity(manifest.shards.len());
-        for (i, (s, file)) in manifest.shards.iter().zip(&shard_files).enumerate() {
+        for (i, (s, (file, len))) in manifest.shards.iter().zip(&shard_files).enumerate() {
             let path = dir.join(&s.file);
             let map = map_sized(&name, dir, &s.file, file, s.bytes)?;
-            if map[..SHARD_HEADER_LEN as usize] != shard_header_of(version, i as u32) {
+            // A shard cut short (`open_in_use`) is not read here: its header may lie past its
+            // end, and every read of its records refuses it first.
+            if *len >= s.bytes && map[..SHARD_HEADER_LEN as usize] != shard_header_of(version, i as u32) {
                 return Err(Error::malformed(&name, &path, "bad shard header"));
             }
             if validation == Validation::Full {
@@ -368,6 +429,7 @@ impl Cache {
             }
             shards.push(map);
         }
+        let shard_files = shard_files.into_iter().map(|(file, _)| file).collect();
         let cache = Cache {
             dir: dir.to_owned(),
             manifest,
@@ -376,6 +438,8 @@ impl Cache {
             shards,
             shard_files,
             metadata_map,
+            index_identity,
+            metadata_identity,
             metadata: OnceLock::new(),
         };
         if validation == Validation::Full {
@@ -501,6 +565,16 @@ impl Cache {
         &self.shard_files[shard as usize]
     }
 
+    /// The identity of the `index.bin` this cache mapped when it was opened.
+    pub fn index_identity(&self) -> FileIdentity {
+        self.index_identity
+    }
+
+    /// The identity of the `metadata.arrow` this cache mapped when it was opened.
+    pub fn metadata_identity(&self) -> FileIdentity {
+        self.metadata_identity
+    }
+
     /// The validated size of shard `shard` in bytes: the length of its map. Whoever maps the
     /// shard again maps exactly this many bytes.
     pub fn shard_len(&self, shard: u32) -> u64 {
@@ -509,6 +583,31 @@ impl Cache {
 
     pub fn num_shards(&self) -> usize {
         self.shards.len()
+    }
+
+    /// Checks with one `fstat` that shard `shard`'s file is not shorter than its validated size,
+    /// before records of it are read or handed out. The map keeps the validated length whatever
+    /// the file becomes: reading a page past a truncated file's end raises SIGBUS, and the rest
+    /// of its last page reads as zeros, so a truncated shard must be refused before its bytes
+    /// are touched. The error is a [`Error::CorruptRecord`] naming `record` (sample and offset)
+    /// when a record is being read, else a [`Error::Malformed`] naming the shard.
+    pub fn check_shard_size(&self, shard: u32, record: Option<(u64, u64)>) -> Result<()> {
+        let want = self.shard_len(shard);
+        let now = match self.shard_files[shard as usize].metadata() {
+            Ok(meta) => meta.len(),
+            Err(e) => return Err(Error::io("stat", self.shard_path(shard), e)),
+        };
+        if now >= want {
+            return Ok(());
+        }
+        let reason = format!(
+            "the shard is {now} bytes now but was {want} bytes when the cache was opened: it was \
+             truncated while in use (a published cache must not be modified while it is read)"
+        );
+        Err(match record {
+            Some((sample, offset)) => self.corrupt(shard, offset, sample, reason),
+            None => Error::malformed(self.name(), self.shard_path(shard), reason),
+        })
     }
 
     fn corrupt(&self, shard: u32, offset: u64, sample: u64, reason: impl Into<String>) -> Error {
@@ -738,6 +837,11 @@ impl Cache {
     pub fn payload(&self, sample: u64) -> Result<Cow<'_, [u8]>> {
         let (e, h, start) = self.verify_record(sample)?;
         self.decode_payload(sample, &e, &h, start)
+    }
+
+    /// The whole map of shard `shard` (its validated size), for whoever serves views of it.
+    pub fn shard_bytes(&self, shard: u32) -> &[u8] {
+        &self.shards[shard as usize]
     }
 
     /// The stored bytes `offset..offset + len` of shard `shard`: a payload that `verify_record`

@@ -6,6 +6,7 @@ use std::os::fd::BorrowedFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -609,6 +610,52 @@ impl Dataset {
     }
 }
 
+/// The shards whose files were checked against their validated sizes
+/// ([`Cache::check_shard_size`]) for one block or chunk of samples: one `fstat` per shard it
+/// reads, not one per sample. Up to `N` shards are remembered (a fixed array: the reading threads
+/// allocate nothing); a shard beyond them is checked at each of its samples.
+pub struct CheckedShards<const N: usize> {
+    /// (cache, shard, whether the file still has its validated size)
+    seen: [(u32, u32, bool); N],
+    len: usize,
+}
+
+impl<const N: usize> Default for CheckedShards<N> {
+    fn default() -> Self {
+        CheckedShards {
+            seen: [(0, 0, false); N],
+            len: 0,
+        }
+    }
+}
+
+impl<const N: usize> CheckedShards<N> {
+    /// Checks the shard that the record of sample `row` of cache `c` lies in (an index entry
+    /// naming no shard is left to [`Cache::check_record`], which refuses it).
+    fn check(&mut self, dataset: &Dataset, c: usize, row: u64) -> Result<()> {
+        let cache = &dataset.caches[c];
+        let e = cache.entry(row);
+        if e.shard as usize >= cache.num_shards() {
+            return Ok(());
+        }
+        let key = (c as u32, e.shard);
+        if let Some(&(_, _, whole)) = self.seen[..self.len]
+            .iter()
+            .find(|&&(sc, ss, _)| (sc, ss) == key)
+        {
+            if whole {
+                return Ok(());
+            }
+        }
+        let checked = cache.check_shard_size(e.shard, Some((row, e.offset)));
+        if self.len < N && !self.seen[..self.len].iter().any(|&(sc, ss, _)| (sc, ss) == key) {
+            self.seen[self.len] = (key.0, key.1, checked.is_ok());
+            self.len += 1;
+        }
+        checked
+    }
+}
+
 /// Samples a thread claims at a time from a chunk: one atomic claim, one result lock and one
 /// completion count per block rather than per sample. Per sample, those shared counters bounced
 /// between the cores of the threads reading the chunk and cost more than reading a mapped record.
@@ -766,9 +813,17 @@ impl Chunk {
         for &g in globals {
             dataset.prefetch_record(g);
         }
+        // Before any byte of a record is touched, its shard file is checked against its
+        // validated size, once per shard of the block: a page past a truncated file's end
+        // would raise SIGBUS.
+        let mut checked = CheckedShards::<CLAIM_BLOCK>::default();
         for (slot, &g) in slots.iter_mut().zip(globals) {
-            let fetched = catch_unwind(AssertUnwindSafe(|| dataset.fetch(g)))
-                .unwrap_or_else(|panic| Err(Error::Runtime(panic_message(&panic))));
+            let fetched = catch_unwind(AssertUnwindSafe(|| {
+                let (c, row) = dataset.locate(g);
+                checked.check(dataset, c, row)?;
+                dataset.fetch(g)
+            }))
+            .unwrap_or_else(|panic| Err(Error::Runtime(panic_message(&panic))));
             if let Some(hook) = hook {
                 hook();
             }
@@ -808,6 +863,31 @@ impl Chunk {
     }
 }
 
+/// Checks again, before they are handed out, the shard files of the read-ahead samples that are
+/// views of a shard: a file truncated since a record was read would serve zeros for the rest of
+/// its last page (or SIGBUS past it). A sample of a truncated shard becomes its error, at its
+/// position. One `fstat` per shard of the chunk.
+fn recheck_mapped(dataset: &Dataset, ready: &mut VecDeque<Result<Fetched>>) {
+    let mut checked = CheckedShards::<64>::default();
+    for sample in ready.iter_mut() {
+        let Ok(Fetched {
+            cache,
+            row,
+            payload: Payload::Mapped { .. },
+        }) = sample
+        else {
+            continue;
+        };
+        if let Err(e) = checked.check(dataset, *cache as usize, *row) {
+            *sample = Err(e);
+        }
+    }
+}
+
+/// How long the samples of a chunk whose shards were checked may wait to be handed out before
+/// each one's shard is checked again ([`EpochReader::check_mapped`]).
+const RECHECK_AFTER: Duration = Duration::from_millis(1);
+
 /// Reads one rank's share of one epoch, ahead of the consumer on the pool.
 pub struct EpochReader {
     pool: Arc<Pool>,
@@ -828,6 +908,9 @@ pub struct EpochReader {
     /// (or reuses their result blocks), so their memory is freed by the thread that allocated
     /// it.
     spent: VecDeque<Arc<Chunk>>,
+    /// When the shards of the samples in `ready` were last checked against their validated
+    /// sizes ([`recheck_mapped`]); see [`EpochReader::check_mapped`].
+    checked_at: Instant,
     /// Whether the consumer reads the samples of the chunk it waits for itself.
     helping: bool,
     ready: VecDeque<Result<Fetched>>,
@@ -889,6 +972,7 @@ impl EpochReader {
             yielded: 0,
             in_flight: VecDeque::new(),
             spent: VecDeque::new(),
+            checked_at: Instant::now(),
             helping: false,
             ready: VecDeque::new(),
             // Two chunks per prefetch window: one being read while the other is consumed, and
@@ -1126,7 +1210,22 @@ impl EpochReader {
         }
         chunk.take_into(&mut self.ready);
         self.spent.push_back(chunk);
+        recheck_mapped(&self.dataset, &mut self.ready);
+        self.checked_at = Instant::now();
         Ok(())
+    }
+
+    /// Checks, as a read-ahead sample that is a view of its shard (`cache`, `row`) is handed
+    /// out, that its shard was not truncated since its chunk was checked ([`recheck_mapped`]):
+    /// one `fstat` when that was more than [`RECHECK_AFTER`] ago, so a loop that takes a chunk
+    /// quickly pays nothing and a slow one pays one `fstat` per sample.
+    pub fn check_mapped(&self, cache: u32, row: u64) -> Result<()> {
+        if self.checked_at.elapsed() < RECHECK_AFTER {
+            return Ok(());
+        }
+        let c = &self.dataset.caches[cache as usize];
+        let e = c.entry(row);
+        c.check_shard_size(e.shard, Some((row, e.offset)))
     }
 
     /// Takes the next sample without handing it out; an error ends the pass.
@@ -1137,6 +1236,10 @@ impl EpochReader {
         let sample = self
             .ensure_ready()
             .and_then(|()| self.ready.pop_front().expect("a chunk is never empty"));
+        let sample = sample.and_then(|s| match s.payload {
+            Payload::Mapped { .. } => self.check_mapped(s.cache, s.row).map(|()| s),
+            Payload::Owned(_) => Ok(s),
+        });
         match sample {
             Ok(s) => {
                 self.taken += 1;

@@ -9,7 +9,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use dataset_rt_core::cache::{Cache, Validation};
+use dataset_rt_core::cache::Cache;
 use dataset_rt_core::dataset::{Dataset, EpochReader, ReadOptions, WeightTable};
 use dataset_rt_core::error::io_errno;
 use dataset_rt_core::os::{own_pid, parent_pid};
@@ -357,7 +357,7 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
     let caches = spec
         .cache_dirs
         .iter()
-        .map(|d| Cache::open(d, Validation::Structure).map(Arc::new))
+        .map(|d| Cache::open_in_use(d).map(Arc::new))
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let ds = Dataset::new(caches);
     if ds.fingerprint() != spec.fingerprint {

@@ -11,9 +11,9 @@ use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
-use dataset_rt_core::cache::Cache;
+use dataset_rt_core::cache::{Cache, FileIdentity};
 use dataset_rt_core::dataset::Dataset;
-use dataset_rt_core::format::shard_file_name;
+use dataset_rt_core::format::{shard_file_name, INDEX_FILE, METADATA_FILE};
 use dataset_rt_core::Error as CoreError;
 use serde::{Deserialize, Serialize};
 
@@ -36,6 +36,28 @@ pub struct CacheShards {
     pub name: String,
     pub dir: PathBuf,
     pub shards: Vec<ShardFile>,
+    /// `index.bin` and `metadata.arrow` as the training process mapped them: the producer opens
+    /// the cache by its path and must find these very files, or its index entries (and the
+    /// verified bits set against the training process's index) could name other records.
+    pub index: FileId,
+    pub metadata: FileId,
+}
+
+/// A file by device and inode (see [`FileIdentity`]), as the spec carries it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+impl From<FileIdentity> for FileId {
+    fn from(id: FileIdentity) -> Self {
+        FileId {
+            dev: id.dev,
+            ino: id.ino,
+        }
+    }
 }
 
 /// The shard files of every cache of a dataset, in the dataset's cache order.
@@ -74,6 +96,8 @@ impl ShardTable {
                     name: cache.name().to_owned(),
                     dir: cache.dir.clone(),
                     shards,
+                    index: cache.index_identity().into(),
+                    metadata: cache.metadata_identity().into(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -97,15 +121,16 @@ impl ShardTable {
         Some(c.dir.join(shard_file_name(shard)))
     }
 
-    /// Why `file`, opened as shard `shard` of cache `cache`, is not the file in the table.
-    fn check_file(&self, cache: u32, shard: u32, file: &File) -> Result<()> {
+    /// Why `file`, opened as shard `shard` of cache `cache`, is not the file in the table (with
+    /// `whole`, also when it is shorter than its validated size).
+    fn check_file(&self, cache: u32, shard: u32, file: &File, whole: bool) -> Result<()> {
         let c = &self.caches[cache as usize];
         let want = c.shards[shard as usize];
         let path = c.dir.join(shard_file_name(shard));
         let (dev, ino, len) = identity(file, &path)?;
         let reason = if (dev, ino) != (want.dev, want.ino) {
             "the file was replaced since the dataset was opened"
-        } else if len < want.len {
+        } else if whole && len < want.len {
             "the file was truncated since the dataset was opened"
         } else {
             return Ok(());
@@ -133,7 +158,7 @@ impl ShardTable {
             ))
         })?;
         let file = File::open(&path).map_err(|e| CoreError::io("open", &path, e))?;
-        self.check_file(cache, shard, &file)?;
+        self.check_file(cache, shard, &file, true)?;
         Ok(file)
     }
 
@@ -150,8 +175,29 @@ impl ShardTable {
             )));
         }
         for (c, cache) in ds.caches.iter().enumerate() {
+            let want = &self.caches[c];
+            for (file, have, expected) in [
+                (INDEX_FILE, cache.index_identity(), want.index),
+                (METADATA_FILE, cache.metadata_identity(), want.metadata),
+            ] {
+                if FileId::from(have) != expected {
+                    return Err(CoreError::malformed(
+                        &want.name,
+                        want.dir.join(file),
+                        format!(
+                            "the file was replaced since the dataset was opened (device {}, \
+                             inode {}; the dataset reads device {}, inode {}): a published \
+                             cache must not be modified while it is read; open the dataset again",
+                            have.dev, have.ino, expected.dev, expected.ino
+                        ),
+                    )
+                    .into());
+                }
+            }
             for s in 0..cache.num_shards() as u32 {
-                self.check_file(c as u32, s, cache.shard_file(s))?;
+                // A shard truncated since is still the same file: its records are refused as
+                // they are read, naming each sample (`Cache::check_shard_size`).
+                self.check_file(c as u32, s, cache.shard_file(s), false)?;
             }
         }
         Ok(())

@@ -634,3 +634,32 @@ fn a_truncated_shard_file_is_refused_by_the_consumers() {
     file.set_len(len + 10).unwrap();
     s.spec.shards.open(0, 0).unwrap();
 }
+
+#[test]
+fn a_replaced_index_or_metadata_file_is_refused_by_the_producer() {
+    for file in ["index.bin", "metadata.arrow"] {
+        let s = setup();
+        let path = s.ds.caches[0].dir.join(file);
+        // The same bytes in a new file renamed over the old one: the manifest (and so the
+        // fingerprint) is unchanged, but the producer would read entries the training process
+        // never validated, against verified bits it set on its own index.
+        let copy = path.with_extension("new");
+        std::fs::copy(&path, &copy).unwrap();
+        std::fs::rename(&copy, &path).unwrap();
+        let ring = create_ring(&s, 64 * 1024);
+        let (produced, got, error) = run_pass(&s, &ring);
+        assert!(got.is_empty(), "{file}");
+        let text = produced.unwrap_err().to_string();
+        assert!(
+            text.contains(&path.display().to_string())
+                && text.contains("replaced since the dataset was opened"),
+            "{text}"
+        );
+        match error {
+            Some(ShmError::ProducerFailed { kind, .. }) => {
+                assert_eq!(kind, dataset_rt_core::ErrorKind::Malformed.code());
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -3,7 +3,6 @@
 //! the map alive for as long as the user holds it.
 
 use std::collections::{HashMap, VecDeque};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -38,12 +37,14 @@ struct PySide {
 }
 
 impl PySide {
-    /// The zero-copy view of shard `shard`, mapped on first use. `sample` (when a record is
-    /// being read) names the record in the error when the map fails.
+    /// The zero-copy view of shard `shard`: the core's own map of the file it validated and
+    /// verifies records against (a path opened again could name another file by now), made on
+    /// first use, after a check that the file was not truncated since (`sample`, when a record
+    /// is being read, is named in that error).
     fn shard_view<'py>(
         &self,
         py: Python<'py>,
-        cache: &Cache,
+        cache: &Arc<Cache>,
         c: usize,
         shard: u32,
         sample: Option<u64>,
@@ -52,83 +53,12 @@ impl PySide {
         if let Some(v) = cell.get() {
             return Ok(v.bind(py).clone());
         }
-        let changed = |reason: String| {
-            crate::errors::to_py(match sample {
-                Some(sample) => dataset_rt_core::Error::CorruptRecord {
-                    cache: cache.name().to_owned(),
-                    shard: cache.shard_path(shard),
-                    offset: cache.entry(sample).offset,
-                    sample,
-                    reason,
-                },
-                None => {
-                    dataset_rt_core::Error::malformed(cache.name(), cache.shard_path(shard), reason)
-                }
-            })
-        };
-        // Map the very file the core validated and verifies records against, through a
-        // duplicate of its descriptor (mmap keeps its own): opening the path again could map
-        // another file if the cache directory was replaced since the dataset was opened.
-        let file = cache.shard_file(shard).try_clone().map_err(|e| {
-            crate::errors::to_py(dataset_rt_core::Error::io(
-                "duplicate the descriptor of",
-                cache.shard_path(shard),
-                e,
-            ))
-        })?;
-        // Map exactly the validated size, never the file's current one: a shard cut short since
-        // it was opened is an error here instead of views that come back empty.
-        let len = cache.shard_len(shard);
-        let now = file
-            .metadata()
-            .map_err(|e| {
-                crate::errors::to_py(dataset_rt_core::Error::io(
-                    "stat",
-                    cache.shard_path(shard),
-                    e,
-                ))
-            })?
-            .len();
-        let truncated = |now: u64| {
-            changed(format!(
-                "the shard is {now} bytes now but was {len} bytes when the cache was opened: it \
-                 was truncated while in use (a published cache must not be modified while it is \
-                 read)"
-            ))
-        };
-        if now < len {
-            return Err(truncated(now));
-        }
-        let view = map_read_only(py, &file, len, || {
-            truncated(file.metadata().map(|m| m.len()).unwrap_or(0))
-        })?;
-        drop(file);
+        let record = sample.map(|s| (s, cache.entry(s).offset));
+        cache.check_shard_size(shard, record).py_err()?;
+        let view = crate::shard_map::cache_view(py, cache, shard)?;
         let _ = cell.set(view.clone().unbind());
         Ok(cell.get().expect("set above").bind(py).clone())
     }
-}
-
-/// A read-only Python `mmap` of the first `len` bytes of `file` (which keeps its own duplicate
-/// of the descriptor), as a `memoryview`: slices of it keep the map alive. `truncated` is the
-/// error when the file turns out shorter than `len` (Python refuses to map past its end).
-pub(crate) fn map_read_only<'py>(
-    py: Python<'py>,
-    file: &std::fs::File,
-    len: u64,
-    truncated: impl FnOnce() -> PyErr,
-) -> PyResult<Bound<'py, PyAny>> {
-    let mmap = py.import("mmap")?;
-    let kwargs = PyDict::new(py);
-    kwargs.set_item("access", mmap.getattr("ACCESS_READ")?)?;
-    let map = match mmap
-        .getattr("mmap")?
-        .call((file.as_raw_fd(), len), Some(&kwargs))
-    {
-        Ok(map) => map,
-        Err(e) if e.is_instance_of::<pyo3::exceptions::PyValueError>(py) => return Err(truncated()),
-        Err(e) => return Err(e),
-    };
-    py.import("builtins")?.getattr("memoryview")?.call1((map,))
 }
 
 /// `view[start:end]`, through `PySequence_GetSlice`, which releases the slice and the bounds it
@@ -535,8 +465,9 @@ pub struct DatasetIterator {
     dataset: Arc<core::Dataset>,
     py_side: Arc<PySide>,
     progress: Arc<Progress>,
-    /// The samples built and not handed out yet, in order.
-    built: VecDeque<Py<CachedSample>>,
+    /// The samples built and not handed out yet, in order, with the (cache, row) of those that
+    /// are views of their shard (checked again as they are handed out).
+    built: VecDeque<(Py<CachedSample>, Option<(u32, u64)>)>,
     /// The error that stopped building the current chunk: raised after the samples before it.
     build_error: Option<PyErr>,
     /// Set once an error was raised: the pass ends there, as a reader error ends it.
@@ -557,6 +488,7 @@ impl DatasetIterator {
             return Ok(());
         };
         for f in fetched.py_err()? {
+            let mapped = matches!(f.payload, Payload::Mapped { .. }).then_some((f.cache, f.row));
             let made = self
                 .py_side
                 .payload(py, &self.dataset, &f)
@@ -575,7 +507,7 @@ impl DatasetIterator {
                     )
                 });
             match made {
-                Ok(sample) => self.built.push_back(sample),
+                Ok(sample) => self.built.push_back((sample, mapped)),
                 Err(e) => {
                     self.build_error = Some(e);
                     break;
@@ -614,12 +546,21 @@ impl DatasetIterator {
             self.progress.finished.store(true, Ordering::Release);
             return Ok(None);
         }
+        let mapped = self.built.front().expect("checked above").1;
+        if let Some((cache, row)) = mapped {
+            if let Err(e) = self.reader.check_mapped(cache, row) {
+                // Its shard was truncated since it was read: the pass ends at this sample.
+                self.failed = true;
+                self.built.clear();
+                return Err(e).py_err();
+            }
+        }
         if let Err(e) = self.reader.hand_out(1) {
             // A forked child: nothing is handed out, the parent's pass is left as it was.
             self.failed = true;
             return Err(e).py_err();
         }
-        let sample = self.built.pop_front().expect("checked above");
+        let (sample, _) = self.built.pop_front().expect("checked above");
         self.progress
             .position
             .store(self.reader.position(), Ordering::Release);
