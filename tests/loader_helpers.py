@@ -161,3 +161,18 @@ def no_leaks():
     assert own_segments() == [], f"segments left in /dev/shm: {own_segments()}"
     gc.collect()  # a test's caught exception may hold its frame, and the batches in it
     assert result_fds() == [], f"result memory left open: {result_fds()}"
+
+
+def views_a_shard_map(view: memoryview) -> bool:
+    """Whether ``view`` is a zero-copy view of a read-only shard map that DatasetRT owns (a
+    numpy array over the map, whose base keeps it alive; no descriptor, no copy)."""
+    import numpy as np
+
+    from dataset_rt import _native
+
+    array = view.obj
+    return (
+        isinstance(array, np.ndarray)
+        and not array.flags.writeable
+        and isinstance(array.base, _native.ShardMap)
+    )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import mmap
 import os
 import random
 import re
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from loader_helpers import views_a_shard_map
 
 from dataset_rt import (
     CacheInput,
@@ -201,7 +201,7 @@ def test_raw_records_are_zero_copy_memoryviews_and_lz4_records_bytes(runtime, tm
 
     raw, compressed, empty = list(result.dataset)
     assert isinstance(raw.data, memoryview)
-    assert isinstance(raw.data.obj, mmap.mmap)  # a view of the mapped shard: no copy
+    assert views_a_shard_map(raw.data)  # a view of the mapped shard: no copy
     assert raw.data.readonly
     assert raw.data.tobytes() == noise
     assert isinstance(compressed.data, bytes)
@@ -606,7 +606,7 @@ BAD_CONFIGS = {
         lambda: WriterConfig(shard_compression="lz4"),
         ["expected ShardCompression"],
     ),
-    "num_workers_0": (lambda: DatasetRuntime(num_workers=0), ["num_workers", "at least 1"]),
+    "num_workers_0": (lambda: DatasetRuntime(num_workers=0), ["num_workers", "from 1 to 1024"]),
 }
 
 

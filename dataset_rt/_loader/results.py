@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copyreg
 import ctypes
+import errno
 import io
 import mmap
 import multiprocessing.reduction
@@ -150,6 +151,24 @@ def _rebuild_fd(dup: Any) -> _SharedFd:
     return _SharedFd(dup.detach())
 
 
+def _creating(error: OSError, capacity: int, step: str) -> OSError:
+    """``error`` (from making a worker's result memory), saying what was being made, how large,
+    and what to change: its errno and type are kept (``MemoryError`` stays an ``OSError``)."""
+    limits = {
+        errno.EFBIG: " (the process's RLIMIT_FSIZE is lower)",
+        errno.ENOMEM: " (the process's RLIMIT_AS, or the machine's memory, is lower)",
+        errno.EMFILE: " (the process's RLIMIT_NOFILE is reached)",
+    }
+    made = type(error)(
+        error.errno,
+        f"cannot {step} the loader's result memory for one worker, {capacity} bytes "
+        f"(DataLoader.result_bytes split among the workers): {error.strerror}"
+        f"{limits.get(error.errno or 0, '')}; lower result_bytes (0 pickles results instead) "
+        "or raise the limit",
+    )
+    return made
+
+
 class RegionOwner:
     """The training process's side of one worker's region: owns the memfd, maps each batch's
     ranges and sends back the ones nothing references any more."""
@@ -157,21 +176,34 @@ class RegionOwner:
     def __init__(self, capacity: int, warm_batches: int = 2) -> None:
         self.capacity = capacity
         self.warm_batches = warm_batches
-        self.fd = os.memfd_create("dataset-rt-results", os.MFD_CLOEXEC)
+        try:
+            self.fd = os.memfd_create("dataset-rt-results", os.MFD_CLOEXEC)
+        except OSError as error:
+            raise _creating(error, capacity, "create") from None
         try:
             os.ftruncate(self.fd, capacity)  # sparse: pages exist once written
             self._frees, self._worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._frees.setblocking(False)
+            # Mapped once for the pass (each mapping of a file holds a descriptor, so one per
+            # batch could exhaust them). Shared and writable: numpy and torch hand out ordinary
+            # writable arrays without a copy or a warning; a write lands in its batch's own
+            # range, which the worker reuses only once nothing here references it.
+            self._map: mmap.mmap | None = mmap.mmap(self.fd, capacity)
+        except OSError as error:
+            self._close_partial()
+            raise _creating(error, capacity, "size or map") from None
         except BaseException:
-            os.close(self.fd)
+            self._close_partial()
             raise
-        self._frees.setblocking(False)
-        # Mapped once for the pass (each mapping of a file holds a descriptor, so one per batch
-        # could exhaust them). Shared and writable: numpy and torch hand out ordinary writable
-        # arrays without a copy or a warning; a write lands in its batch's own range, which the
-        # worker reuses only once nothing here references it.
-        self._map: mmap.mmap | None = mmap.mmap(self.fd, capacity)
         # Offsets of ranges no longer referenced; appended by finalizers, at any time.
         self.pending: list[int] = []
+
+    def _close_partial(self) -> None:
+        for end in ("_frees", "_worker_end"):
+            sock = getattr(self, end, None)
+            if sock is not None:
+                sock.close()
+        os.close(self.fd)
 
     def worker_args(self) -> tuple[_SharedFd, int, socket.socket, int]:
         return _SharedFd(self.fd), self.capacity, self._worker_end, self.warm_batches
@@ -294,6 +326,8 @@ class RegionWriter:
     ) -> None:
         try:
             self.map = mmap.mmap(fd.fd, capacity)
+        except OSError as error:
+            raise _creating(error, capacity, "map") from None
         finally:
             os.close(fd.fd)
         self.view = memoryview(self.map)

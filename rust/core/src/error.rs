@@ -11,8 +11,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// An operating-system error on a file or directory.
-    #[error("{op} {path}: {source}")]
+    /// An operating-system error on a file or directory. A process limit that caused it is
+    /// named with its value ([`limit_note`]).
+    #[error("{op} {path}: {source}{}", limit_note(.source))]
     Io {
         op: &'static str,
         path: PathBuf,
@@ -156,6 +157,34 @@ error_kinds! {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("error kind code {0} is not one this build knows")]
 pub struct UnknownErrorKind(pub u32);
+
+/// What to add to an I/O error that a process limit caused: the limit and its value, so that
+/// "Too many open files" says how many may be open.
+pub fn limit_note(err: &std::io::Error) -> String {
+    let (resource, name, what) = match err.raw_os_error() {
+        Some(libc::EMFILE) => (
+            libc::RLIMIT_NOFILE,
+            "RLIMIT_NOFILE",
+            "open files (an open cache holds one descriptor per shard file)",
+        ),
+        Some(libc::EFBIG) => (libc::RLIMIT_FSIZE, "RLIMIT_FSIZE", "bytes in one file"),
+        _ => return String::new(),
+    };
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `getrlimit` writes one `rlimit` into the struct it is given.
+    if unsafe { libc::getrlimit(resource, &mut limit) } != 0 {
+        return String::new();
+    }
+    let value = if limit.rlim_cur == libc::RLIM_INFINITY {
+        "unlimited".to_owned()
+    } else {
+        limit.rlim_cur.to_string()
+    };
+    format!(" (the process limit {name} allows {value} {what}; raise it, for example with `ulimit`)")
+}
 
 /// The errno of an I/O error: the operating system's, else the one its kind stands for when an
 /// error was made without one (`NotFound` is ENOENT, `PermissionDenied` EACCES).

@@ -9,6 +9,7 @@ mod inspect;
 mod loader;
 mod progress;
 mod runtime;
+mod shard_map;
 
 use pyo3::prelude::*;
 
@@ -23,6 +24,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dataset::BatchIterator>()?;
     m.add_class::<dataset::Batch>()?;
     m.add_class::<dataset::CachedSample>()?;
+    m.add_class::<shard_map::ShardMap>()?;
     m.add_function(wrap_pyfunction!(dataset::epoch_order, m)?)?;
     m.add_function(wrap_pyfunction!(config::check_compression, m)?)?;
     m.add_function(wrap_pyfunction!(config::check_reader_config, m)?)?;

@@ -338,25 +338,30 @@ impl ShardViews {
         let view = match cell.get() {
             Some(view) => view.bind(py).clone(),
             None => {
-                let file = py.detach(|| self.table.open(cache, shard)).py_shm()?;
+                // Checked against the table (the same file, not cut short), mapped with exactly
+                // its validated size, and closed: the map needs no descriptor.
                 let size = self.table.caches[cache as usize].shards[shard as usize].len;
-                let view = crate::dataset::map_read_only(py, &file, size, || {
-                    loader_err(
-                        dataset_rt_core::Error::malformed(
-                            &self.table.caches[cache as usize].name,
-                            self.table.path(cache, shard).unwrap_or_default(),
-                            format!(
-                                "the file was truncated below its {size} bytes while the loader \
-                                 mapped it: a published cache must not be modified while it is \
-                                 read"
-                            ),
-                        )
-                        .into(),
-                    )
-                })?;
+                let map = py
+                    .detach(|| -> dataset_rt_loader::Result<memmap2::Mmap> {
+                        let file = self.table.open(cache, shard)?;
+                        let path = self.table.path(cache, shard).unwrap_or_default();
+                        let len = usize::try_from(size).map_err(|_| {
+                            dataset_rt_core::Error::malformed(
+                                &self.table.caches[cache as usize].name,
+                                &path,
+                                format!("{size} bytes cannot be mapped here"),
+                            )
+                        })?;
+                        // SAFETY: a read-only map of a published (read-only) shard; what a
+                        // file changed under it does is documented in docs/security.md.
+                        let map = unsafe { memmap2::MmapOptions::new().len(len).map(&file) }
+                            .map_err(|e| dataset_rt_core::Error::io("mmap", &path, e))?;
+                        Ok(map)
+                    })
+                    .py_shm()?;
+                let (view, start) = crate::shard_map::own_view(py, map)?;
                 // Indexed only when this map is the one kept (another thread may have mapped
                 // the shard while this one opened it): a dropped map's range must not be.
-                let start = buffer_address(py, &view)?;
                 if cell.set(view.unbind()).is_ok() {
                     self.index.lock().unwrap().insert(start, size, cache, shard);
                 }
@@ -365,20 +370,6 @@ impl ShardViews {
         };
         crate::dataset::subview(&view, offset, offset + len)
     }
-}
-
-/// The address of the first byte of a read-only buffer (the bindings build against the
-/// stable ABI of Python 3.10, which has no buffer protocol for Rust; numpy reads it).
-fn buffer_address(py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<usize> {
-    let array = py
-        .import("numpy")?
-        .getattr("frombuffer")?
-        .call1((buffer, "u1"))?;
-    array
-        .getattr("__array_interface__")?
-        .get_item("data")?
-        .get_item(0)?
-        .extract()
 }
 
 /// One party's view of a pass's segments.
