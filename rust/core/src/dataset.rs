@@ -6,7 +6,6 @@ use std::os::fd::BorrowedFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -634,25 +633,38 @@ impl<const N: usize> CheckedShards<N> {
     /// naming no shard is left to [`Cache::check_record`], which refuses it).
     fn check(&mut self, dataset: &Dataset, c: usize, row: u64) -> Result<()> {
         let cache = &dataset.caches[c];
-        let e = cache.entry(row);
-        if e.shard as usize >= cache.num_shards() {
+        let shard = cache.entry(row).shard;
+        if shard as usize >= cache.num_shards() {
             return Ok(());
         }
-        let key = (c as u32, e.shard);
-        if let Some(&(_, _, whole)) = self.seen[..self.len]
+        self.check_shard(dataset, c, shard, row)
+    }
+
+    /// Checks shard `shard` of cache `c`, where sample `row`'s record lies.
+    fn check_shard(&mut self, dataset: &Dataset, c: usize, shard: u32, row: u64) -> Result<()> {
+        let key = (c as u32, shard);
+        let seen = self.seen[..self.len]
             .iter()
-            .find(|&&(sc, ss, _)| (sc, ss) == key)
-        {
+            .find(|&&(sc, ss, _)| (sc, ss) == key);
+        if let Some(&(_, _, whole)) = seen {
             if whole {
                 return Ok(());
             }
         }
-        let checked = cache.check_shard_size(e.shard, Some((row, e.offset)));
-        if self.len < N && !self.seen[..self.len].iter().any(|&(sc, ss, _)| (sc, ss) == key) {
+        let cache = &dataset.caches[c];
+        let checked = cache.check_shard_size(shard, None);
+        if seen.is_none() && self.len < N {
             self.seen[self.len] = (key.0, key.1, checked.is_ok());
             self.len += 1;
         }
-        checked
+        // The error names the record (its entry is read only now, on this rare path).
+        checked.map_err(|first| {
+            let offset = cache.entry(row).offset;
+            match cache.check_shard_size(shard, Some((row, offset))) {
+                Err(named) => named,
+                Ok(()) => first, // grown back meanwhile: still refused, by the first finding
+            }
+        })
     }
 }
 
@@ -873,12 +885,12 @@ fn recheck_mapped(dataset: &Dataset, ready: &mut VecDeque<Result<Fetched>>) {
         let Ok(Fetched {
             cache,
             row,
-            payload: Payload::Mapped { .. },
+            payload: Payload::Mapped { shard, .. },
         }) = sample
         else {
             continue;
         };
-        if let Err(e) = checked.check(dataset, *cache as usize, *row) {
+        if let Err(e) = checked.check_shard(dataset, *cache as usize, *shard, *row) {
             *sample = Err(e);
         }
     }
@@ -886,7 +898,21 @@ fn recheck_mapped(dataset: &Dataset, ready: &mut VecDeque<Result<Fetched>>) {
 
 /// How long the samples of a chunk whose shards were checked may wait to be handed out before
 /// each one's shard is checked again ([`EpochReader::check_mapped`]).
-const RECHECK_AFTER: Duration = Duration::from_millis(1);
+/// Read on the coarse monotonic clock (a few nanoseconds, no system call; it advances by the
+/// kernel's tick, 1 to 4 ms): a sample handed out within the tick of its chunk's check costs
+/// nothing more.
+const RECHECK_AFTER_NS: u64 = 1_000_000;
+
+/// The coarse monotonic clock, in nanoseconds (see [`RECHECK_AFTER_NS`]).
+fn coarse_now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `clock_gettime` writes one `timespec` into the struct it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    (ts.tv_sec as u64).saturating_mul(1_000_000_000) + ts.tv_nsec as u64
+}
 
 /// Reads one rank's share of one epoch, ahead of the consumer on the pool.
 pub struct EpochReader {
@@ -910,7 +936,7 @@ pub struct EpochReader {
     spent: VecDeque<Arc<Chunk>>,
     /// When the shards of the samples in `ready` were last checked against their validated
     /// sizes ([`recheck_mapped`]); see [`EpochReader::check_mapped`].
-    checked_at: Instant,
+    checked_at: u64,
     /// Whether the consumer reads the samples of the chunk it waits for itself.
     helping: bool,
     ready: VecDeque<Result<Fetched>>,
@@ -972,7 +998,7 @@ impl EpochReader {
             yielded: 0,
             in_flight: VecDeque::new(),
             spent: VecDeque::new(),
-            checked_at: Instant::now(),
+            checked_at: coarse_now_ns(),
             helping: false,
             ready: VecDeque::new(),
             // Two chunks per prefetch window: one being read while the other is consumed, and
@@ -1211,16 +1237,16 @@ impl EpochReader {
         chunk.take_into(&mut self.ready);
         self.spent.push_back(chunk);
         recheck_mapped(&self.dataset, &mut self.ready);
-        self.checked_at = Instant::now();
+        self.checked_at = coarse_now_ns();
         Ok(())
     }
 
     /// Checks, as a read-ahead sample that is a view of its shard (`cache`, `row`) is handed
     /// out, that its shard was not truncated since its chunk was checked ([`recheck_mapped`]):
-    /// one `fstat` when that was more than [`RECHECK_AFTER`] ago, so a loop that takes a chunk
+    /// one `fstat` when that was more than [`RECHECK_AFTER_NS`] ago, so a loop that takes a chunk
     /// quickly pays nothing and a slow one pays one `fstat` per sample.
     pub fn check_mapped(&self, cache: u32, row: u64) -> Result<()> {
-        if self.checked_at.elapsed() < RECHECK_AFTER {
+        if coarse_now_ns().saturating_sub(self.checked_at) < RECHECK_AFTER_NS {
             return Ok(());
         }
         let c = &self.dataset.caches[cache as usize];
