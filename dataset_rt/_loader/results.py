@@ -751,13 +751,14 @@ def stack_as_transformed(
     collate: Callable[[list[Any]], Any],
 ) -> Any:
     """``collate([transform(s) for s in samples])`` where ``collate_fn`` stacks (``numpy.stack``
-    on arrays, ``dataset_rt.torch.default_collate`` on tensors): inside a worker, each sample's
-    result is copied into its row of the batch in result memory as soon as the transform
-    returns it, and dropped. The worker then holds one sample's result instead of the whole
-    batch's (less heap), and the copy reads it while it is still in the CPU's cache. The value
-    is the stack's. From the first sample whose result differs from the first one (type, dtype,
-    shape), or when the region has no room, the rest goes to ``collate`` as before, the rows
-    already written among the items: the same values and errors as without the rows."""
+    on arrays, a collate registered by :func:`register_tensor_stacking_collate` on tensors, as
+    ``dataset_rt.torch.default_collate`` is): inside a worker, each sample's result is copied
+    into its row of the batch in result memory as soon as the transform returns it, and dropped.
+    The worker then holds one sample's result instead of the whole batch's (less heap), and the
+    copy reads it while it is still in the CPU's cache. The value is the stack's. From the first
+    sample whose result differs from the first one (type, dtype, shape), or when the region has
+    no room, the rest goes to ``collate`` as before, the rows already written among the items:
+    the same values and errors as without the rows."""
     numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
     first = transform(samples[0])
     count = len(samples)
@@ -811,6 +812,20 @@ def _copy_row(rows: Any, i: int, item: Any) -> None:
     rows[i].copy_(item)
 
 
+# The collate functions that stack a batch of equal tensors as ``torch.stack`` does (and so may
+# be replaced by :func:`stack_as_transformed`'s rows): registered by the module that defines
+# them (``dataset_rt.torch`` registers its ``default_collate`` on import), compared by identity.
+_TENSOR_STACKING_COLLATES: list[Callable[[list[Any]], Any]] = []
+
+
+def register_tensor_stacking_collate(collate_fn: Callable[[list[Any]], Any]) -> None:
+    """Declares that ``collate_fn`` stacks a batch of equal plain CPU tensors into one tensor
+    exactly as ``torch.stack`` does (its values and its errors), so that a worker may write the
+    rows into result memory as the transform returns them (:func:`stack_as_transformed`). Only
+    this function object is declared: a wrapper of it is not."""
+    if not any(collate_fn is known for known in _TENSOR_STACKING_COLLATES):
+        _TENSOR_STACKING_COLLATES.append(collate_fn)
+
+
 def _is_torch_collate(collate_fn: Any) -> bool:
-    adapter = sys.modules.get("dataset_rt.torch")
-    return adapter is not None and collate_fn is getattr(adapter, "default_collate", None)
+    return any(collate_fn is known for known in _TENSOR_STACKING_COLLATES)
