@@ -190,6 +190,7 @@ def cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
 def test_every_module_imports_only_its_own_layer_or_lower() -> None:
     graph = package_imports()
     assert "dataset_rt._loader.producer" in graph and len(graph) >= 20  # the package was read
+    assert set().union(*LAYERS) <= set(graph), "LAYERS names a module that does not exist"
     assert violations(graph) == []
 
 

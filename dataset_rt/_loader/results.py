@@ -18,11 +18,10 @@ the worker's maps says where it lies (cache, shard, offset; by address, whatever
 descriptor carries that, and the training process rebuilds a read-only view of its own map of
 the same shard file. Nothing of the arena is used for it.
 
-A range is busy until nothing in the training process references its mapping any more; then
-a finalizer queues its offset, and the loop sends the queue back to the worker at its next
-batch. A busy range is never reused, so memory still referenced is never overwritten. A worker
-never waits for memory: a buffer that does not fit the free part of the arena is pickled into
-the message instead (today's one-copy path) and the loop warns once per pass.
+A range is reused only once nothing in the training process references it (the rule and its
+mechanism: :mod:`.lifetimes`): the loop sends the queued offsets back to the worker at its next
+batch. A worker never waits for memory: a buffer that does not fit the free part of the arena
+is pickled into the message instead (today's one-copy path) and the loop warns once per pass.
 
 Freed ranges keep their pages, so the next batches write into memory that is already there
 (no fresh pages for the kernel to zero). Free written pages beyond what a worker has in flight
@@ -45,12 +44,12 @@ import pickle
 import socket
 import struct
 import sys
-import weakref
 from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from dataset_rt import _native
+from dataset_rt._loader import lifetimes
 from dataset_rt._native import CachedSample
 
 # Bytes of result memory per loader by default, shared evenly by its workers.
@@ -187,7 +186,7 @@ class RegionOwner:
             # Mapped once for the pass (each mapping of a file holds a descriptor, so one per
             # batch could exhaust them). Shared and writable: numpy and torch hand out ordinary
             # writable arrays without a copy or a warning; a write lands in its batch's own
-            # range, which the worker reuses only once nothing here references it.
+            # range, not reused while referenced (.lifetimes).
             self._map: mmap.mmap | None = mmap.mmap(self.fd, capacity)
         except OSError as error:
             self._close_partial()
@@ -216,9 +215,9 @@ class RegionOwner:
         self, ranges: list[tuple[int, int]], stream: io.BytesIO, shards: _native.RingHandle
     ) -> Any:
         """Rebuilds a batch on its ranges. Each range gets a root array; every leaf is a view
-        of it (a numpy view, a tensor or memoryview of one), so the root lives exactly as long
-        as something of the batch does, and its death frees the range. A leaf the worker sent
-        as a shard reference is a view of ``shards``' (the owner handle's) map of the file."""
+        of it (a numpy view, a tensor or memoryview of one), so the root's death frees the range
+        (:func:`.lifetimes.release_on_death`). A leaf the worker sent as a shard reference is a
+        view of ``shards``' (the owner handle's) map of the file."""
         import numpy
 
         arena = self._map
@@ -226,7 +225,7 @@ class RegionOwner:
         roots = []
         for offset, length in ranges:
             root = numpy.frombuffer(arena, numpy.uint8, length, offset)
-            weakref.finalize(root, self.pending.append, offset)
+            lifetimes.release_on_death(root, self.pending.append, offset)
             roots.append(root)
         return _RegionUnpickler(stream, roots, [offset for offset, _ in ranges], shards).load()
 
