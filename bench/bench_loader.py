@@ -1,5 +1,5 @@
-"""The shared-memory loader against torch's DataLoader and its peers, with worker processes
-(issue 4). One script, one run, every figure a median over ``--repeats`` rounds.
+"""The shared-memory loader against torch's DataLoader and its peers, with worker processes.
+One script, one run, every figure a median over ``--repeats`` rounds.
 
 Workloads (batches of 64, shuffled, the page cache warm):
 
@@ -157,7 +157,7 @@ LABELS_ARRAYS = {
     "torch_flat_w2": "torch DataLoader, 2 workers, np.memmap of the flat file",
     "torch_cache_w2": "torch DataLoader, 2 workers, DatasetRT cache (map-style)",
 }
-# The reference every ratio is taken against (the arrays': the issue's reproducer's).
+# The reference every ratio is taken against (the arrays': torch over the flat file).
 BASELINE = "torch_cache_w2"
 BASELINE_ARRAYS = "torch_flat_w2"
 # Payload copies, from the storage's page cache to what the training loop holds, counted from

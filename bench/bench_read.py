@@ -1,4 +1,4 @@
-"""In-process shuffled iteration: DatasetRT against its peers and the machine (issue 3).
+"""In-process shuffled iteration: DatasetRT against its peers and the machine.
 
 One run, one table. The same ~256 MiB of 4 KiB or 128 KiB payloads is stored once per contender
 (under ``$BENCH_DATA_DIR/read``, reused between runs), the page cache is warm, and every

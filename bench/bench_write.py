@@ -1,4 +1,4 @@
-"""Write throughput against the disk's sequential write rate, and cache open time (issue 2).
+"""Write throughput against the disk's sequential write rate, and cache open time.
 
 Measured side by side in one run, each figure the median of ``--repeats`` rounds, every round
 measuring the disk first and then each (size, compression) write:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from multiprocessing.context import BaseContext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.utils.data
@@ -27,7 +27,6 @@ import torch.utils.data.distributed
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from dataset_rt import _loader
-from dataset_rt._loader import passes as _loader_passes
 from dataset_rt._loader import results
 from dataset_rt._native import CachedSample, ConfigError
 
@@ -62,6 +61,16 @@ def _warn_ignored(argument: str) -> None:
         UserWarning,
         stacklevel=3,
     )
+
+
+class _IndexedBatches(Protocol):
+    """What a pass of the shared-memory loader (``iter(dataset_rt.DataLoader)``) offers beyond
+    an iterator: the global sample indices of the batch it delivered last."""
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    @property
+    def last_indices(self) -> list[int]: ...
 
 
 class TorchIterableDataset(torch.utils.data.IterableDataset[CachedSample]):
@@ -178,6 +187,11 @@ def default_collate(batch: list[Any]) -> Any:
     samples' views instead.
     In a loader worker, tensors are stacked straight into the worker's result memory."""
     return collate(batch, collate_fn_map=_COLLATE_FN_MAP)
+
+
+# It stacks equal tensors as torch.stack does: a loader worker may write each transformed
+# sample's row into result memory as it comes (the loader knows nothing of this module).
+results.register_tensor_stacking_collate(default_collate)
 
 
 class _RankSplit(torch.utils.data.distributed.DistributedSampler):  # type: ignore[type-arg]
@@ -430,9 +444,10 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         super().__setattr__(name, value)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        batches: Iterator[Any] = iter(self._shm)
+        loader_pass = iter(self._shm)
+        batches: Iterator[Any] = loader_pass
         if self._index_recorder is not None:
-            batches = self._recording(batches)
+            batches = self._recording(loader_pass)
         if self.pin_memory and not torch.cuda.is_available():
             # What torch's DataLoader does without an accelerator: say so, do not pin.
             warnings.warn(
@@ -444,12 +459,11 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             return batches
         return self._pinned(batches)
 
-    def _recording(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _recording(self, batches: _IndexedBatches) -> Iterator[Any]:
         """Lightning's record of the pass's batches: each batch's global sample indices (rows
         of ``samples_metadata()``, padding included), as the producer wrote them."""
         recorder = self._index_recorder
         recorder.seen_batch_indices = []
-        assert isinstance(batches, _loader_passes.LoaderIterator)
         for batch in batches:
             recorder.seen_batch_indices.append(list(batches.last_indices))
             yield batch

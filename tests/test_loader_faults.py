@@ -32,6 +32,11 @@ from dataset_rt._native import LoaderError
 from dataset_rt.testing import corrupt_byte
 
 N = 400
+# A death or a stall is reported "within seconds": the loop polls its parties every 0.1 s and
+# these tests set heartbeat_timeout=1.0 where a stall is detected. The bound holds on a loaded
+# 2-core machine and still fails when nothing reports the failure (a hang) or when a stall is
+# only seen after the default heartbeat_timeout (30 s) instead of the one given.
+RAISE_BOUND_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +106,7 @@ def test_sigkill_of_the_producer_raises_within_seconds(base, num_workers):
         with pytest.raises(LoaderError, match=r"producer process .* was killed by signal 9"):
             for _ in it:
                 pass
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < RAISE_BOUND_S
 
 
 def test_sigkill_of_a_consumer_raises_within_seconds(base):
@@ -115,7 +120,7 @@ def test_sigkill_of_a_consumer_raises_within_seconds(base):
         with pytest.raises(LoaderError, match=r"worker 1 .* was killed by signal 9"):
             for _ in it:
                 pass
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < RAISE_BOUND_S
     # Closed: only the views still held keep their worker's mapping; then nothing is left.
     _ = None  # the loop's last batch
     assert [bytes(v) for v in held] == [bytes(s.data) for s in list(dataset)[:2]]
@@ -166,7 +171,12 @@ def test_closing_mid_epoch_stops_children_quickly(base):
     next(it)
     started = time.monotonic()
     loader.close()
-    assert time.monotonic() - started < 3
+    # Quickly means every child stopped on the stop flag by itself (exit code 0) instead of
+    # being SIGKILLed after the grace: said by the exit codes, which a loaded machine does not
+    # change. The bound only catches a hang (the stop is bounded by EXIT_GRACE_S + KILL_WAIT_S).
+    assert it._producer is not None and it._producer.returncode == 0
+    assert [p.exitcode for p in it._workers] == [0, 0]
+    assert time.monotonic() - started < 30
     assert own_segments() == []
 
 
@@ -189,7 +199,7 @@ def test_a_stopped_producer_raises_within_seconds(base, num_workers):
             ):
                 for _ in it:
                     pass
-            assert time.monotonic() - started < 5
+            assert time.monotonic() - started < RAISE_BOUND_S
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(producer, signal.SIGCONT)
@@ -210,7 +220,7 @@ def test_a_stopped_worker_raises_within_seconds(base):
             ):
                 for _ in it:
                     pass
-            assert time.monotonic() - started < 5
+            assert time.monotonic() - started < RAISE_BOUND_S
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGCONT)

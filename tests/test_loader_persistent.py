@@ -189,7 +189,14 @@ def test_close_stops_an_idle_pipeline_promptly(dataset):
     pids = [it.pids["producer"], *it.pids["workers"]]
     started = time.monotonic()
     loader.close()
-    assert time.monotonic() - started < 1.0
+    # Promptly means the idle producer and workers woke on the stop flag and exited by
+    # themselves (code 0), instead of sleeping through the grace and being SIGKILLed: said by
+    # their exit codes, not by a time that a loaded machine can exceed.
+    assert it._producer is not None and it._producer.returncode == 0
+    assert [p.exitcode for p in it._workers] == [0, 0]
+    # A hang (an unbounded join, a stop nobody hears) fails here; the bounded stop takes at most
+    # EXIT_GRACE_S + KILL_WAIT_S.
+    assert time.monotonic() - started < 30
     assert all(gone(p) for p in pids)
     assert children() == []
 

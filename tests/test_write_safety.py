@@ -40,6 +40,25 @@ def write(runtime, sources, base):
     )
 
 
+def wait_until(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def has_open(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` has ``path`` open."""
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        links = [os.readlink(fd) for fd in fds.iterdir()]
+    except (FileNotFoundError, ProcessLookupError):  # a descriptor closed meanwhile
+        return False
+    return str(path) in links
+
+
 def entries(base: Path) -> list[str]:
     return sorted(p.name for p in base.iterdir())
 
@@ -124,7 +143,10 @@ def test_ctrl_c_stops_a_write_waiting_for_the_lock(runtime, tmp_path):
         child = start_writer(tmp_path, base, "once")
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "ready"
-        time.sleep(1.0)  # inside from_cache_sources, waiting for the lock
+        # Inside from_cache_sources, waiting for the lock: the writer opened the lock file and
+        # polls it (a Ctrl-C before that would test nothing of the wait).
+        lock = base / ".c.lock"
+        assert wait_until(lambda: has_open(child.pid, lock), 60), "never reached the lock"
         out = interrupt_and_wait(child)
     finally:
         if child is not None and child.poll() is None:

@@ -11,6 +11,9 @@ parts, plus what only Python does:
   waiting with liveness checks, reordering worker results, shutdown).
 - :mod:`.producer`: the producer process's isolated launcher and entry (its loop is Rust).
 - :mod:`.slots`: maps of one batch's ring slot (the slot codec's Python side).
+- :mod:`.lifetimes`: when a slot or a range of result memory may be reused (once nothing
+  references it), stated once, and the mechanisms :mod:`.slots`, :mod:`.passes` and
+  :mod:`.results` call.
 - :mod:`.workers`: the worker processes.
 - :mod:`.results`: worker results through shared memory (result regions, skeletons).
 - :mod:`.signals`: the children's signal dispositions.
@@ -24,8 +27,7 @@ Lifetimes of the zero-copy views (``CachedSample.data``, a ``memoryview`` into a
   producer only once the training process no longer references that map (no copy), or, for a
   batch the loop keeps past the next one, after the map's pages became a private copy in place
   (same address and bytes: one copy of each kept batch, so memory grows with what is kept, as
-  with torch). A slot is never reused while anything can read it. See
-  ``LoaderIterator._release_held`` in :mod:`.passes`.
+  with torch). A slot is never reused while anything can read it. See :mod:`.lifetimes`.
 - ``num_workers>0``: slot views are valid inside ``transform`` / ``collate_fn``. The result's
   own buffers (bytes, bytearray, memoryview, numpy arrays, CPU tensors, ``CachedSample.data``:
   the result itself, or what lies in it through lists, tuples, plain named tuples and dict
@@ -35,7 +37,8 @@ Lifetimes of the zero-copy views (``CachedSample.data``, a ``memoryview`` into a
   shape), ``CachedSample`` whose ``data`` is such a view. Everything else (dict keys, and what
   lies in another object's pickled state: a numpy scalar, an object or masked array, a
   dataclass's fields) arrives as pickled, as pickle made it. They stay valid as long as you
-  hold them, also after the pass ends: the memory is reused only once nothing references it.
+  hold them, also after the pass ends: the memory is reused only once nothing references it
+  (:mod:`.lifetimes`).
   When held batches fill ``result_bytes``, buffers that do not fit are pickled (one more copy)
   with a ``RuntimeWarning`` once per pass; nothing waits, nothing is overwritten.
 

@@ -8,7 +8,6 @@ plan's (Rust, through ``_native.LoaderPlan``).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -16,7 +15,6 @@ import os
 import pickle
 import statistics
 import subprocess
-import sys
 import time
 import warnings
 from collections import deque
@@ -24,7 +22,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dataset_rt import _native
-from dataset_rt._loader import lifecycle, producer, results, slots, workers
+from dataset_rt._loader import lifecycle, lifetimes, producer, results, slots, workers
 from dataset_rt._native import LoaderError, WorkerError
 
 if TYPE_CHECKING:
@@ -92,7 +90,7 @@ class LoaderIterator(Iterator[Any]):
         self.last_indices: list[int] = []
         self._fd: int | None = None
         # num_workers=0: the batch delivered last, and the one before it if it was still
-        # referenced when the next was asked for (see _release_held).
+        # referenced when the next was asked for (see .lifetimes.hand_back_slots).
         self._held: slots.SlotMap | None = None
         self._kept: slots.SlotMap | None = None
         self._unlinked = False
@@ -110,7 +108,7 @@ class LoaderIterator(Iterator[Any]):
         num_workers = self._num_workers
         # The segments and the producer's private directory, all locked by this process. The
         # plan decides the slot count (num_workers=0: one more slot for the batch still bound
-        # to the loop's variable while the loop asks for the next one, see _release_held).
+        # to the loop's variable while the loop asks for the next one, see .lifetimes).
         self._ring = ring = self._plan.start_pass(
             self._prefetch_factor, self._slot_size_bytes, num_workers, self._persistent
         )
@@ -370,32 +368,14 @@ class LoaderIterator(Iterator[Any]):
         return batch
 
     def _release_held(self) -> None:
-        """Hands back the slots of the batches the loop has moved past (``num_workers=0``).
-
-        A batch's slot goes back with no copy once nothing references its map. The batch
-        delivered last is usually still bound to the loop's variable when the next is asked
-        for, so if it is referenced it waits one more call; a batch still referenced then is
-        kept by the user: its map becomes a private copy in place (same address, same bytes)
-        before its slot goes back, so no kept view ever shows the slot's next batch."""
+        """Hands back the slots of the batches the loop has moved past (``num_workers=0``),
+        released or kept as :func:`.lifetimes.hand_back_slots` decides."""
         ring = self._ring
         if ring is None:
             return
         kept, self._kept = self._kept, None
-        if kept is not None:
-            if kept.release():
-                ring.release(kept.seq)
-            else:
-                ring.release_kept(kept.seq, kept.map)
         held, self._held = self._held, None
-        if held is not None:
-            if held.release():
-                ring.release(held.seq)
-            else:
-                self._kept = held
-                # release_kept reads the map's address through numpy: have it imported now,
-                # before memory may run short, rather than by the first copy.
-                if "numpy" not in sys.modules:
-                    importlib.import_module("numpy")
+        self._kept = lifetimes.hand_back_slots(ring, held, kept)
 
     def _receive(self, i: int) -> None:
         """Reads everything worker ``i`` has sent: results go to the reorder buffer, a fatal

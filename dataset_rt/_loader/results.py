@@ -18,11 +18,10 @@ the worker's maps says where it lies (cache, shard, offset; by address, whatever
 descriptor carries that, and the training process rebuilds a read-only view of its own map of
 the same shard file. Nothing of the arena is used for it.
 
-A range is busy until nothing in the training process references its mapping any more; then
-a finalizer queues its offset, and the loop sends the queue back to the worker at its next
-batch. A busy range is never reused, so memory still referenced is never overwritten. A worker
-never waits for memory: a buffer that does not fit the free part of the arena is pickled into
-the message instead (today's one-copy path) and the loop warns once per pass.
+A range is reused only once nothing in the training process references it (the rule and its
+mechanism: :mod:`.lifetimes`): the loop sends the queued offsets back to the worker at its next
+batch. A worker never waits for memory: a buffer that does not fit the free part of the arena
+is pickled into the message instead (today's one-copy path) and the loop warns once per pass.
 
 Freed ranges keep their pages, so the next batches write into memory that is already there
 (no fresh pages for the kernel to zero). Free written pages beyond what a worker has in flight
@@ -45,12 +44,12 @@ import pickle
 import socket
 import struct
 import sys
-import weakref
 from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from dataset_rt import _native
+from dataset_rt._loader import lifetimes
 from dataset_rt._native import CachedSample
 
 # Bytes of result memory per loader by default, shared evenly by its workers.
@@ -187,7 +186,7 @@ class RegionOwner:
             # Mapped once for the pass (each mapping of a file holds a descriptor, so one per
             # batch could exhaust them). Shared and writable: numpy and torch hand out ordinary
             # writable arrays without a copy or a warning; a write lands in its batch's own
-            # range, which the worker reuses only once nothing here references it.
+            # range, not reused while referenced (.lifetimes).
             self._map: mmap.mmap | None = mmap.mmap(self.fd, capacity)
         except OSError as error:
             self._close_partial()
@@ -216,9 +215,9 @@ class RegionOwner:
         self, ranges: list[tuple[int, int]], stream: io.BytesIO, shards: _native.RingHandle
     ) -> Any:
         """Rebuilds a batch on its ranges. Each range gets a root array; every leaf is a view
-        of it (a numpy view, a tensor or memoryview of one), so the root lives exactly as long
-        as something of the batch does, and its death frees the range. A leaf the worker sent
-        as a shard reference is a view of ``shards``' (the owner handle's) map of the file."""
+        of it (a numpy view, a tensor or memoryview of one), so the root's death frees the range
+        (:func:`.lifetimes.release_on_death`). A leaf the worker sent as a shard reference is a
+        view of ``shards``' (the owner handle's) map of the file."""
         import numpy
 
         arena = self._map
@@ -226,7 +225,7 @@ class RegionOwner:
         roots = []
         for offset, length in ranges:
             root = numpy.frombuffer(arena, numpy.uint8, length, offset)
-            weakref.finalize(root, self.pending.append, offset)
+            lifetimes.release_on_death(root, self.pending.append, offset)
             roots.append(root)
         return _RegionUnpickler(stream, roots, [offset for offset, _ in ranges], shards).load()
 
@@ -751,13 +750,14 @@ def stack_as_transformed(
     collate: Callable[[list[Any]], Any],
 ) -> Any:
     """``collate([transform(s) for s in samples])`` where ``collate_fn`` stacks (``numpy.stack``
-    on arrays, ``dataset_rt.torch.default_collate`` on tensors): inside a worker, each sample's
-    result is copied into its row of the batch in result memory as soon as the transform
-    returns it, and dropped. The worker then holds one sample's result instead of the whole
-    batch's (less heap), and the copy reads it while it is still in the CPU's cache. The value
-    is the stack's. From the first sample whose result differs from the first one (type, dtype,
-    shape), or when the region has no room, the rest goes to ``collate`` as before, the rows
-    already written among the items: the same values and errors as without the rows."""
+    on arrays, a collate registered by :func:`register_tensor_stacking_collate` on tensors, as
+    ``dataset_rt.torch.default_collate`` is): inside a worker, each sample's result is copied
+    into its row of the batch in result memory as soon as the transform returns it, and dropped.
+    The worker then holds one sample's result instead of the whole batch's (less heap), and the
+    copy reads it while it is still in the CPU's cache. The value is the stack's. From the first
+    sample whose result differs from the first one (type, dtype, shape), or when the region has
+    no room, the rest goes to ``collate`` as before, the rows already written among the items:
+    the same values and errors as without the rows."""
     numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
     first = transform(samples[0])
     count = len(samples)
@@ -811,6 +811,20 @@ def _copy_row(rows: Any, i: int, item: Any) -> None:
     rows[i].copy_(item)
 
 
+# The collate functions that stack a batch of equal tensors as ``torch.stack`` does (and so may
+# be replaced by :func:`stack_as_transformed`'s rows): registered by the module that defines
+# them (``dataset_rt.torch`` registers its ``default_collate`` on import), compared by identity.
+_TENSOR_STACKING_COLLATES: list[Callable[[list[Any]], Any]] = []
+
+
+def register_tensor_stacking_collate(collate_fn: Callable[[list[Any]], Any]) -> None:
+    """Declares that ``collate_fn`` stacks a batch of equal plain CPU tensors into one tensor
+    exactly as ``torch.stack`` does (its values and its errors), so that a worker may write the
+    rows into result memory as the transform returns them (:func:`stack_as_transformed`). Only
+    this function object is declared: a wrapper of it is not."""
+    if not any(collate_fn is known for known in _TENSOR_STACKING_COLLATES):
+        _TENSOR_STACKING_COLLATES.append(collate_fn)
+
+
 def _is_torch_collate(collate_fn: Any) -> bool:
-    adapter = sys.modules.get("dataset_rt.torch")
-    return adapter is not None and collate_fn is getattr(adapter, "default_collate", None)
+    return any(collate_fn is known for known in _TENSOR_STACKING_COLLATES)

@@ -1,14 +1,14 @@
 """The slot side of the ring, as Python sees it (the Rust slot codec writes the slots): maps
 of one batch's slot, for a worker (:class:`BatchViews`) and for the training process at
-``num_workers=0`` (:class:`SlotMap`)."""
+``num_workers=0`` (:class:`SlotMap`). When a slot may be unmapped and reused: :mod:`.lifetimes`."""
 
 from __future__ import annotations
 
-import gc
 import mmap
 import os
 from typing import Any
 
+from dataset_rt._loader import lifetimes
 from dataset_rt._native import LoaderError
 
 SHM_DIR = "/dev/shm"
@@ -23,8 +23,8 @@ class BatchViews:
     """One batch's zero-copy views. A record the slot references is a slice of this process's
     map of its shard file (the Rust handle's, kept for the process's life); a payload carried in
     the slot (decompressed) is a slice of a Python-owned ``mmap`` of just the slot (abi3 has no
-    buffer protocol for Rust), mapped only when the batch has one. Releasing unmaps the slot, so
-    a kept view of it raises ValueError and nothing can ever read the slot once it is reused."""
+    buffer protocol for Rust), mapped only when the batch has one. Releasing unmaps the slot (a
+    worker's case of :mod:`.lifetimes`), so a kept view of it raises ValueError."""
 
     __slots__ = ("map", "seq", "views", "whole")
 
@@ -47,28 +47,27 @@ class BatchViews:
         view, say): the slot is then not handed back."""
         if self.map is None:
             return  # nothing refers to the slot: the shard maps live on with their views
-        assert self.whole is not None
-        for attempt in range(2):
-            try:
-                for view in self.views:
-                    if view.obj is self.map:
-                        view.release()
-                self.whole.release()
-                self.map.close()
-                return
-            except BufferError:
-                if attempt == 0:
-                    gc.collect()
+        if lifetimes.unmap_after_collect(self._unmap):
+            return
         raise LoaderError(
             f"a view of batch {self.seq} is still exported (for example numpy.frombuffer of "
             "sample.data is alive) when its ring slot must be reused: copy the bytes "
             "(bytes(sample.data), numpy.array(...)) if they must outlive the batch"
         )
 
+    def _unmap(self) -> None:
+        assert self.map is not None and self.whole is not None
+        for view in self.views:
+            if view.obj is self.map:
+                view.release()
+        self.whole.release()
+        self.map.close()
+
 
 class SlotMap:
     """The training process's map of one delivered batch's slot (``num_workers=0``): the batch's
-    ``sample.data`` views are slices of it, and it is Python's, so they keep it alive."""
+    ``sample.data`` views are slices of it, and it is Python's, so they keep it alive. Released
+    or kept by :func:`.lifetimes.hand_back_slots`."""
 
     __slots__ = ("map", "seq")
 
@@ -77,10 +76,5 @@ class SlotMap:
         self.map = slot_map
 
     def release(self) -> bool:
-        """Unmaps the slot unless something still references the map (a view, a buffer made
-        from one such as ``numpy.frombuffer``); says whether it did."""
-        try:
-            self.map.close()
-        except BufferError:
-            return False
-        return True
+        """Unmaps the slot unless something still references the map; says whether it did."""
+        return lifetimes.unmap_unless_referenced(self.map)
