@@ -19,10 +19,14 @@ reproduced on any machine, whatever its memory, as follows.
   than ``--tolerance`` of the files' pages stayed resident (``--allow-resident`` measures
   anyway, for filesystems that cannot evict, such as tmpfs). After the contender, the pages of
   the data files (flat file or shards) that it brought in are counted again: "paged in / read" is
-  their bytes over the payload bytes it read, the read-around the kernel did for it.
+  their bytes over the payload bytes it read, the read-around the kernel did for it (it cannot
+  exceed 1/share: at that value the whole file was read).
 - **A small share.** Each contender reads K samples (``--samples``, default 20,000 at 4 KiB and
-  2,000 at 128 KiB, at most a quarter of the samples), spread evenly over the file, in a shuffled
-  order: no page is read twice, and nothing read before helps. The share is the one DatasetRT
+  2,000 at 128 KiB), spread evenly over the file, in a shuffled order, so that no page is read
+  twice and nothing read before helps. A default K is lowered where the file is too small for it:
+  to at most 1 sample in 16, and to samples at least 128 KiB apart (the kernel's default
+  read-around of a fault on a memory map, which would otherwise bring in a later sample's pages
+  and make a reader of maps look faster than the regime allows). The share is the one DatasetRT
   reads under ``ReaderConfig(samples_per_epoch=K)`` (one sample every n/K, from an offset
   drawn from the seed, in a shuffled order: docs/determinism.md), and the flat-file readers take
   the same kind of share from numpy. Each contender in each round has its own seed, so a host
@@ -588,9 +592,21 @@ def prepare_all(args: argparse.Namespace) -> dict[str, str]:
     return errors
 
 
+READ_AROUND = 128 * common.KIB  # the kernel's default read-ahead (read_ahead_kb)
+
+
+def max_share(lay: Layout) -> int:
+    """The most samples a default K takes of ``lay``: 1 in 16 at most, each at least the
+    kernel's read-around away from the next."""
+    return max(1, min(lay.count // 16, lay.count * lay.size // (lay.size + READ_AROUND)))
+
+
 def samples_of(args: argparse.Namespace, lay: Layout) -> int:
-    want = args.samples.get(lay.label, DEFAULT_SAMPLES[lay.label])
-    return max(1, min(want, lay.count // 4))
+    """K: as given by ``--samples`` (at most every sample), else the default within
+    ``max_share``."""
+    if lay.label in args.samples:
+        return min(args.samples[lay.label], lay.count)
+    return min(DEFAULT_SAMPLES[lay.label], max_share(lay))
 
 
 def label_of(name: str, args: argparse.Namespace) -> str:
@@ -667,7 +683,8 @@ def print_tables(res: dict[str, Any]) -> None:
     for t in res["tables"]:
         print(
             f"\n### {t['size']}: {t['read_per_contender']:,} of {t['samples']:,} samples "
-            f"({t['gib']:.2f} GiB), shuffled, cold\n"
+            f"({t['read_per_contender'] / t['samples']:.1%}, of {t['gib']:.2f} GiB), shuffled, "
+            "cold\n"
         )
         rows: list[list[Any]] = []
         for r in t["rows"]:
@@ -735,7 +752,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nargs="+",
         default=[],
         metavar="SIZE=K",
-        help="samples each contender reads (default 4KiB=20000 128KiB=2000; at most a quarter)",
+        help="samples each contender reads (default 4KiB=20000 128KiB=2000, lowered for small "
+        "files to 1 in 16 and 128 KiB apart; a given K is taken as is)",
     )
     parser.add_argument("--threads", type=int, default=64, help="threads of the pread ceiling")
     parser.add_argument("--workers", type=int, default=2, help="DatasetRuntime(num_workers)")
@@ -789,6 +807,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         only = [c for c in only if c not in TORCH]
         notes.append("torch is not installed: its DataLoader contenders were skipped")
     args.only = only
+    for label in args.sizes:
+        lay = Layout(args.data_dir, label, args.gib)
+        k = samples_of(args, lay)
+        if label not in args.samples and k < DEFAULT_SAMPLES[label]:
+            notes.append(
+                f"{label}: K lowered from {DEFAULT_SAMPLES[label]:,} to {k:,} "
+                f"({lay.count:,} samples: 1 in 16 at most, 128 KiB apart at least)"
+            )
     errors = prepare_all(args)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         s: {c: [] for c in only} for s in args.sizes
