@@ -20,13 +20,17 @@ reproduced on any machine, whatever its memory, as follows.
   anyway, for filesystems that cannot evict, such as tmpfs). After the contender, the pages of
   the data files (flat file or shards) that it brought in are counted again: "paged in / read" is
   their bytes over the payload bytes it read, the read-around the kernel did for it (it cannot
-  exceed 1/share: at that value the whole file was read).
+  exceed 1/share: at that value the whole file was read). A fault on a memory map reads around
+  it up to the device's ``read_ahead_kb`` (reported in the header: 128 KiB by default, 8 MiB on
+  some virtual disks) until the kernel sees that the map misses at random; ``pread`` of a
+  random record reads the record only.
 - **A small share.** Each contender reads K samples (``--samples``, default 20,000 at 4 KiB and
   2,000 at 128 KiB), spread evenly over the file, in a shuffled order, so that no page is read
   twice and nothing read before helps. A default K is lowered where the file is too small for it:
   to at most 1 sample in 16, and to samples at least 128 KiB apart (the kernel's default
   read-around of a fault on a memory map, which would otherwise bring in a later sample's pages
-  and make a reader of maps look faster than the regime allows). The share is the one DatasetRT
+  and make a reader of maps look faster than the regime allows; a larger ``read_ahead_kb`` still
+  does, which "paged in / read" shows). The share is the one DatasetRT
   reads under ``ReaderConfig(samples_per_epoch=K)`` (one sample every n/K, from an offset
   drawn from the seed, in a shuffled order: docs/determinism.md), and the flat-file readers take
   the same kind of share from numpy. Each contender in each round has its own seed, so a host
@@ -250,6 +254,19 @@ def prepare(lay: Layout, kind: str) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Eviction and residency
+
+
+def read_ahead_kb(path: Path) -> int | None:
+    """``read_ahead_kb`` of the block device holding ``path`` (its disk's, for a partition)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    for queue in (dev / "queue", dev / ".." / "queue"):
+        with contextlib.suppress(OSError, ValueError):
+            return int((queue / "read_ahead_kb").read_text())
+    return None
 
 
 def evict(paths: Iterable[Path]) -> None:
@@ -674,7 +691,8 @@ def print_tables(res: dict[str, Any]) -> None:
     m = res["machine"]
     print(
         f"{m['date']}, {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, data on "
-        f"{res['fs']}; page cache evicted before each contender ({res['residency_tool']}); "
+        f"{res['fs']}, read_ahead_kb {res['read_ahead_kb']}; page cache evicted before each "
+        f"contender ({res['residency_tool']}); "
         f"DatasetRT verify={res['verify']!r}, DatasetRuntime(num_workers={res['workers']}); "
         f"rounds: {res['rounds']}; ratios to the ceiling are taken per round, then the median."
     )
@@ -877,6 +895,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "verify": args.policy or drt.ReaderConfig().verify,
         "residency_tool": "/".join(sorted(tools)) or "none",
+        "read_ahead_kb": read_ahead_kb(args.data_dir),
         "prepare_errors": errors,
         "notes": notes,
         "tables": [summarise(s, runs[s], args) for s in args.sizes],
