@@ -71,6 +71,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=common.REPEATS)
     parser.add_argument("--skip-write", action="store_true")
     parser.add_argument("--skip-read", action="store_true")
+    parser.add_argument("--skip-cold", action="store_true")
+    parser.add_argument(
+        "--cold-gib", type=float, default=4.0, help="bench_cold.py --gib (GiB per size, x2 copies)"
+    )
     parser.add_argument("--chart", type=Path, default=CHART)
     args = parser.parse_args()
     common.import_dataset_rt()  # fail early, and say which copy is measured
@@ -81,6 +85,9 @@ def main() -> None:
     if not args.skip_read:
         run("bench_read.py", rep)
     run("bench_loader.py", rep)  # the shared-memory loader; draws docs/benchmarks-loader.png
+    if not args.skip_cold:
+        # Reads from a cold page cache: writes 2 copies of --cold-gib GiB per size once.
+        run("bench_cold.py", ["--rounds", str(args.repeats), "--gib", str(args.cold_gib)])
     read_json = common.RESULTS_DIR / "read.json"
     if read_json.exists():
         try:
