@@ -221,7 +221,6 @@ COPIES_ARRAYS = {
     ),
 }
 CHILD_TIMEOUT_S = 300
-FLAG_LZ4 = 1  # index.bin entry flag: the record's payload is an LZ4 block (storage-format.md)
 CHART = common.REPO_ROOT / "docs" / "benchmarks-loader.png"
 STAMP_VERSION = 1
 
@@ -453,54 +452,22 @@ class FlatArrays:
 
 
 class CacheMapDataset:
-    """Map-style dataset over a DatasetRT cache's own files: ``index.bin`` and the record
-    headers give each payload's (shard, start, end); shards are mmapped once per process."""
+    """Map-style dataset over a DatasetRT cache's own files: the library's own reading of the
+    index and record headers (``_native.payload_spans``) gives each payload's (shard, start,
+    end); shards are mmapped once per process."""
 
     def __init__(self, cache_dir: Path, transform: Callable[[bytes], Any] | None) -> None:
-        import mmap
+        from dataset_rt import _native
 
         self.cache_dir = cache_dir
         self.transform = transform
-        # The record header keeps meta_len at byte 8 in format v1 and at byte 20 from v2 on; a v3
-        # index entry has it too (40 bytes: the lengths, meta_len, 4 zero bytes, the checksum).
-        version = json.loads((cache_dir / "manifest.json").read_text())["format_version"]
-        if version not in (1, 2, 3):
-            raise ValueError(f"{cache_dir}: format version {version}; this reader knows 1 to 3")
-        fields = [
-            ("offset", "<u8"),
-            ("shard", "<u4"),
-            ("flags", "<u4"),
-            ("stored", "<u4"),
-            ("raw", "<u4"),
-        ]
-        if version >= 3:
-            fields += [("meta_len", "<u4"), ("padding", "<u4")]
-        index = np.fromfile(cache_dir / "index.bin", dtype=np.uint8)[16:]
-        entries = index.view(np.dtype([*fields, ("checksum", "<u8")]))
-        if ((entries["flags"] | FLAG_LZ4) != FLAG_LZ4).any():
-            raise ValueError("unknown record flags: this reader handles raw and LZ4 payloads")
+        rows = np.frombuffer(_native.payload_spans(cache_dir), dtype="<i8").reshape(-1, 4)
+        shard_ids, starts, stored, raw = (rows[:, k] for k in range(4))
         # Decoded length of each LZ4 record, -1 for a raw one.
-        raw = entries["raw"].astype(np.int64)
-        self.raw = np.where(entries["flags"] & FLAG_LZ4 != 0, raw, -1).tolist()
-        shard_ids = entries["shard"].astype(np.int64)
-        offsets = entries["offset"].astype(np.int64)
-        if version >= 3:
-            meta_lens = entries["meta_len"].astype(np.int64)
-        else:
-            meta_at = 8 if version == 1 else 20
-            meta_lens = np.empty(len(entries), dtype=np.int64)
-            for shard in np.unique(shard_ids):
-                path = cache_dir / "shards" / f"{shard:06d}.bin"
-                with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                    words = np.frombuffer(mm, dtype="<u4", count=len(mm) // 4)
-                    sel = shard_ids == shard
-                    meta_lens[sel] = words[(offsets[sel] + meta_at) // 4]
-                    del words
-        # payload = record start + align16(40-byte header + metadata)
-        starts = offsets + (40 + meta_lens + 15) // 16 * 16
+        self.raw = raw.tolist()
         self.shards = shard_ids.tolist()
         self.starts = starts.tolist()
-        self.ends = (starts + entries["stored"].astype(np.int64)).tolist()
+        self.ends = (starts + stored).tolist()
         self._maps: dict[int, Any] = {}
         self._pid = -1
 

@@ -147,3 +147,38 @@ pub fn head_records(
         })
         .collect())
 }
+
+/// Where every record's stored payload lies in the cache at `path`, by the core's own reading of
+/// its index and record headers (each record checked as a read checks it: its header against its
+/// entry, its bounds; not its checksum): the little-endian `int64` rows
+/// `(shard, start, stored_len, raw_len)` as bytes, one row per sample in storage order, with
+/// `raw_len` -1 for a record stored uncompressed. For tools that read a cache's files with
+/// other readers (the benchmarks' torch baselines).
+#[pyfunction]
+pub fn payload_spans<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyBytes>> {
+    let dir = cache_dir(&path)?;
+    let rows = py
+        .detach(|| -> dataset_rt_core::Result<Vec<u8>> {
+            let cache = Cache::open(&dir, Validation::Structure)?;
+            let mut rows = Vec::with_capacity(cache.len() as usize * 32);
+            for sample in 0..cache.len() {
+                let (entry, header, start) = cache.check_record(sample, false)?;
+                let raw = if header.flags & FLAG_LZ4 != 0 {
+                    i64::from(header.raw_len)
+                } else {
+                    -1
+                };
+                for value in [
+                    i64::from(entry.shard),
+                    start as i64,
+                    i64::from(header.stored_len),
+                    raw,
+                ] {
+                    rows.extend_from_slice(&value.to_le_bytes());
+                }
+            }
+            Ok(rows)
+        })
+        .py_err()?;
+    Ok(PyBytes::new(py, &rows))
+}

@@ -32,6 +32,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(inspect::inspect_cache, m)?)?;
     m.add_function(wrap_pyfunction!(inspect::verify_cache, m)?)?;
     m.add_function(wrap_pyfunction!(inspect::head_records, m)?)?;
+    m.add_function(wrap_pyfunction!(inspect::payload_spans, m)?)?;
     loader::register(m)?;
     Ok(())
 }
