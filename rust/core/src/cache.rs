@@ -323,18 +323,16 @@ impl Cache {
         short_shards_ok: bool,
     ) -> Result<Cache> {
         let open = || Self::open_checked(dir, name, validation, short_shards_ok);
-        std::panic::catch_unwind(open).unwrap_or_else(
-            |panic| {
-                Err(Error::malformed(
-                    name,
-                    dir,
-                    format!(
-                        "the cache could not be parsed: {}",
-                        crate::pool::panic_payload(&panic)
-                    ),
-                ))
-            },
-        )
+        std::panic::catch_unwind(open).unwrap_or_else(|panic| {
+            Err(Error::malformed(
+                name,
+                dir,
+                format!(
+                    "the cache could not be parsed: {}",
+                    crate::pool::panic_payload(&panic)
+                ),
+            ))
+        })
     }
 
     fn open_checked(
@@ -386,8 +384,7 @@ impl Cache {
 
         // 2. Every file's real size against the manifest, before any of them is read.
         let (index_file, _) = open_sized(&name, dir, INDEX_FILE, index_len, false)?;
-        let (meta_file, _) =
-            open_sized(&name, dir, METADATA_FILE, manifest.metadata.bytes, false)?;
+        let (meta_file, _) = open_sized(&name, dir, METADATA_FILE, manifest.metadata.bytes, false)?;
         let mut shard_files = Vec::with_capacity(manifest.shards.len());
         for s in &manifest.shards {
             shard_files.push(open_sized(&name, dir, &s.file, s.bytes, short_shards_ok)?);
@@ -421,7 +418,9 @@ impl Cache {
             let map = map_sized(&name, dir, &s.file, file, s.bytes)?;
             // A shard cut short (`open_in_use`) is not read here: its header may lie past its
             // end, and every read of its records refuses it first.
-            if *len >= s.bytes && map[..SHARD_HEADER_LEN as usize] != shard_header_of(version, i as u32) {
+            if *len >= s.bytes
+                && map[..SHARD_HEADER_LEN as usize] != shard_header_of(version, i as u32)
+            {
                 return Err(Error::malformed(&name, &path, "bad shard header"));
             }
             if validation == Validation::Full {

@@ -183,7 +183,9 @@ pub fn limit_note(err: &std::io::Error) -> String {
     } else {
         limit.rlim_cur.to_string()
     };
-    format!(" (the process limit {name} allows {value} {what}; raise it, for example with `ulimit`)")
+    format!(
+        " (the process limit {name} allows {value} {what}; raise it, for example with `ulimit`)"
+    )
 }
 
 /// The errno of an I/O error: the operating system's, else the one its kind stands for when an

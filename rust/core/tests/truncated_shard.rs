@@ -21,7 +21,9 @@ const SAMPLES: u64 = 200;
 const SAMPLE_BYTES: usize = 3 * 1024;
 
 fn payload(i: u64) -> Vec<u8> {
-    (0..SAMPLE_BYTES).map(|k| (i as usize * 7 + k) as u8 | 1).collect()
+    (0..SAMPLE_BYTES)
+        .map(|k| (i as usize * 7 + k) as u8 | 1)
+        .collect()
 }
 
 /// 200 samples of 3 KiB in shards of 64 KiB (about 21 records each).
@@ -99,7 +101,11 @@ fn assert_names_shard_and_sample(text: &str, ds: &Dataset, shard: u32, sample: u
 
 #[test]
 fn a_shard_truncated_before_the_pass_is_an_error_naming_it() {
-    for policy in [VerifyPolicy::Always, VerifyPolicy::Once, VerifyPolicy::Never] {
+    for policy in [
+        VerifyPolicy::Always,
+        VerifyPolicy::Once,
+        VerifyPolicy::Never,
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let pool = Pool::new(2).unwrap();
         write(&pool, dir.path());
@@ -119,7 +125,11 @@ fn a_shard_truncated_before_the_pass_is_an_error_naming_it() {
 
 #[test]
 fn a_shard_truncated_after_its_records_were_read_ahead_is_an_error_naming_it() {
-    for policy in [VerifyPolicy::Always, VerifyPolicy::Once, VerifyPolicy::Never] {
+    for policy in [
+        VerifyPolicy::Always,
+        VerifyPolicy::Once,
+        VerifyPolicy::Never,
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let pool = Pool::new(2).unwrap();
         write(&pool, dir.path());

@@ -456,6 +456,10 @@ impl Dataset {
     }
 }
 
+/// A sample built and not handed out yet, with the (cache, row) of its record when it is a view
+/// of its shard.
+type Built = (Py<CachedSample>, Option<(u32, u64)>);
+
 /// A pass read sample by sample. The samples of a chunk the pool has read are made into Python
 /// objects in one go, with the GIL taken once; `__next__` then hands them out one at a time,
 /// and only a sample handed out counts in `state_dict()`.
@@ -467,7 +471,7 @@ pub struct DatasetIterator {
     progress: Arc<Progress>,
     /// The samples built and not handed out yet, in order, with the (cache, row) of those that
     /// are views of their shard (checked again as they are handed out).
-    built: VecDeque<(Py<CachedSample>, Option<(u32, u64)>)>,
+    built: VecDeque<Built>,
     /// The error that stopped building the current chunk: raised after the samples before it.
     build_error: Option<PyErr>,
     /// Set once an error was raised: the pass ends there, as a reader error ends it.

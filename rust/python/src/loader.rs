@@ -56,6 +56,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// Seconds from Python as a `Duration`: negative and NaN are zero, and anything above 2**32 s
 /// (136 years; infinity, 1e300) is 2**32 s, so that neither the conversion nor a deadline
 /// `Instant::now() + d` can overflow and panic.
+// Not `clamp`: it keeps NaN, which `from_secs_f64` turns into a panic.
+#[allow(clippy::manual_clamp)]
 fn seconds(value: f64) -> Duration {
     const LONGEST: f64 = 4_294_967_296.0;
     Duration::from_secs_f64(value.max(0.0).min(LONGEST)) // max first: NaN.max(0.0) is 0.0

@@ -69,7 +69,10 @@ fn view<'py>(py: Python<'py>, map: ShardMap) -> PyResult<(Bound<'py, PyAny>, usi
     let map = Bound::new(py, map)?;
     let address = map.get().address();
     let array = py.import("numpy")?.getattr("asarray")?.call1((map,))?;
-    let view = py.import("builtins")?.getattr("memoryview")?.call1((array,))?;
+    let view = py
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((array,))?;
     Ok((view, address))
 }
 
