@@ -23,6 +23,7 @@ __all__ = [
     "Runtime",
     "RuntimeStateError",
     "SamplesMetadataError",
+    "ShardMap",
     "StateError",
     "WorkerError",
     "__version__",
