@@ -7,6 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# The native module makes zero-copy views of shards through numpy (a read-only array over its own
+# map of the file): imported with the package, not at the first sample, so that a process that
+# later drops its privileges or changes `sys.path` still reads.
+import numpy  # noqa: F401
+
 from dataset_rt import _native
 from dataset_rt._config import as_index, check_epoch, is_bool
 from dataset_rt._native import CachedSample
