@@ -9,8 +9,9 @@
 //! payload from the index entry alone, without touching the record again.
 
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use xxhash_rust::xxh3::Xxh3;
 
+pub use crate::checksum::{checksum_hex, hash_bytes, CHECKSUM_ALGO};
 use crate::metadata::{Field, FieldType};
 
 pub const FORMAT_NAME: &str = "dataset-rt-cache";
@@ -19,7 +20,6 @@ pub const FORMAT_VERSION: u32 = 3;
 /// The versions this DatasetRT reads.
 pub const READABLE_VERSIONS: [u32; 3] = [1, 2, 3];
 pub const WRITER_VERSION: &str = concat!("dataset-rt ", env!("CARGO_PKG_VERSION"));
-pub const CHECKSUM_ALGO: &str = "xxh3-64";
 
 pub const MANIFEST_FILE: &str = "manifest.json";
 pub const METADATA_FILE: &str = "metadata.arrow";
@@ -63,14 +63,6 @@ pub fn align_up(x: u64) -> u64 {
 
 pub fn shard_file_name(shard: u32) -> String {
     format!("{SHARDS_DIR}/{shard:06}.bin")
-}
-
-pub fn checksum_hex(value: u64) -> String {
-    format!("{value:016x}")
-}
-
-pub fn hash_bytes(bytes: &[u8]) -> u64 {
-    xxh3_64(bytes)
 }
 
 /// The header of shard `shard` as this version writes it.

@@ -9,7 +9,7 @@ use std::path::Path;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::{Error, IoContext, Result};
-use crate::format::checksum_hex;
+use crate::checksum::checksum_hex;
 
 /// Hashes every byte it passes on, so file checksums cost no second read.
 pub(crate) struct HashingWriter<W: Write> {
@@ -110,7 +110,7 @@ pub(crate) fn create_file(path: &Path) -> Result<HashingWriter<BufWriter<File>>>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::hash_bytes;
+    use crate::checksum::hash_bytes;
 
     #[test]
     fn writeback_starts_every_step_and_changes_no_byte() {

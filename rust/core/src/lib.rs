@@ -1,7 +1,18 @@
 //! DatasetRT core: the immutable cache format, its writer and reader, deterministic sampling and
 //! the worker pool. No Python here: the `dataset-rt-python` crate binds it.
+//!
+//! Layers (a module imports only modules of the layers below it; no import circles):
+//! 1. leaves: `error`, `os`, `liveness`, `progress`, `checksum` (xxh3-64 and its hex form);
+//! 2. `pool` (error), `sampler` and `verify` (error, os), `hashed_file` (error, checksum);
+//! 3. `metadata` (error, pool, hashed_file);
+//! 4. `format`: byte layouts and the manifest (checksum, metadata's field types);
+//! 5. `cache`: opening and validating a cache (format, metadata, pool);
+//! 6. `dataset`: reading it (cache, sampler, verify, pool), and `writer`: writing one (cache,
+//!    format, hashed_file, liveness, pool);
+//! 7. `samples` and `passes`, over `dataset`.
 
 pub mod cache;
+pub mod checksum;
 pub mod dataset;
 pub mod error;
 pub mod format;

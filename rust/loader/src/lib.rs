@@ -3,9 +3,17 @@
 //! in a slot, with references into the caches' shard files and the table of those files), and
 //! the lifecycle of the segments' names.
 //! No Python here: `rust/python/src/loader.rs` binds it; `dataset-rt-shm` moves the bytes.
+//!
+//! Layers (a module imports only modules of the layers below it; no import circles):
+//! 1. leaves: `batch` (the slot codec), `shards` (the table of shard files), `pass` (what a
+//!    pass's description means: its rank split, its counts, the position after a batch);
+//! 2. `lifecycle` (pass);
+//! 3. `producer` (batch, shards, pass, lifecycle);
+//! 4. `plan` (all of the above).
 
 pub mod batch;
 pub mod lifecycle;
+pub mod pass;
 pub mod plan;
 pub mod producer;
 pub mod shards;

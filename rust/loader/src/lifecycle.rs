@@ -15,7 +15,8 @@ use dataset_rt_shm::ring::{Created, Geometry, Names, Pass, Ring};
 use dataset_rt_shm::segment::{self, path_of, Segment};
 use dataset_rt_shm::ShmError;
 
-use crate::{plan, protocol, Result};
+use crate::pass::check_split;
+use crate::{protocol, Result};
 
 /// Prefix of every entry name in /dev/shm: `dataset-rt-<owner pid>-<nonce>-{ctl,ring,spec}`.
 pub const NAME_PREFIX: &str = "dataset-rt-";
@@ -67,7 +68,7 @@ pub fn unlink_pass(ctl_name: &str) {
 /// the transport checks the segments, this the rank split of the pass they carry.
 pub fn attach(ctl_name: &str) -> Result<Ring> {
     let ring = Ring::attach(&names_of(ctl_name)?)?;
-    plan::check_split(&ring.pass())
+    check_split(&ring.pass())
         .map_err(|why| protocol(format!("control segment {ctl_name}: {why}")))?;
     Ok(ring)
 }
@@ -77,7 +78,7 @@ pub fn attach(ctl_name: &str) -> Result<Ring> {
 /// that removes a fresh entry before it is locked costs a new name, not the pass.
 pub fn create_ring(owner_pid: u64, geometry: Geometry, pass: Pass) -> Result<Ring> {
     geometry.ring_bytes()?;
-    plan::check_split(&pass).map_err(|why| protocol(format!("the pass to create: {why}")))?;
+    check_split(&pass).map_err(|why| protocol(format!("the pass to create: {why}")))?;
     let mut lost = 0;
     let (created, names) = loop {
         match create_names(owner_pid, geometry) {

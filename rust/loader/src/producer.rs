@@ -332,7 +332,7 @@ fn prepare(
         epoch_len: spec.epoch_len,
         rank: pass.rank,
         world_size: pass.world_size,
-        policy: crate::plan::split_of(&pass).policy,
+        policy: crate::pass::split_of(&pass).policy,
     };
     opts.validate()?;
     if spec.threads == 0 {
