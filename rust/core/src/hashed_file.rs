@@ -8,8 +8,8 @@ use std::path::Path;
 
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::error::{Error, IoContext, Result};
 use crate::checksum::checksum_hex;
+use crate::error::{Error, IoContext, Result};
 
 /// Hashes every byte it passes on, so file checksums cost no second read.
 pub(crate) struct HashingWriter<W: Write> {
