@@ -834,7 +834,9 @@ impl Ring {
         self.a32(self.slot_base(s) + S_WORD)
             .store(slot_word(b, FILLING), Ordering::Release);
         let size = self.geometry.slot_size as usize;
-        std::slice::from_raw_parts_mut(self.ring.ptr().add(s * size), size)
+        // SAFETY: slot `s` lies within the ring's mapping, and the caller holds it alone until
+        // `publish(b)` (see above).
+        unsafe { std::slice::from_raw_parts_mut(self.ring.ptr().add(s * size), size) }
     }
 
     /// Publishes batch `b` (its slot READY) and wakes the consumers waiting for it.

@@ -139,10 +139,9 @@ mod tests {
         fn minor_faults() -> i64 {
             // SAFETY: getrusage fills the struct it is given.
             let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-            assert_eq!(
-                unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) },
-                0
-            );
+            // SAFETY: `usage` is a valid rusage to fill.
+            let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) };
+            assert_eq!(rc, 0);
             usage.ru_minflt
         }
         // A batch of a transform's outputs: 64 buffers of 150,528 bytes, written, then freed.

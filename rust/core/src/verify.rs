@@ -454,10 +454,8 @@ mod tests {
         file.set_len(bytes).unwrap();
         if seal {
             // SAFETY: fcntl on an open descriptor.
-            assert_eq!(
-                unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, SIZE_SEALS) },
-                0
-            );
+            let rc = unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, SIZE_SEALS) };
+            assert_eq!(rc, 0);
         }
         file
     }

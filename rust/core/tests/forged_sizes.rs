@@ -25,18 +25,22 @@ static LARGEST: AtomicUsize = AtomicUsize::new(0);
 unsafe impl GlobalAlloc for Largest {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
-        System.alloc(layout)
+        // SAFETY: the caller upholds GlobalAlloc's contract, which System needs.
+        unsafe { System.alloc(layout) }
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
-        System.alloc_zeroed(layout)
+        // SAFETY: the caller upholds GlobalAlloc's contract, which System needs.
+        unsafe { System.alloc_zeroed(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout)
+        // SAFETY: the caller upholds GlobalAlloc's contract, which System needs.
+        unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         LARGEST.fetch_max(new_size, Ordering::Relaxed);
-        System.realloc(ptr, layout, new_size)
+        // SAFETY: the caller upholds GlobalAlloc's contract, which System needs.
+        unsafe { System.realloc(ptr, layout, new_size) }
     }
 }
 

@@ -15,10 +15,12 @@ static LARGEST: AtomicUsize = AtomicUsize::new(0);
 unsafe impl GlobalAlloc for Largest {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
-        System.alloc(layout)
+        // SAFETY: the caller upholds GlobalAlloc's contract, which System needs.
+        unsafe { System.alloc(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout)
+        // SAFETY: the caller upholds GlobalAlloc's contract, which System needs.
+        unsafe { System.dealloc(ptr, layout) }
     }
 }
 
