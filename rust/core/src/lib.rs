@@ -7,8 +7,10 @@
 //! 3. `metadata` (error, pool, hashed_file);
 //! 4. `format`: byte layouts and the manifest (checksum, metadata's field types);
 //! 5. `cache`: opening and validating a cache (format, metadata, pool);
-//! 6. `dataset`: reading it (cache, sampler, verify, pool), and `writer`: writing one (cache,
-//!    format, hashed_file, liveness, pool);
+//! 6. `dataset`: reading it (cache, sampler, verify, pool), in three files: `dataset::state`
+//!    (the read options and the iterator state), `dataset` (the `Dataset` and its `fetch`) and
+//!    `dataset::reader` (the `EpochReader`'s read-ahead, over `Dataset`); and `writer`: writing
+//!    one (cache, format, hashed_file, liveness, pool);
 //! 7. `samples` and `passes`, over `dataset`.
 
 pub mod cache;
