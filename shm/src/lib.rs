@@ -2,6 +2,13 @@
 //! (`shm/LAYOUT.md` specifies every byte), cross-process waiting, and private copies of a
 //! mapping. Pure transport: what the slots hold, the pass plan and which names exist when are
 //! `dataset-rt-loader`'s.
+//!
+//! Layers (a module imports only modules of the layers below it; no import circles):
+//! 1. leaves: `layout` (every offset and constant of `shm/LAYOUT.md`), `futex`, `private_copy`,
+//!    `results`;
+//! 2. `segment` (layout);
+//! 3. `ring` (layout, segment, futex), with its parts `ring::geometry`, `ring::parties` and
+//!    `ring::slots` over the `Ring` that `ring.rs` maps.
 
 mod futex;
 pub mod layout;
