@@ -10,7 +10,10 @@
 //! 6. `dataset`: reading it (cache, sampler, verify, pool), in three files: `dataset::state`
 //!    (the read options and the iterator state), `dataset` (the `Dataset` and its `fetch`) and
 //!    `dataset::reader` (the `EpochReader`'s read-ahead, over `Dataset`); and `writer`: writing
-//!    one (cache, format, hashed_file, liveness, pool);
+//!    one (cache, format, hashed_file, liveness, pool), in four files: `writer::lock` (names,
+//!    the lock, leftovers), `writer::records` (encoding, the ordered commit into shards),
+//!    `writer::validate` (each sample against the schema) and `writer` (a write from the first
+//!    push to the publication);
 //! 7. `samples` and `passes`, over `dataset`.
 
 pub mod cache;

@@ -6,13 +6,15 @@
 //! batches are committed in order by whichever worker finishes the next one ("combining": no
 //! worker ever waits for another). At most `prefetch_size` samples are between push and commit,
 //! so memory stays flat for a source of any length.
+//!
+//! `writer::lock` holds the name rules, the lock and the leftovers, `writer::records` the
+//! encoding and the ordered commit into shards, `writer::validate` the checks of each sample
+//! against the schema; this file drives a write from the first push to the publication.
 
 use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
-use std::io::{BufWriter, Write};
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
@@ -22,10 +24,19 @@ use ahash::AHashSet;
 use crate::cache::{Cache, Validation};
 use crate::error::{Error, IoContext, Result};
 use crate::format::*;
-use crate::hashed_file::{create_file, finish_file, make_read_only, HashingWriter};
-use crate::liveness;
-use crate::metadata::{Field, FieldType, MetaValue, MetadataWriter, RecordMetadataJson, SAMPLE_ID};
+use crate::hashed_file::{create_file, finish_file, make_read_only};
+use crate::metadata::{Field, FieldType, MetaValue, MetadataWriter, RecordMetadataJson};
 use crate::pool::Pool;
+
+mod lock;
+mod records;
+mod validate;
+
+use lock::{sync_dir, tmp_dir_name};
+use records::{encode, CommitState, Shared, Sink};
+use validate::{place, KeySlots};
+
+pub use lock::{check_base_dir, reap_dead_leftovers, validate_name, CacheLock, MAX_NAME_BYTES};
 
 /// Default target size of one shard file.
 pub const DEFAULT_SHARD_SIZE: u64 = 256 << 20;
@@ -66,19 +77,6 @@ pub type InterruptCheck = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 
 /// How often a waiting write asks its [`InterruptCheck`].
 pub const INTERRUPT_POLL: Duration = Duration::from_millis(100);
-
-/// The bytes that the temporary directory's name `.NAME.tmp-PID-NANOS` adds to a cache name, at
-/// most: a pid has at most 10 digits (an i32), the nanoseconds since 1970 at most 20 (until the
-/// year 2286 they have 19). The lock file `.NAME.lock` adds less.
-const TMP_NAME_EXTRA_BYTES: usize = ".".len() + ".tmp-".len() + 10 + "-".len() + 20;
-
-/// The longest cache name, in bytes: its temporary directory's name must still fit the 255-byte
-/// limit that Linux file systems put on one file name.
-pub const MAX_NAME_BYTES: usize = 255 - TMP_NAME_EXTRA_BYTES;
-
-fn tmp_dir_name(name: &str, pid: u32, nanos: u128) -> String {
-    format!(".{name}.tmp-{pid}-{nanos}")
-}
 
 /// One sample as the source gave it; metadata keys in the source's order.
 pub struct SampleInput {
@@ -130,497 +128,6 @@ pub struct Staged {
     pub keys_remembered: bool,
     /// The batch is full: call [`CacheWriter::hand_off`] (it may wait) before the next push.
     pub batch_full: bool,
-}
-
-/// The schema positions of the keys of the last sample that was matched by name, remembered by
-/// the keys' identities in that sample's order.
-#[derive(Default)]
-struct KeySlots {
-    ids: Vec<usize>,
-    slots: Vec<usize>,
-}
-
-impl KeySlots {
-    /// The schema positions of `keys` when they are the remembered identities, in order.
-    fn lookup(&self, keys: &[MetaKey<'_>]) -> Option<&[usize]> {
-        let same =
-            keys.len() == self.ids.len() && keys.iter().zip(&self.ids).all(|(k, id)| k.id == *id);
-        same.then_some(self.slots.as_slice())
-    }
-
-    fn remember(&mut self, keys: &[MetaKey<'_>], slots: Vec<usize>) {
-        self.ids.clear();
-        self.ids.extend(keys.iter().map(|k| k.id));
-        self.slots = slots;
-    }
-}
-
-/// A cache name must be one plain directory name.
-pub fn validate_name(name: &str) -> Result<()> {
-    let bad = name.is_empty()
-        || name == "."
-        || name == ".."
-        || name.starts_with('.')
-        || name.contains(['/', '\\', '\0']);
-    if bad {
-        return Err(Error::config(
-            "source name",
-            format!(
-                "{name:?} is not a plain directory name (non-empty, no '/', not starting with '.')"
-            ),
-        ));
-    }
-    if name.len() > MAX_NAME_BYTES {
-        return Err(Error::config(
-            "source name",
-            format!(
-                "{:?}... is {} bytes long; a cache name may have at most {MAX_NAME_BYTES} bytes \
-                 (its temporary directory's name adds up to {TMP_NAME_EXTRA_BYTES} bytes, and a \
-                 file name may have 255): use a shorter name",
-                name.chars().take(32).collect::<String>(),
-                name.len()
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// Errors clearly when `base` cannot be a base cache directory because it, or the nearest part
-/// of it that exists, is not a directory (a regular file, say). Creates nothing.
-pub fn check_base_dir(base: &Path) -> Result<()> {
-    let Some(existing) = base.ancestors().find(|p| fs::metadata(p).is_ok()) else {
-        return Ok(());
-    };
-    if fs::metadata(existing).is_ok_and(|m| !m.is_dir()) {
-        let what = if existing == base {
-            format!("{} is not a directory", base.display())
-        } else {
-            format!(
-                "{} lies below {}, which is not a directory",
-                base.display(),
-                existing.display()
-            )
-        };
-        return Err(Error::config(
-            "base_cache_dir",
-            format!("{what}; pass a directory (a missing one is created when a cache is written)"),
-        ));
-    }
-    Ok(())
-}
-
-/// Opens (creating it if needed) the lock file without following a symbolic link and without
-/// blocking on a FIFO: a file planted at the lock's path never makes the writer create or open
-/// anything outside the base directory.
-fn open_lock_file(path: &Path) -> Result<File> {
-    let flags = libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
-    let refused = |what: &str| {
-        Error::io(
-            "open lock file",
-            path,
-            std::io::Error::other(format!(
-                "{what}, not a regular file; the lock is never opened through a link or on a \
-                 special file, so nothing was written: remove it and retry"
-            )),
-        )
-    };
-    let opened = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o644)
-        .custom_flags(flags)
-        .open(path)
-        .or_else(|e| match e.kind() {
-            // Another user's lock file in a shared base directory: flock needs no write access.
-            std::io::ErrorKind::PermissionDenied => {
-                OpenOptions::new().read(true).custom_flags(flags).open(path)
-            }
-            _ => Err(e),
-        });
-    let file = match opened {
-        Ok(f) => f,
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            return Err(refused("it is a symbolic link"))
-        }
-        // A FIFO without a reader (write-only, non-blocking open) or a socket.
-        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
-            return Err(refused("it is a FIFO or a socket"))
-        }
-        Err(e) => return Err(Error::io("open lock file", path, e)),
-    };
-    let meta = file.metadata().ctx("stat lock file", path)?;
-    if !meta.is_file() {
-        return Err(refused("it is a special file"));
-    }
-    Ok(file)
-}
-
-/// An exclusive lock on one cache name under a base directory, held while deciding whether to
-/// write and while writing. `flock` is released by the kernel when the holder dies, so a
-/// crashed writer never blocks the next run.
-pub struct CacheLock {
-    file: File,
-    pub base: PathBuf,
-    pub name: String,
-}
-
-impl CacheLock {
-    /// Blocks until the lock is held; creates `base` if needed.
-    pub fn acquire(base: &Path, name: &str) -> Result<CacheLock> {
-        Self::acquire_interruptible(base, name, &|| Ok(()))
-    }
-
-    /// Like [`CacheLock::acquire`], but asks `interrupt` about every [`INTERRUPT_POLL`] while
-    /// another writer holds the lock, and gives up with its error.
-    pub fn acquire_interruptible(
-        base: &Path,
-        name: &str,
-        interrupt: &dyn Fn() -> Result<()>,
-    ) -> Result<CacheLock> {
-        validate_name(name)?;
-        check_base_dir(base)?;
-        fs::create_dir_all(base).ctx("create directory", base)?;
-        let path = base.join(format!(".{name}.lock"));
-        let file = open_lock_file(&path)?;
-        // Polled, not a blocking flock: a blocked flock would ignore Ctrl-C for as long as
-        // another writer (perhaps a hung one) holds the lock.
-        let mut pause = Duration::from_millis(1);
-        loop {
-            // SAFETY: flock on a valid, owned descriptor.
-            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-                break;
-            }
-            let err = std::io::Error::last_os_error();
-            match err.raw_os_error() {
-                Some(libc::EWOULDBLOCK) => {
-                    interrupt()?;
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(INTERRUPT_POLL);
-                }
-                Some(libc::EINTR) => {}
-                _ => return Err(Error::io("lock", &path, err)),
-            }
-        }
-        Ok(CacheLock {
-            file,
-            base: base.to_owned(),
-            name: name.to_owned(),
-        })
-    }
-
-    pub fn final_dir(&self) -> PathBuf {
-        self.base.join(&self.name)
-    }
-
-    /// Removes temporary directories of earlier writers of this name. Holding the lock proves
-    /// that none of them is alive. Best effort, like [`reap_dead_leftovers`]: garbage that
-    /// cannot be listed or removed never fails a write.
-    pub fn remove_leftovers(&self) -> usize {
-        remove_leftovers_where(&self.base, &self.name)
-    }
-}
-
-/// The writer's pid in `file_name` when it is exactly `.NAME.tmp-PID-NANOS`: never the
-/// temporary directory of another name that happens to start the same way.
-fn leftover_pid(file_name: &str, name: &str) -> Option<i32> {
-    let rest = file_name
-        .strip_prefix('.')?
-        .strip_prefix(name)?
-        .strip_prefix(".tmp-")?;
-    let (pid, nanos) = rest.split_once('-')?;
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    if !digits(pid) || !digits(nanos) {
-        return None;
-    }
-    pid.parse().ok()
-}
-
-/// Removes the leftovers of `name` in `base` (the caller proved their writers gone); returns how
-/// many went. Errors (unreadable base, read-only storage, another process removing the same
-/// directory first) are ignored: removing garbage is never worth failing the caller.
-fn remove_leftovers_where(base: &Path, name: &str) -> usize {
-    let Ok(entries) = fs::read_dir(base) else {
-        return 0;
-    };
-    let mut removed = 0;
-    for entry in entries.flatten() {
-        let file_name = entry.file_name();
-        if leftover_pid(&file_name.to_string_lossy(), name).is_none() {
-            continue;
-        }
-        if fs::remove_dir_all(entry.path()).is_ok() {
-            removed += 1;
-        }
-    }
-    removed
-}
-
-/// Removes the temporary directories of writers of `name` under `base` once no writer of it is
-/// alive, without taking the lock the blocking way and without creating the lock file (loading
-/// works on read-only storage). Every writer holds `.NAME.lock` from before it creates its
-/// directory until after it is gone, so a lock that can be taken at once proves every such
-/// directory a leftover, whatever its pid says (reused, or from another PID namespace); a held,
-/// missing or unopenable lock file removes nothing.
-pub fn reap_dead_leftovers(base: &Path, name: &str) -> usize {
-    match liveness::probe(&base.join(format!(".{name}.lock"))) {
-        // Held until the removal is done: no writer starts meanwhile.
-        liveness::Owner::Gone(_held) => remove_leftovers_where(base, name),
-        liveness::Owner::Alive | liveness::Owner::Unknown(_) => 0,
-    }
-}
-
-impl Drop for CacheLock {
-    fn drop(&mut self) {
-        // SAFETY: unlocking our own descriptor; closing it would release the lock anyway.
-        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
-    }
-}
-
-fn sync_dir(path: &Path) -> Result<()> {
-    File::open(path)
-        .ctx("open", path)?
-        .sync_all()
-        .ctx("sync", path)
-}
-
-struct Encoded {
-    header: RecordHeader,
-    meta: Vec<u8>,
-    payload: Payload,
-    sample_id: MetaValue,
-    values: Vec<MetaValue>,
-}
-
-/// The files being written, touched by one committer at a time.
-struct Sink {
-    dir: PathBuf,
-    shard_size: u64,
-    shard: Option<HashingWriter<BufWriter<File>>>,
-    shard_no: u32,
-    shard_records: u64,
-    shards: Vec<ShardEntry>,
-    index: Option<HashingWriter<BufWriter<File>>>,
-    metadata: Option<MetadataWriter>,
-    raw_bytes: u64,
-    stored_bytes: u64,
-}
-
-const ZEROS: [u8; ALIGN as usize] = [0; ALIGN as usize];
-
-impl Sink {
-    fn close_shard(&mut self) -> Result<()> {
-        if let Some(w) = self.shard.take() {
-            let rel = shard_file_name(self.shard_no);
-            let (bytes, checksum) = finish_file(w, &self.dir.join(&rel))?;
-            self.shards.push(ShardEntry {
-                file: rel,
-                bytes,
-                records: self.shard_records,
-                checksum,
-            });
-            self.shard_no += 1;
-            self.shard_records = 0;
-        }
-        Ok(())
-    }
-
-    fn append(&mut self, rec: Encoded, sample: u64) -> Result<()> {
-        let len = rec.header.padded_len();
-        if let Some(w) = &self.shard {
-            if self.shard_records > 0 && w.written + len > self.shard_size {
-                self.close_shard()?;
-            }
-        }
-        if self.shard.is_none() {
-            let path = self.dir.join(shard_file_name(self.shard_no));
-            let mut w = create_file(&path)?;
-            w.write_all(&shard_header(self.shard_no))
-                .ctx("write", &path)?;
-            self.shard = Some(w);
-        }
-        let path = self.dir.join(shard_file_name(self.shard_no));
-        let w = self.shard.as_mut().expect("opened above");
-        let offset = w.written;
-        debug_assert_eq!(offset % ALIGN, 0);
-        let header_and_meta = RECORD_HEADER_LEN + rec.meta.len() as u64;
-        let pad1 = (rec.header.payload_offset() - header_and_meta) as usize;
-        let payload = rec.payload.as_slice();
-        let pad2 = (len - rec.header.payload_offset() - payload.len() as u64) as usize;
-        (|| {
-            w.write_all(&rec.header.encode())?;
-            w.write_all(&rec.meta)?;
-            w.write_all(&ZEROS[..pad1])?;
-            w.write_all(payload)?;
-            w.write_all(&ZEROS[..pad2])
-        })()
-        .ctx("write", &path)?;
-        w.start_writeback();
-        self.shard_records += 1;
-        let entry = IndexEntry {
-            offset,
-            shard: self.shard_no,
-            flags: rec.header.flags,
-            stored_len: rec.header.stored_len,
-            raw_len: rec.header.raw_len,
-            meta_len: Some(rec.header.meta_len),
-            checksum: rec.header.checksum,
-        };
-        self.index
-            .as_mut()
-            .expect("open until finish")
-            .write_all(&entry.encode())
-            .ctx("write", &self.dir.join(INDEX_FILE))?;
-        self.raw_bytes += u64::from(rec.header.raw_len);
-        self.stored_bytes += u64::from(rec.header.stored_len);
-        debug_assert_eq!(rec.header.sample, sample);
-        self.metadata
-            .as_mut()
-            .expect("metadata writer opens with the first sample")
-            .push(&rec.sample_id, &rec.values)
-    }
-}
-
-struct CommitState {
-    next_batch: u64,
-    pending: BTreeMap<u64, Vec<Encoded>>,
-    committing: bool,
-    error: Option<String>,
-    first_error: Option<Error>,
-}
-
-fn record_error(st: &mut CommitState, e: Error) {
-    if st.error.is_none() {
-        st.error = Some(e.to_string());
-        st.first_error = Some(e);
-    }
-}
-
-struct Shared {
-    name: String,
-    state: Mutex<CommitState>,
-    changed: Condvar,
-    sink: Mutex<Sink>,
-    committed_samples: AtomicU64,
-    committed_bytes: AtomicU64,
-    next_sample: AtomicU64,
-}
-
-impl Shared {
-    /// Records the write's first error; later ones add nothing. No batch commits after it.
-    fn fail(&self, e: Error) {
-        let mut st = self.state.lock().unwrap();
-        record_error(&mut st, e);
-        self.changed.notify_all();
-    }
-
-    /// Errors once the write has failed (or was interrupted or abandoned): the finishing work
-    /// asks between its steps, so a stopped write stops writing soon.
-    fn check_live(&self) -> Result<()> {
-        match &self.state.lock().unwrap().error {
-            Some(msg) => Err(Error::Runtime(format!(
-                "writing cache {:?} stopped: {msg}",
-                self.name
-            ))),
-            None => Ok(()),
-        }
-    }
-
-    /// Hands an encoded batch over; commits every batch that is now next in line.
-    fn deliver(&self, seq: u64, batch: Result<Vec<Encoded>>) {
-        let mut st = self.state.lock().unwrap();
-        match batch {
-            Ok(b) => {
-                st.pending.insert(seq, b);
-            }
-            Err(e) => {
-                record_error(&mut st, e);
-                self.changed.notify_all();
-                return;
-            }
-        }
-        if st.committing {
-            return; // the active committer will pick this batch up
-        }
-        st.committing = true;
-        loop {
-            // `error`, not `first_error`: `finish` may have taken the first error out already.
-            if st.error.is_some() {
-                break;
-            }
-            let next = st.next_batch;
-            let Some(batch) = st.pending.remove(&next) else {
-                break;
-            };
-            st.next_batch += 1;
-            drop(st);
-            // A panic must not leave `committing` set: `finish` and `drop` wait on it.
-            let result =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.commit(batch)))
-                    .unwrap_or_else(|panic| {
-                        Err(Error::Runtime(crate::pool::panic_message(&panic)))
-                    });
-            st = self.state.lock().unwrap();
-            if let Err(e) = result {
-                record_error(&mut st, e);
-            }
-            self.changed.notify_all();
-        }
-        st.committing = false;
-        self.changed.notify_all();
-    }
-
-    fn commit(&self, batch: Vec<Encoded>) -> Result<()> {
-        let mut sink = self.sink.lock().unwrap();
-        for rec in batch {
-            let bytes = u64::from(rec.header.raw_len);
-            let sample = self.next_sample.fetch_add(1, Ordering::Relaxed);
-            sink.append(rec, sample)?;
-            self.committed_samples.fetch_add(1, Ordering::Release);
-            self.committed_bytes.fetch_add(bytes, Ordering::Relaxed);
-        }
-        Ok(())
-    }
-}
-
-fn encode(
-    sample: u64,
-    data: Payload,
-    (fields, json): (&[Field], &RecordMetadataJson),
-    compression: Compression,
-    sample_id: MetaValue,
-    values: Vec<MetaValue>,
-) -> Encoded {
-    let meta = json.encode(fields, &values);
-    let raw = data.as_slice();
-    let raw_len = raw.len() as u32;
-    let (flags, payload) = match compression.algo {
-        CompressionAlgo::Lz4 if !raw.is_empty() => {
-            let compressed = lz4_flex::block::compress(raw);
-            if (compressed.len() as f64) <= compression.ratio * raw.len() as f64 {
-                (FLAG_LZ4, Payload::Owned(compressed))
-            } else {
-                (0, data)
-            }
-        }
-        _ => (0, data),
-    };
-    let mut header = RecordHeader {
-        flags,
-        meta_len: meta.len() as u32,
-        stored_len: payload.as_slice().len() as u32,
-        raw_len,
-        sample,
-        checksum: 0,
-    };
-    header.checksum = header.compute_checksum(&meta, payload.as_slice());
-    Encoded {
-        header,
-        meta,
-        payload,
-        sample_id,
-        values,
-    }
 }
 
 /// What `finish` published.
@@ -779,14 +286,6 @@ impl CacheWriter {
         )
     }
 
-    fn invalid(&self, reason: impl Into<String>) -> Error {
-        Error::InvalidSample {
-            source_name: self.lock.name.clone(),
-            sample_index: self.pushed,
-            reason: reason.into(),
-        }
-    }
-
     /// Checks one sample against the schema set by the first and queues it for writing.
     pub fn push(&mut self, input: SampleInput) -> Result<()> {
         self.check_payload(&input.data)?;
@@ -856,16 +355,6 @@ impl CacheWriter {
         self.check_error()
     }
 
-    fn check_payload(&self, data: &[u8]) -> Result<()> {
-        if data.len() > u32::MAX as usize {
-            return Err(self.invalid(format!(
-                "payload of {} bytes exceeds the format's 4 GiB record limit",
-                data.len()
-            )));
-        }
-        Ok(())
-    }
-
     /// Queues a sample whose values are in schema order; whether the batch is full.
     fn stage(&mut self, data: Payload, values: Vec<MetaValue>) -> Result<bool> {
         let sample_id = match self.id_slot {
@@ -899,77 +388,6 @@ impl CacheWriter {
             self.batch.len() >= BATCH_SAMPLES.min(self.opts.prefetch_size)
                 || self.batch_bytes >= BATCH_BYTES,
         )
-    }
-
-    fn init_schema<'a>(&mut self, first: impl Iterator<Item = (&'a str, FieldType)>) -> Result<()> {
-        let fields: Vec<Field> = first
-            .map(|(name, dtype)| Field {
-                name: name.to_owned(),
-                dtype,
-            })
-            .collect();
-        if let Some(f) = fields.iter().find(|f| f.name == SAMPLE_ID) {
-            if !matches!(f.dtype, FieldType::Int | FieldType::Str) {
-                return Err(self.invalid(format!(
-                    "metadata \"sample_id\" must be an int or a str, got {}",
-                    f.dtype.as_str()
-                )));
-            }
-            self.id_source = SampleIdSource::Metadata;
-            self.id_type = f.dtype;
-        }
-        let meta_path = self.tmp_dir.join(METADATA_FILE);
-        let writer = MetadataWriter::create(&meta_path, &fields, self.id_type)?;
-        self.shared.sink.lock().unwrap().metadata = Some(writer);
-        self.id_slot = fields.iter().position(|f| f.name == SAMPLE_ID);
-        self.fields = Some(Arc::new(fields));
-        Ok(())
-    }
-
-    /// The values in schema order, and the schema position of each given key; the first key
-    /// that is not in the schema, has another type or is missing is the error.
-    fn ordered_values<'a>(
-        &self,
-        names: impl Iterator<Item = &'a str>,
-        given: Vec<MetaValue>,
-    ) -> Result<(Vec<MetaValue>, Vec<usize>)> {
-        let fields = self
-            .fields
-            .as_deref()
-            .expect("schema set before any sample");
-        let mut values: Vec<Option<MetaValue>> = vec![None; fields.len()];
-        let mut slots = Vec::with_capacity(given.len());
-        for (name, value) in names.zip(given) {
-            let Some(i) = fields.iter().position(|f| f.name == name) else {
-                return Err(self.invalid(format!(
-                    "metadata key {name:?} is not in the schema set by sample 0 ({})",
-                    describe_schema(fields)
-                )));
-            };
-            if value.dtype() != fields[i].dtype {
-                return Err(self.invalid(format!(
-                    "metadata {name:?} is {}, but sample 0 made it {}",
-                    value.dtype().as_str(),
-                    fields[i].dtype.as_str()
-                )));
-            }
-            values[i] = Some(value);
-            slots.push(i);
-        }
-        let values = values
-            .into_iter()
-            .zip(fields)
-            .map(|(v, f)| {
-                v.ok_or_else(|| {
-                    self.invalid(format!(
-                        "metadata key {:?} is missing; the schema set by sample 0 is {}",
-                        f.name,
-                        describe_schema(fields)
-                    ))
-                })
-            })
-            .collect::<Result<_>>()?;
-        Ok((values, slots))
     }
 
     fn check_error(&self) -> Result<()> {
@@ -1162,29 +580,6 @@ impl CacheWriter {
             raw_bytes,
         })
     }
-}
-
-/// `values[i]` moved to position `slots[i]`; `slots` is a permutation of the positions.
-fn place(values: Vec<MetaValue>, slots: &[usize]) -> Vec<MetaValue> {
-    if slots.iter().enumerate().all(|(i, &slot)| i == slot) {
-        return values;
-    }
-    let mut placed: Vec<Option<MetaValue>> = vec![None; values.len()];
-    for (value, &slot) in values.into_iter().zip(slots) {
-        placed[slot] = Some(value);
-    }
-    placed
-        .into_iter()
-        .map(|v| v.expect("the slots are a permutation"))
-        .collect()
-}
-
-fn describe_schema(fields: &[Field]) -> String {
-    let parts: Vec<String> = fields
-        .iter()
-        .map(|f| format!("{}: {}", f.name, f.dtype.as_str()))
-        .collect();
-    format!("{{{}}}", parts.join(", "))
 }
 
 impl Drop for CacheWriter {
