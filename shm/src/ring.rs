@@ -9,6 +9,7 @@
 
 use std::any::Any;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
 
 use crate::layout::*;
 use crate::segment::{self, Segment};
@@ -37,6 +38,9 @@ pub struct Ring {
     also_unlink: Vec<String>,
     /// The creator's claims on the names (the owner's ring only).
     _keep: Option<Box<dyn Any + Send + Sync>>,
+    /// The longest sleep of this party's waits, and its heartbeat thread's period: [`POLL`],
+    /// unless a test chose another with [`Ring::with_poll`].
+    poll: Duration,
 }
 
 impl Ring {
@@ -73,6 +77,7 @@ impl Ring {
             mapped_ns: monotonic_ns(),
             also_unlink,
             _keep: Some(keep),
+            poll: POLL,
         };
         // The segment is fresh (all zero, every slot FREE for batch 0); nobody else has it yet.
         r.a32(C_VERSION).store(LAYOUT_VERSION, Ordering::Relaxed);
@@ -141,6 +146,7 @@ impl Ring {
             mapped_ns: monotonic_ns(),
             also_unlink: names.also_unlink.clone(),
             _keep: None,
+            poll: POLL,
         };
         let version = probe.a32(C_VERSION).load(Ordering::Relaxed);
         if version != LAYOUT_VERSION {
@@ -176,6 +182,15 @@ impl Ring {
             )));
         }
         Ok(Ring { geometry, ..probe })
+    }
+
+    /// This mapping with another longest sleep for its waits and period for its heartbeat
+    /// thread than [`POLL`]. For tests: a long one shows that a wait ends because it was woken,
+    /// not because its sleep ran out; a short one makes heartbeats frequent. The other parties'
+    /// mappings keep theirs.
+    pub fn with_poll(mut self, poll: Duration) -> Ring {
+        self.poll = poll;
+        self
     }
 
     fn a32(&self, off: usize) -> &AtomicU32 {
@@ -364,9 +379,66 @@ mod tests {
         r.publish(b, 8);
     }
 
+    /// The poll interval of the rings of the tests that show a wait is woken: a waiter that is
+    /// not woken sleeps this long, far past [`WOKEN`] on any machine.
+    const LONG_POLL: Duration = Duration::from_secs(30);
+
+    /// How soon a woken waiter must have returned: generous for a loaded machine, and still far
+    /// below [`LONG_POLL`].
+    const WOKEN: Duration = Duration::from_secs(10);
+
+    /// Whether thread `tid` of this process sleeps in a futex wait on `word`. The kernel's
+    /// `/proc/self/task/TID/syscall` names the system call a blocked thread is in, then its
+    /// arguments, the first of which is the futex's address. Where that file cannot be read,
+    /// any sleep of the thread counts.
+    fn asleep_on(tid: libc::pid_t, word: &AtomicU32) -> bool {
+        match std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall")) {
+            Ok(text) => {
+                let mut fields = text.split_whitespace();
+                let call = fields.next().and_then(|f| f.parse::<libc::c_long>().ok());
+                let addr = fields
+                    .next()
+                    .and_then(|f| u64::from_str_radix(f.trim_start_matches("0x"), 16).ok());
+                call == Some(libc::SYS_futex) && addr == Some(word.as_ptr() as u64)
+            }
+            Err(_) => {
+                std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).is_ok_and(|stat| {
+                    stat.rsplit(')')
+                        .next()
+                        .unwrap_or("")
+                        .trim_start()
+                        .starts_with('S')
+                })
+            }
+        }
+    }
+
+    /// Runs `wait` on a thread of its own and returns once that thread sleeps on `word` (or
+    /// has returned already): the test then acts on a waiter that is really waiting, not after
+    /// a sleep that assumes it got there.
+    fn spawn_waiter<'scope, T: Send + 'scope>(
+        s: &'scope std::thread::Scope<'scope, '_>,
+        word: &AtomicU32,
+        wait: impl FnOnce() -> T + Send + 'scope,
+    ) -> std::thread::ScopedJoinHandle<'scope, T> {
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let waiter = s.spawn(move || {
+            // SAFETY: gettid cannot fail.
+            tid_tx.send(unsafe { libc::gettid() }).unwrap();
+            wait()
+        });
+        let tid = tid_rx.recv().unwrap();
+        let deadline = Instant::now() + WOKEN;
+        while !waiter.is_finished() && !asleep_on(tid, word) {
+            assert!(Instant::now() < deadline, "the waiter never went to sleep");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        waiter
+    }
+
     #[test]
     fn slot_words_go_free_filling_ready_taken_free() {
-        let r = ring(2, 4, 1, false);
+        let r = ring(2, 4, 1, false).with_poll(LONG_POLL);
         assert_eq!(r.word(0).load(Ordering::Acquire), slot_word(0, FREE));
         fill(&r, 0, 0xA0);
         assert_eq!(r.word(0).load(Ordering::Acquire), slot_word(0, READY));
@@ -394,15 +466,22 @@ mod tests {
 
         fill(&r, 1, 0xA1);
         // Batch 2 reuses slot 0, which is FREE, but is 2 slots ahead of what was delivered.
-        let blocked = std::thread::scope(|s| {
-            let waiter = s.spawn(|| r.wait_fillable(2));
-            std::thread::sleep(Duration::from_millis(250));
+        let (blocked, woken_in) = std::thread::scope(|s| {
+            let waiter = spawn_waiter(s, r.a32(C_PRODUCER_WAKE), || {
+                (r.wait_fillable(2), Instant::now())
+            });
             let blocked = !waiter.is_finished();
+            let delivered_at = Instant::now();
             r.mark_delivered(0, 2).unwrap();
-            waiter.join().unwrap().unwrap();
-            blocked
+            let (fillable, woke) = waiter.join().unwrap();
+            fillable.unwrap();
+            (blocked, woke.saturating_duration_since(delivered_at))
         });
         assert!(blocked, "the prefetch bound let the producer run ahead");
+        assert!(
+            woken_in < WOKEN,
+            "the delivery woke the producer after {woken_in:?}"
+        );
         fill(&r, 2, 0xA2);
         // Every fill of a slot is a new word: batch 2's READY is not batch 0's.
         assert_eq!(r.word(2).load(Ordering::Acquire), slot_word(2, READY));
@@ -514,42 +593,44 @@ mod tests {
 
     #[test]
     fn a_party_waiting_for_the_next_pass_wakes_at_once_for_it_and_for_a_stop() {
-        let r = ring(2, 1, 1, false);
+        let r = ring(2, 1, 1, false).with_poll(LONG_POLL);
         run_whole_pass(&r);
-        let late = Duration::from_millis(60);
+        let generation_word = r.a32(C_GENERATION);
         std::thread::scope(|s| {
-            let waiter = s.spawn(|| {
+            let waiter = spawn_waiter(s, generation_word, || {
                 let generation = r.wait_next_pass(0);
                 (Instant::now(), generation.map_err(|e| e.to_string()))
             });
-            std::thread::sleep(Duration::from_millis(30));
             let started = Instant::now();
             r.begin_next_pass(pass(1, 1)).unwrap();
             let (woke, generation) = waiter.join().unwrap();
             assert_eq!(generation, Ok(1));
-            assert!(woke.saturating_duration_since(started) < late);
+            assert!(woke.saturating_duration_since(started) < WOKEN);
         });
         run_whole_pass(&r);
         std::thread::scope(|s| {
-            let waiter = s.spawn(|| (Instant::now(), r.wait_next_pass(1)));
-            std::thread::sleep(Duration::from_millis(30));
+            let waiter = spawn_waiter(s, generation_word, || {
+                let waited = r.wait_next_pass(1);
+                (Instant::now(), waited)
+            });
             let stopped_at = Instant::now();
             r.stop();
             let (woke, waited) = waiter.join().unwrap();
             assert!(matches!(waited, Err(ShmError::Stopped)), "{waited:?}");
-            assert!(woke.saturating_duration_since(stopped_at) < late);
+            assert!(woke.saturating_duration_since(stopped_at) < WOKEN);
         });
     }
 
     #[test]
     fn a_party_waiting_for_the_next_pass_leaves_when_its_owner_is_gone() {
-        let mut r = ring(2, 1, 1, false);
+        let mut r = ring(2, 1, 1, false).with_poll(LONG_POLL);
         run_whole_pass(&r);
         // This process's parent is no longer the owner: as for a child whose owner died.
         r.owner_pid = 1;
         let started = Instant::now();
         assert!(matches!(r.wait_next_pass(0), Err(ShmError::OwnerGone(_))));
-        assert!(started.elapsed() < POLL * 2);
+        // At once, not after a sleep of the poll interval.
+        assert!(started.elapsed() < WOKEN);
     }
 
     #[test]
@@ -567,25 +648,24 @@ mod tests {
     #[test]
     fn a_stop_wakes_every_waiter_at_once() {
         // Each waiter sleeps on a different futex word; a stop must wake all of them without
-        // leaving any to notice at its next POLL. Each wait starts well before the stop, so a
-        // waiter that is not woken returns only about POLL after it began.
-        let r = ring(1, 4, 1, false);
+        // leaving any to notice at its next poll. The stop comes once each one sleeps on its
+        // word, and the poll interval is long: a waiter that is not woken returns only
+        // LONG_POLL after it began.
+        let r = ring(1, 4, 1, false).with_poll(LONG_POLL);
         fill(&r, 0, 0xB0); // the one slot is full: the producer waits for batch 1
-        let late = Duration::from_millis(60);
         std::thread::scope(|s| {
-            let attached = s.spawn(|| {
+            let attached = spawn_waiter(s, r.a32(C_ATTACHED), || {
                 let e = r.wait_all_attached();
                 (Instant::now(), matches!(e, Err(ShmError::Stopped)))
             });
-            let fillable = s.spawn(|| {
+            let fillable = spawn_waiter(s, r.a32(C_PRODUCER_WAKE), || {
                 let e = r.wait_fillable(1);
                 (Instant::now(), matches!(e, Err(ShmError::Stopped)))
             });
-            let ready = s.spawn(|| {
-                let e = r.wait_ready(1, Duration::from_secs(5), Role::Child, None);
+            let ready = spawn_waiter(s, r.word(1), || {
+                let e = r.wait_ready(1, LONG_POLL * 2, Role::Child, None);
                 (Instant::now(), matches!(e, Err(ShmError::Stopped)))
             });
-            std::thread::sleep(Duration::from_millis(30));
             let stopped_at = Instant::now();
             r.stop();
             for (name, waiter) in [("attach", attached), ("fill", fillable), ("ready", ready)] {
@@ -593,7 +673,7 @@ mod tests {
                 assert!(stopped, "the {name} wait did not end with Stopped");
                 let after = woke.saturating_duration_since(stopped_at);
                 assert!(
-                    after < late,
+                    after < WOKEN,
                     "the {name} wait ended {after:?} after the stop"
                 );
             }
@@ -674,21 +754,21 @@ mod tests {
 
     #[test]
     fn the_owner_sleeps_until_a_party_attaches() {
-        let r = ring(2, 1, 0, false); // the producer is the one party to attach
+        // the producer is the one party to attach
+        let r = ring(2, 1, 0, false).with_poll(LONG_POLL);
         let started = Instant::now();
         assert!(!r.wait_attached(Duration::from_millis(30)));
         assert!(started.elapsed() >= Duration::from_millis(25));
         std::thread::scope(|s| {
-            let owner = s.spawn(|| {
-                let attached = r.wait_attached(Duration::from_secs(5));
+            let owner = spawn_waiter(s, r.a32(C_ATTACHED), || {
+                let attached = r.wait_attached(LONG_POLL * 2);
                 (Instant::now(), attached)
             });
-            std::thread::sleep(Duration::from_millis(30));
             let at = Instant::now();
             r.mark_attached(); // the one expected party: wakes the owner at once
             let (woke, attached) = owner.join().unwrap();
             assert!(attached);
-            assert!(woke.saturating_duration_since(at) < Duration::from_millis(60));
+            assert!(woke.saturating_duration_since(at) < WOKEN);
         });
     }
 
@@ -765,7 +845,8 @@ mod tests {
 
     #[test]
     fn stalls_list_silent_parties_until_they_finish() {
-        let r = Arc::new(ring(2, 1, 2, false));
+        // Heartbeats every 10 ms, against a bound of 1 s.
+        let r = Arc::new(ring(2, 1, 2, false).with_poll(Duration::from_millis(10)));
         assert!(r.stalls(Duration::from_secs(5)).is_empty());
         std::thread::sleep(Duration::from_millis(5));
         let parties = |bound| -> Vec<Party> { r.stalls(bound).iter().map(|s| s.party).collect() };
@@ -780,16 +861,26 @@ mod tests {
         assert_eq!((stall.party, stall.pid), (Party::Producer, 1234));
         r.finished(Party::Producer);
         assert_eq!(parties(Duration::ZERO), [Party::Consumer(0)]);
-        let bound = Duration::from_millis(150);
+        let bound = Duration::from_secs(1);
         {
             let _alive = r.keep_alive(Party::Consumer(0)).unwrap();
-            std::thread::sleep(Duration::from_millis(400));
+            std::thread::sleep(bound + bound / 2);
             assert!(
                 parties(bound).is_empty(),
                 "the heartbeat thread keeps it fresh"
             );
         }
-        std::thread::sleep(Duration::from_millis(300));
+        // Silent once the thread stopped: waits for the stall itself, not for a time assumed
+        // long enough; a thread that kept beating never lets it come.
+        let stopped = Instant::now();
+        while parties(bound).is_empty() {
+            assert!(
+                stopped.elapsed() < bound + WOKEN,
+                "still fresh {:?} after the heartbeat thread stopped",
+                stopped.elapsed()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
         assert_eq!(
             parties(bound),
             [Party::Consumer(0)],

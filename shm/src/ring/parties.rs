@@ -1,6 +1,7 @@
 //! The parties of a pass and how they wait: who attached, the stop flag, the recorded error,
-//! heartbeats and stalls. Every wait sleeps on a futex word for at most [`POLL`] before it
-//! re-checks the stop flag, the owner and errors.
+//! heartbeats and stalls. Every wait sleeps on a futex word for at most [`POLL`] (the ring's
+//! poll interval, which tests may change with [`Ring::with_poll`]) before it re-checks the
+//! stop flag, the owner and errors.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -112,7 +113,7 @@ impl Ring {
                 return Ok(());
             }
             self.check_live(Role::Child)?;
-            futex::wait(attached, seen, POLL);
+            futex::wait(attached, seen, self.poll);
         }
     }
 
@@ -123,7 +124,7 @@ impl Ring {
         let attached = self.a32(C_ATTACHED);
         let seen = attached.load(Ordering::Acquire);
         if !self.all_attached() && !self.stopped() {
-            futex::wait(attached, seen, timeout.min(POLL));
+            futex::wait(attached, seen, timeout.min(self.poll));
         }
         self.all_attached()
     }
@@ -238,7 +239,7 @@ impl Ring {
             .spawn(move || {
                 while !ring.stopped() {
                     ring.heartbeat(party);
-                    if stopped.recv_timeout(POLL) != Err(mpsc::RecvTimeoutError::Timeout) {
+                    if stopped.recv_timeout(ring.poll) != Err(mpsc::RecvTimeoutError::Timeout) {
                         return; // the guard was dropped
                     }
                 }

@@ -9,7 +9,7 @@ use crate::futex;
 use crate::layout::*;
 use crate::{Result, ShmError};
 
-use super::{Party, Pass, RecordedError, Ring, Role, POLL};
+use super::{Party, Pass, RecordedError, Ring, Role};
 
 /// What `take_ticket` gives a consumer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,7 +109,7 @@ impl Ring {
                 return Ok(seen);
             }
             self.check_live(Role::Child)?;
-            futex::wait(word, seen, POLL);
+            futex::wait(word, seen, self.poll);
         }
     }
 
@@ -147,7 +147,7 @@ impl Ring {
             if free && b < self.delivered() + slots {
                 return Ok(());
             }
-            futex::wait(wake, seen, POLL);
+            futex::wait(wake, seen, self.poll);
         }
     }
 
@@ -258,7 +258,7 @@ impl Ring {
             if now >= deadline {
                 return Ok(false);
             }
-            futex::wait(word, seen, (deadline - now).min(POLL));
+            futex::wait(word, seen, (deadline - now).min(self.poll));
         }
     }
 
