@@ -14,7 +14,8 @@
 //!    the lock, leftovers), `writer::records` (encoding, the ordered commit into shards),
 //!    `writer::validate` (each sample against the schema) and `writer` (a write from the first
 //!    push to the publication);
-//! 7. `samples` and `passes`, over `dataset`.
+//! 7. `samples` and `passes`, over `dataset`;
+//! 8. `session`: one process's reading of a dataset (dataset, passes, pool).
 
 pub mod cache;
 pub mod checksum;
@@ -30,6 +31,7 @@ pub mod pool;
 pub mod progress;
 pub mod sampler;
 pub mod samples;
+pub mod session;
 pub mod verify;
 pub mod writer;
 

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use dataset_rt_core::dataset::{Dataset, ReadOptions, WeightTable};
 use dataset_rt_core::passes::{self, LiveProgress, PassStart, Passes};
+use dataset_rt_core::session::check_epoch;
 use dataset_rt_shm::layout::{align, PAGE};
 use dataset_rt_shm::ring::{Geometry, Pass, Ring};
 use dataset_rt_shm::ShmError;
@@ -309,8 +310,11 @@ impl Plan {
     }
 
     /// Fixes the epoch of the next pass; the state now describes that epoch's start.
-    pub fn set_epoch(&self, epoch: u64) {
+    /// Refuses an epoch past the last ([`check_epoch`]).
+    pub fn set_epoch(&self, epoch: u64) -> dataset_rt_core::Result<()> {
+        let epoch = check_epoch(epoch)?;
         self.passes.lock().unwrap().set_epoch(epoch);
+        Ok(())
     }
 
     /// Makes the next pass resume at global `position` of `epoch` (a state checked against

@@ -182,7 +182,7 @@ fn the_state_follows_the_live_ring_and_the_next_pass_the_next_epoch() {
     let o = opts(0, 1, RankPolicy::Pad);
     let weights = WeightTable::uniform();
     let plan = Plan::new(3, false, 1);
-    plan.set_epoch(4);
+    plan.set_epoch(4).unwrap();
     let mut pass = plan
         .plan_pass(&s.ds, &o, &weights, 0, 2, PAGE, false)
         .unwrap();

@@ -3,8 +3,7 @@
 //! the map alive for as long as the user holds it.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use arrow_array::ffi_stream::FFI_ArrowArrayStream;
 use arrow_array::RecordBatchIterator;
@@ -13,10 +12,10 @@ use dataset_rt_core::dataset::{
     self as core, EpochReader, Fetched, Payload, ReadOptions, State, WeightTable,
 };
 use dataset_rt_core::metadata::MetaRef;
-use dataset_rt_core::passes::{self, LiveProgress, Passes};
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::{self, EpochOrder, EpochParams, Weights};
 use dataset_rt_core::samples;
+use dataset_rt_core::session::{PassProgress, Session, StartedPass};
 use dataset_rt_core::verify::VerifyPolicy;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyCapsule, PyDict, PyList, PyString, PyTuple};
@@ -135,45 +134,9 @@ impl PySide {
     }
 }
 
-/// Where the most recent pass stands, shared between a dataset and its iterator.
-struct Progress {
-    epoch: AtomicU64,
-    position: AtomicU64,
-    finished: AtomicBool,
-}
-
-impl LiveProgress for Progress {
-    fn progress(&self) -> passes::Progress {
-        passes::Progress {
-            epoch: self.epoch.load(Ordering::Acquire),
-            position: self.position.load(Ordering::Acquire),
-            finished: self.finished.load(Ordering::Acquire),
-        }
-    }
-}
-
-/// A pass just started: its reader, its progress (shared with the dataset) and its weights.
-struct Pass {
-    reader: EpochReader,
-    progress: Arc<Progress>,
-    weights: WeightTable,
-}
-
-struct EpochControl {
-    /// Epochs, the loaded state and the live pass (weights set during a pass apply from the
-    /// next one, so a state taken mid-pass names the pass's table, not the one in force).
-    passes: Passes<Arc<Progress>>,
-    /// The last epoch order computed, reused when the same epoch is read again.
-    order: Option<(u64, String, Arc<EpochOrder>)>,
-}
-
 #[pyclass(module = "dataset_rt._native", frozen)]
 pub struct Dataset {
-    pool: Arc<Pool>,
-    inner: Arc<core::Dataset>,
-    opts: ReadOptions,
-    weights: Mutex<WeightTable>,
-    control: Mutex<EpochControl>,
+    session: Session,
     py_side: Arc<PySide>,
 }
 
@@ -204,95 +167,19 @@ impl Dataset {
             dataset: inner.clone(),
         };
         Ok(Dataset {
-            pool,
-            inner,
-            opts,
-            weights: Mutex::new(WeightTable::uniform()),
-            control: Mutex::new(EpochControl {
-                passes: Passes::new(),
-                order: None,
-            }),
+            session: Session::new(pool, inner, opts),
             py_side: Arc::new(py_side),
         })
     }
 
-    /// Starts the next pass: the next epoch, or the one a loaded state resumes, ending after
-    /// its last whole batch of `whole_batches_of` samples (1: every sample). The loaded state
-    /// and the epoch counter change only once the pass has started, so a failure here (a
-    /// closed runtime, say) leaves `state_dict()` as it was.
-    fn start_pass(&self, py: Python<'_>, whole_batches_of: u64) -> PyResult<Pass> {
-        let weights = self.weights.lock().unwrap().clone();
-        let (planned, cached) = {
-            let control = self.control.lock().unwrap();
-            let planned = control.passes.next_pass(&weights.fingerprint).py_err()?;
-            let epoch = planned.epoch;
-            let cached = control
-                .order
-                .as_ref()
-                .filter(|(e, fp, _)| *e == epoch && *fp == weights.fingerprint)
-                .map(|(_, _, o)| o.clone());
-            (planned, cached)
-        };
-        let (epoch, start) = (planned.epoch, planned.start);
-        // A forked child must not start a pass: its cached order would hide that the pool's
-        // threads are gone until the first sample.
-        self.pool.check_usable().py_err()?;
-        let order = match cached {
-            Some(o) => o,
-            None => {
-                let inner = self.inner.clone();
-                let opts = self.opts;
-                let w = weights.clone();
-                Arc::new(
-                    py.detach(|| self.pool.run(move || inner.try_order(&opts, &w, epoch)))
-                        .py_err()?,
-                )
-            }
-        };
-        let progress = Arc::new(Progress {
-            epoch: AtomicU64::new(epoch),
-            position: AtomicU64::new(start),
-            finished: AtomicBool::new(false),
-        });
-        let reader = EpochReader::new(
-            self.pool.clone(),
-            self.inner.clone(),
-            order.clone(),
-            &self.opts,
-            epoch,
-            start,
-        )
-        .whole_batches_of(whole_batches_of);
-        if reader.is_empty() {
-            progress.finished.store(true, Ordering::Release);
-        }
-        let mut control = self.control.lock().unwrap();
-        control.order = Some((epoch, weights.fingerprint.clone(), order));
-        control
-            .passes
-            .commit(planned, progress.clone(), weights.fingerprint.clone());
-        drop(control);
-        Ok(Pass {
-            reader,
-            progress,
-            weights,
-        })
+    fn inner(&self) -> &Arc<core::Dataset> {
+        self.session.dataset()
     }
 
-    fn current_state(&self) -> dataset_rt_core::Result<State> {
-        let control = self.control.lock().unwrap();
-        let weights = self.weights.lock().unwrap();
-        let snapshot = control.passes.snapshot()?;
-        let weights_fingerprint = snapshot
-            .weights_fingerprint
-            .as_deref()
-            .unwrap_or(&weights.fingerprint);
-        Ok(self.inner.state_under(
-            &self.opts,
-            weights_fingerprint,
-            snapshot.epoch,
-            snapshot.position,
-        ))
+    /// Starts the next pass (see `Session::start_pass`), waiting for its order without the GIL.
+    fn start_pass(&self, py: Python<'_>, whole_batches_of: u64) -> PyResult<StartedPass> {
+        py.detach(|| self.session.start_pass(whole_batches_of))
+            .py_err()
     }
 }
 
@@ -300,18 +187,18 @@ impl Dataset {
 impl Dataset {
     /// This rank's samples per epoch.
     fn __len__(&self) -> usize {
-        self.inner.rank_len(&self.opts) as usize
+        self.inner().rank_len(self.session.options()) as usize
     }
 
     /// Samples in all loaded caches.
     #[getter]
     fn num_samples(&self) -> u64 {
-        self.inner.len()
+        self.inner().len()
     }
 
     #[getter]
     fn cache_names(&self) -> Vec<String> {
-        self.inner
+        self.inner()
             .caches
             .iter()
             .map(|c| c.name().to_owned())
@@ -320,29 +207,29 @@ impl Dataset {
 
     #[getter]
     fn cache_dirs(&self) -> Vec<std::path::PathBuf> {
-        self.inner.caches.iter().map(|c| c.dir.clone()).collect()
+        self.inner().caches.iter().map(|c| c.dir.clone()).collect()
     }
 
     #[getter]
     fn rank(&self) -> u64 {
-        self.opts.rank
+        self.session.options().rank
     }
 
     #[getter]
     fn world_size(&self) -> u64 {
-        self.opts.world_size
+        self.session.options().world_size
     }
 
     #[getter]
     fn fingerprint(&self) -> String {
-        self.inner.fingerprint().to_owned()
+        self.inner().fingerprint().to_owned()
     }
 
     /// Samples whose records passed their checksum under `verify="once"`, read here or by a
     /// loader's producer; `None` under the other policies.
     #[getter]
     fn verified_samples(&self) -> Option<u64> {
-        self.inner.verified_count()
+        self.inner().verified_count()
     }
 
     /// Starts the next pass, sample by sample.
@@ -352,7 +239,7 @@ impl Dataset {
             // The iterator waits for a chunk without the GIL: reading its samples beside the
             // workers then costs less than sleeping until they are done.
             reader: pass.reader.read_ahead_when_mapped().consumer_helps(),
-            dataset: self.inner.clone(),
+            dataset: self.inner().clone(),
             py_side: self.py_side.clone(),
             progress: pass.progress,
             built: VecDeque::new(),
@@ -384,10 +271,10 @@ impl Dataset {
                 .reader
                 .read_ahead_at_least(2u64.saturating_mul(batch_size as u64))
                 .consumer_helps(),
-            dataset: self.inner.clone(),
+            dataset: self.inner().clone(),
             py_side: self.py_side.clone(),
             progress: pass.progress,
-            pool: self.pool.clone(),
+            pool: self.session.pool().clone(),
             weights: pass.weights,
             batch_size,
             failed: false,
@@ -397,28 +284,24 @@ impl Dataset {
     /// Fixes the epoch of the next pass (and drops a loaded state's position).
     /// Epochs are 0 to `LAST_EPOCH` (2**64 - 2): a u64, so that 2**63 and above are epochs.
     fn set_epoch(&self, epoch: u64) -> PyResult<()> {
-        if epoch > dataset_rt_core::dataset::LAST_EPOCH {
-            return Err(crate::errors::ConfigError::new_err(format!(
-                "invalid epoch {epoch}: the last epoch is 2**64 - 2"
-            )));
-        }
-        // The state now describes the start of that epoch, not the last pass.
-        self.control.lock().unwrap().passes.set_epoch(epoch);
-        Ok(())
+        self.session.set_epoch(epoch).py_err()
     }
 
     /// The iterator state as JSON text.
     fn state_json(&self) -> PyResult<String> {
-        Ok(self.current_state().py_err()?.to_json())
+        Ok(self.session.state().py_err()?.to_json())
     }
 
     /// The samples-metadata table as an Arrow C stream capsule (`arrow_array_stream`): Polars
     /// imports the record batches without a copy of the caches' metadata columns.
     fn samples_metadata_stream<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
-        let weights = self.weights.lock().unwrap().clone();
-        let inner = self.inner.clone();
+        let (inner, _, weights) = self.session.reading();
         let (schema, batches) = py
-            .detach(|| self.pool.run(move || samples::table(&inner, &weights)))
+            .detach(|| {
+                self.session
+                    .pool()
+                    .run(move || samples::table(&inner, &weights))
+            })
             .py_err()?;
         let reader = RecordBatchIterator::new(batches.into_iter().map(Ok), schema);
         let stream = FFI_ArrowArrayStream::new(Box::new(reader));
@@ -429,30 +312,22 @@ impl Dataset {
 
     /// Validates an edited table (Arrow IPC stream) and applies its weights, or changes nothing.
     fn set_samples_metadata_ipc(&self, py: Python<'_>, ipc: Vec<u8>) -> PyResult<()> {
-        let inner = self.inner.clone();
+        let inner = self.inner().clone();
         let table = py
-            .detach(|| self.pool.run(move || samples::import(&inner, &ipc)))
+            .detach(|| {
+                self.session
+                    .pool()
+                    .run(move || samples::import(&inner, &ipc))
+            })
             .py_err()?;
-        *self.weights.lock().unwrap() = table;
+        self.session.set_weights(table);
         Ok(())
     }
 
     /// Makes the next pass resume exactly where the state was taken.
     fn load_state_json(&self, text: &str) -> PyResult<()> {
         let state = State::from_json(text).py_err()?;
-        let weights = self.weights.lock().unwrap().clone();
-        // Resuming under another world size re-splits the rest of the epoch from the same
-        // global position, so rank and world size are not compared.
-        let (epoch, position) = self
-            .inner
-            .check_state(&state, &self.opts, &weights)
-            .py_err()?;
-        self.control
-            .lock()
-            .unwrap()
-            .passes
-            .load(epoch, position, weights.fingerprint);
-        Ok(())
+        self.session.load_state(&state).py_err()
     }
 }
 
@@ -468,7 +343,7 @@ pub struct DatasetIterator {
     reader: EpochReader,
     dataset: Arc<core::Dataset>,
     py_side: Arc<PySide>,
-    progress: Arc<Progress>,
+    progress: Arc<PassProgress>,
     /// The samples built and not handed out yet, in order, with the (cache, row) of those that
     /// are views of their shard (checked again as they are handed out).
     built: VecDeque<Built>,
@@ -547,7 +422,7 @@ impl DatasetIterator {
                 self.failed = true;
                 return Err(e);
             }
-            self.progress.finished.store(true, Ordering::Release);
+            self.progress.finish();
             return Ok(None);
         }
         let mapped = self.built.front().expect("checked above").1;
@@ -565,12 +440,7 @@ impl DatasetIterator {
             return Err(e).py_err();
         }
         let (sample, _) = self.built.pop_front().expect("checked above");
-        self.progress
-            .position
-            .store(self.reader.position(), Ordering::Release);
-        if self.reader.remaining() == 0 {
-            self.progress.finished.store(true, Ordering::Release);
-        }
+        self.progress.handed_out(&self.reader);
         Ok(Some(sample))
     }
 }
@@ -582,7 +452,7 @@ pub struct BatchIterator {
     reader: EpochReader,
     dataset: Arc<core::Dataset>,
     py_side: Arc<PySide>,
-    progress: Arc<Progress>,
+    progress: Arc<PassProgress>,
     pool: Arc<Pool>,
     /// The weights of this pass: its batches' rows report them.
     weights: WeightTable,
@@ -614,7 +484,7 @@ impl BatchIterator {
         let reader = &mut self.reader;
         let batch_size = self.batch_size;
         let Some(fetched) = py.detach(|| reader.next_batch(batch_size)) else {
-            self.progress.finished.store(true, Ordering::Release);
+            self.progress.finish();
             return Ok(None);
         };
         let made = fetched
@@ -627,12 +497,7 @@ impl BatchIterator {
                 return Err(e);
             }
         };
-        self.progress
-            .position
-            .store(self.reader.position(), Ordering::Release);
-        if self.reader.remaining() == 0 {
-            self.progress.finished.store(true, Ordering::Release);
-        }
+        self.progress.handed_out(&self.reader);
         Ok(Some(Batch {
             parts,
             data: OnceLock::new(),
@@ -1065,7 +930,7 @@ pub fn epoch_order(
 impl Dataset {
     pub(crate) fn sample_maker(&self) -> SampleMaker {
         SampleMaker {
-            dataset: self.inner.clone(),
+            dataset: self.inner().clone(),
             py_side: self.py_side.clone(),
         }
     }
@@ -1073,10 +938,6 @@ impl Dataset {
     /// The core dataset, reading options and weights in force: the shared-memory loader
     /// (`loader.rs`) reads the same order in its producer process.
     pub(crate) fn reading(&self) -> (Arc<core::Dataset>, ReadOptions, WeightTable) {
-        (
-            self.inner.clone(),
-            self.opts,
-            self.weights.lock().unwrap().clone(),
-        )
+        self.session.reading()
     }
 }

@@ -171,13 +171,7 @@ impl LoaderPlan {
     /// state's position and the last pass's progress are dropped), as `Dataset.set_epoch`.
     /// Epochs are 0 to `LAST_EPOCH` (2**64 - 2): a u64, so that 2**63 and above are epochs.
     fn set_epoch(&self, epoch: u64) -> PyResult<()> {
-        if epoch > dataset_rt_core::dataset::LAST_EPOCH {
-            return Err(ConfigError::new_err(format!(
-                "invalid epoch {epoch}: the last epoch is 2**64 - 2"
-            )));
-        }
-        self.plan.set_epoch(epoch);
-        Ok(())
+        self.plan.set_epoch(epoch).py_err()
     }
 
     /// The dataset's state format at what the training loop received: read from the live
