@@ -141,17 +141,7 @@ class ReaderConfig:
     samples_per_epoch: int | None = None
 
     def __post_init__(self) -> None:
-        _native.check_reader_config(
-            seed=self.seed,
-            prefetch_size=self.prefetch_size,
-            shuffle=self.shuffle,
-            validate_cache=self.validate_cache,
-            verify=self.verify,
-            rank=self.rank,
-            world_size=self.world_size,
-            drop_last=self.drop_last,
-            samples_per_epoch=self.samples_per_epoch,
-        )
+        _native.check_reader_config(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,9 +168,4 @@ class WriterConfig:
                 "invalid WriterConfig.shard_compression: expected ShardCompression, got "
                 f"{type(self.shard_compression).__name__}"
             )
-        _native.check_writer_config(
-            prefetch_size=self.prefetch_size,
-            show_progress=self.show_progress,
-            validate_cache=self.validate_cache,
-            shard_size_bytes=self.shard_size_bytes,
-        )
+        _native.check_writer_config(self)

@@ -3,6 +3,8 @@ import mmap
 from os import PathLike
 from typing import Any, final
 
+from dataset_rt._config import ReaderConfig, WriterConfig
+
 __all__ = [
     "FORMAT_VERSION",
     "Batch",
@@ -132,37 +134,16 @@ class Runtime:
         self,
         sources: Any,
         base_cache_dir: str | PathLike[str],
-        *,
-        seed: int,
-        shuffle: bool,
-        read_prefetch: int,
-        read_validate: bool,
-        read_verify: str,
-        rank: int,
-        world_size: int,
-        drop_last: bool,
-        samples_per_epoch: int | None,
-        write_prefetch: int,
-        algo: str,
-        ratio: float,
-        show_progress: bool,
-        write_validate: bool,
-        shard_size: int,
+        reader: ReaderConfig,
+        split: tuple[int, int],
+        writer: WriterConfig,
     ) -> tuple[Dataset | None, list[tuple[str, str, str, str | None, int | None]]]: ...
     def open_caches(
         self,
         names: Any,
         base_cache_dir: str | PathLike[str],
-        *,
-        seed: int,
-        shuffle: bool,
-        read_prefetch: int,
-        read_validate: bool,
-        read_verify: str,
-        rank: int,
-        world_size: int,
-        drop_last: bool,
-        samples_per_epoch: int | None,
+        reader: ReaderConfig,
+        split: tuple[int, int],
     ) -> tuple[Dataset | None, list[tuple[str, str, str, str | None, int | None]]]: ...
 
 def epoch_order(
@@ -176,21 +157,8 @@ def epoch_order(
     positions: list[int] | None = None,
 ) -> list[int]: ...
 def check_compression(algo: Any, ratio: Any) -> None: ...
-def check_reader_config(
-    *,
-    seed: Any,
-    prefetch_size: Any,
-    shuffle: Any,
-    validate_cache: Any,
-    verify: Any,
-    rank: Any,
-    world_size: Any,
-    drop_last: Any,
-    samples_per_epoch: Any,
-) -> None: ...
-def check_writer_config(
-    *, prefetch_size: Any, show_progress: Any, validate_cache: Any, shard_size_bytes: Any
-) -> None: ...
+def check_reader_config(config: ReaderConfig) -> None: ...
+def check_writer_config(config: WriterConfig) -> None: ...
 def inspect_cache(path: str | PathLike[str]) -> str: ...
 def verify_cache(path: str | PathLike[str]) -> tuple[int, int]: ...
 def payload_spans(path: str | PathLike[str]) -> bytes: ...

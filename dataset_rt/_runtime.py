@@ -7,7 +7,6 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from dataset_rt import _native
 from dataset_rt._config import ReaderConfig, WriterConfig, check_int
@@ -145,13 +144,9 @@ class DatasetRuntime:
             *self._native.from_cache_sources(
                 list(sources),
                 os.fspath(base_cache_dir),
-                **_read_options(reader),
-                write_prefetch=writer.prefetch_size,
-                algo=writer.shard_compression.algo,
-                ratio=writer.shard_compression.ratio,
-                show_progress=writer.show_progress,
-                write_validate=writer.validate_cache,
-                shard_size=writer.shard_size_bytes,
+                reader,
+                _resolve_rank(reader),
+                writer,
             )
         )
 
@@ -174,24 +169,10 @@ class DatasetRuntime:
         """
         reader = reader_config if reader_config is not None else ReaderConfig()
         return _outcome(
-            *self._native.open_caches(names, os.fspath(base_cache_dir), **_read_options(reader))
+            *self._native.open_caches(
+                names, os.fspath(base_cache_dir), reader, _resolve_rank(reader)
+            )
         )
-
-
-def _read_options(reader: ReaderConfig) -> dict[str, Any]:
-    """The native keyword arguments of a reader config, rank and world size resolved."""
-    rank, world_size = _resolve_rank(reader)
-    return {
-        "seed": reader.seed,
-        "shuffle": reader.shuffle,
-        "read_prefetch": reader.prefetch_size,
-        "read_validate": reader.validate_cache,
-        "read_verify": reader.verify,
-        "rank": rank,
-        "world_size": world_size,
-        "drop_last": reader.drop_last,
-        "samples_per_epoch": reader.samples_per_epoch,
-    }
 
 
 def _outcome(

@@ -1,5 +1,6 @@
 //! Checks of config values at construction, so a bad value fails where it is written.
 
+use dataset_rt_core::cache::Validation;
 use dataset_rt_core::dataset::ReadOptions;
 use dataset_rt_core::format::Compression;
 use dataset_rt_core::sampler::RankPolicy;
@@ -62,74 +63,149 @@ pub fn check_compression(algo: &Bound<'_, PyAny>, ratio: &Bound<'_, PyAny>) -> P
     Compression::new(&algo, ratio).py_err().map(|_| ())
 }
 
-#[pyfunction]
-#[pyo3(signature = (*, seed, prefetch_size, shuffle, validate_cache, verify, rank, world_size,
-    drop_last, samples_per_epoch))]
-#[allow(clippy::too_many_arguments)]
-pub fn check_reader_config(
-    seed: &Bound<'_, PyAny>,
-    prefetch_size: &Bound<'_, PyAny>,
-    shuffle: &Bound<'_, PyAny>,
-    validate_cache: &Bound<'_, PyAny>,
-    verify: &Bound<'_, PyAny>,
-    rank: Option<&Bound<'_, PyAny>>,
-    world_size: Option<&Bound<'_, PyAny>>,
-    drop_last: &Bound<'_, PyAny>,
-    samples_per_epoch: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    let seed = unsigned("ReaderConfig.seed", seed, 0)?;
-    let prefetch = unsigned("ReaderConfig.prefetch_size", prefetch_size, 1)?;
-    let shuffle = boolean("ReaderConfig.shuffle", shuffle)?;
-    boolean("ReaderConfig.validate_cache", validate_cache)?;
-    let verify_name: String = verify.extract().map_err(|_| {
-        ConfigError::new_err(format!(
-            "invalid ReaderConfig.verify: expected \"always\", \"once\" or \"never\", got {}",
-            verify.repr().map(|r| r.to_string()).unwrap_or_default()
-        ))
-    })?;
-    VerifyPolicy::parse(&verify_name).py_err()?;
-    let drop_last = boolean("ReaderConfig.drop_last", drop_last)?;
-    let world_size = optional("ReaderConfig.world_size", world_size, 1)?;
-    let rank = optional("ReaderConfig.rank", rank, 0)?;
-    let epoch_len = optional("ReaderConfig.samples_per_epoch", samples_per_epoch, 0)?;
-    if rank.is_some() != world_size.is_some() {
-        return Err(ConfigError::new_err(
-            "invalid ReaderConfig: give rank and world_size together, or neither",
-        ));
-    }
-    ReadOptions {
-        seed,
-        shuffle,
-        prefetch_size: prefetch as usize,
-        epoch_len,
-        rank: rank.unwrap_or(0),
-        world_size: world_size.unwrap_or(1),
-        policy: if drop_last {
-            RankPolicy::Drop
-        } else {
-            RankPolicy::Pad
-        },
-    }
-    .validate()
-    .py_err()
+/// A `ReaderConfig`, read field by field from the dataclass's attributes: the one place the
+/// bindings list its fields.
+#[derive(FromPyObject)]
+pub struct ReaderFields<'py> {
+    #[pyo3(attribute)]
+    seed: Bound<'py, PyAny>,
+    #[pyo3(attribute)]
+    prefetch_size: Bound<'py, PyAny>,
+    #[pyo3(attribute)]
+    shuffle: Bound<'py, PyAny>,
+    #[pyo3(attribute)]
+    validate_cache: Bound<'py, PyAny>,
+    #[pyo3(attribute)]
+    verify: Bound<'py, PyAny>,
+    #[pyo3(attribute)]
+    rank: Option<Bound<'py, PyAny>>,
+    #[pyo3(attribute)]
+    world_size: Option<Bound<'py, PyAny>>,
+    #[pyo3(attribute)]
+    drop_last: Bound<'py, PyAny>,
+    #[pyo3(attribute)]
+    samples_per_epoch: Option<Bound<'py, PyAny>>,
 }
 
-#[pyfunction]
-#[pyo3(signature = (*, prefetch_size, show_progress, validate_cache, shard_size_bytes))]
-pub fn check_writer_config(
-    prefetch_size: &Bound<'_, PyAny>,
-    show_progress: &Bound<'_, PyAny>,
-    validate_cache: &Bound<'_, PyAny>,
-    shard_size_bytes: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    let prefetch_size = unsigned("WriterConfig.prefetch_size", prefetch_size, 1)? as usize;
-    boolean("WriterConfig.show_progress", show_progress)?;
-    WriterOptions {
-        prefetch_size,
-        compression: Compression::NONE,
-        validate: boolean("WriterConfig.validate_cache", validate_cache)?,
-        shard_size: unsigned("WriterConfig.shard_size_bytes", shard_size_bytes, 1)?,
+/// The reader settings of a call, checked.
+pub struct Reading {
+    pub read: ReadOptions,
+    pub validation: Validation,
+    pub verify: VerifyPolicy,
+}
+
+impl ReaderFields<'_> {
+    /// The checked settings; `split` is the (rank, world size) resolved by the caller, in place
+    /// of the config's own (which may be `None`: from the environment).
+    pub fn reading(&self, split: Option<(u64, u64)>) -> PyResult<Reading> {
+        let seed = unsigned("ReaderConfig.seed", &self.seed, 0)?;
+        let prefetch = unsigned("ReaderConfig.prefetch_size", &self.prefetch_size, 1)?;
+        let shuffle = boolean("ReaderConfig.shuffle", &self.shuffle)?;
+        let validate = boolean("ReaderConfig.validate_cache", &self.validate_cache)?;
+        let verify_name: String =
+            self.verify.extract().map_err(|_| {
+                ConfigError::new_err(format!(
+                "invalid ReaderConfig.verify: expected \"always\", \"once\" or \"never\", got {}",
+                self.verify.repr().map(|r| r.to_string()).unwrap_or_default()
+            ))
+            })?;
+        let verify = VerifyPolicy::parse(&verify_name).py_err()?;
+        let drop_last = boolean("ReaderConfig.drop_last", &self.drop_last)?;
+        let world_size = optional("ReaderConfig.world_size", self.world_size.as_ref(), 1)?;
+        let rank = optional("ReaderConfig.rank", self.rank.as_ref(), 0)?;
+        let epoch_len = optional(
+            "ReaderConfig.samples_per_epoch",
+            self.samples_per_epoch.as_ref(),
+            0,
+        )?;
+        if rank.is_some() != world_size.is_some() {
+            return Err(ConfigError::new_err(
+                "invalid ReaderConfig: give rank and world_size together, or neither",
+            ));
+        }
+        let (rank, world_size) = split.unwrap_or((rank.unwrap_or(0), world_size.unwrap_or(1)));
+        let read = ReadOptions {
+            seed,
+            shuffle,
+            prefetch_size: prefetch as usize,
+            epoch_len,
+            rank,
+            world_size,
+            policy: if drop_last {
+                RankPolicy::Drop
+            } else {
+                RankPolicy::Pad
+            },
+        };
+        read.validate().py_err()?;
+        Ok(Reading {
+            read,
+            validation: if validate {
+                Validation::Full
+            } else {
+                Validation::Structure
+            },
+            verify,
+        })
     }
-    .validate()
-    .py_err()
+}
+
+/// A `ShardCompression`'s fields.
+#[derive(FromPyObject)]
+struct CompressionFields {
+    #[pyo3(attribute)]
+    algo: String,
+    #[pyo3(attribute)]
+    ratio: f64,
+}
+
+/// A `WriterConfig`, read from the dataclass's attributes.
+#[derive(FromPyObject)]
+pub struct WriterFields<'py> {
+    #[pyo3(attribute)]
+    prefetch_size: Bound<'py, PyAny>,
+    #[pyo3(attribute)]
+    shard_compression: Bound<'py, PyAny>,
+    #[pyo3(attribute)]
+    show_progress: Bound<'py, PyAny>,
+    #[pyo3(attribute)]
+    validate_cache: Bound<'py, PyAny>,
+    #[pyo3(attribute)]
+    shard_size_bytes: Bound<'py, PyAny>,
+}
+
+impl WriterFields<'_> {
+    /// The checked writer options, and whether to show the progress line.
+    pub fn options(&self) -> PyResult<(WriterOptions, bool)> {
+        let compression: CompressionFields = self.shard_compression.extract().map_err(|_| {
+            ConfigError::new_err(format!(
+                "invalid WriterConfig.shard_compression: expected ShardCompression, got {}",
+                self.shard_compression
+                    .repr()
+                    .map(|r| r.to_string())
+                    .unwrap_or_default()
+            ))
+        })?;
+        let options = WriterOptions {
+            prefetch_size: unsigned("WriterConfig.prefetch_size", &self.prefetch_size, 1)? as usize,
+            compression: Compression::new(&compression.algo, compression.ratio).py_err()?,
+            validate: boolean("WriterConfig.validate_cache", &self.validate_cache)?,
+            shard_size: unsigned("WriterConfig.shard_size_bytes", &self.shard_size_bytes, 1)?,
+        };
+        let show_progress = boolean("WriterConfig.show_progress", &self.show_progress)?;
+        options.validate().py_err()?;
+        Ok((options, show_progress))
+    }
+}
+
+/// Checks a `ReaderConfig` as it is made.
+#[pyfunction]
+pub fn check_reader_config(config: ReaderFields<'_>) -> PyResult<()> {
+    config.reading(None).map(drop)
+}
+
+/// Checks a `WriterConfig` as it is made.
+#[pyfunction]
+pub fn check_writer_config(config: WriterFields<'_>) -> PyResult<()> {
+    config.options().map(drop)
 }

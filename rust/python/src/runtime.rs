@@ -9,11 +9,9 @@ use std::time::Instant;
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::ReadOptions;
-use dataset_rt_core::format::Compression;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::progress::{SourceProgress, WriteProgress};
-use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::writer::{
     check_base_dir, reap_dead_leftovers, validate_name, CacheLock, CacheWriter, InterruptCheck,
@@ -26,6 +24,7 @@ use pyo3::types::{
     PyString, PyTuple,
 };
 
+use crate::config::{ReaderFields, WriterFields};
 use crate::dataset::Dataset;
 use crate::errors::{to_py, ConfigError, IntoPyResult};
 use crate::progress::PyStderr;
@@ -67,53 +66,24 @@ impl Runtime {
         py.detach(|| self.pool.close());
     }
 
-    /// Loads or writes every source, then opens the loaded caches as one dataset.
-    #[pyo3(signature = (sources, base_cache_dir, *, seed, shuffle, read_prefetch, read_validate,
-        read_verify, rank, world_size, drop_last, samples_per_epoch, write_prefetch, algo, ratio,
-        show_progress, write_validate, shard_size))]
-    #[allow(clippy::too_many_arguments, clippy::wrong_self_convention)]
+    /// Loads or writes every source, then opens the loaded caches as one dataset. `split` is
+    /// the (rank, world size) resolved from the config or the environment.
+    #[pyo3(signature = (sources, base_cache_dir, reader, split, writer))]
+    #[allow(clippy::wrong_self_convention)]
     fn from_cache_sources(
         &self,
         py: Python<'_>,
         sources: &Bound<'_, PyAny>,
         base_cache_dir: PathBuf,
-        seed: u64,
-        shuffle: bool,
-        read_prefetch: usize,
-        read_validate: bool,
-        read_verify: &str,
-        rank: u64,
-        world_size: u64,
-        drop_last: bool,
-        samples_per_epoch: Option<u64>,
-        write_prefetch: usize,
-        algo: &str,
-        ratio: f64,
-        show_progress: bool,
-        write_validate: bool,
-        shard_size: u64,
+        reader: ReaderFields<'_>,
+        split: (u64, u64),
+        writer: WriterFields<'_>,
     ) -> PyResult<(Option<Dataset>, Vec<Outcome>)> {
         // A closed runtime, or one inherited by a forked child, can do nothing: say so before
         // anything is created or any source is judged.
         self.pool.check_usable().py_err()?;
-        let reading = Reading::new(
-            seed,
-            shuffle,
-            read_prefetch,
-            read_validate,
-            read_verify,
-            rank,
-            world_size,
-            drop_last,
-            samples_per_epoch,
-        )?;
-        let write = WriterOptions {
-            prefetch_size: write_prefetch,
-            compression: Compression::new(algo, ratio).py_err()?,
-            validate: write_validate,
-            shard_size,
-        };
-        write.validate().py_err()?;
+        let reading = reader.reading(Some(split))?;
+        let (write, show_progress) = writer.options()?;
 
         let sources: Vec<Bound<'_, PyAny>> =
             if sources.is_instance_of::<PyList>() || sources.is_instance_of::<PyTuple>() {
@@ -167,36 +137,17 @@ impl Runtime {
     /// no source is iterated, and nothing under `base_cache_dir` is created, locked or removed
     /// (no lock file, no reaping of dead writers' leftovers), so it works on read-only storage
     /// and beside running writers.
-    #[pyo3(signature = (names, base_cache_dir, *, seed, shuffle, read_prefetch, read_validate,
-        read_verify, rank, world_size, drop_last, samples_per_epoch))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (names, base_cache_dir, reader, split))]
     fn open_caches(
         &self,
         py: Python<'_>,
         names: &Bound<'_, PyAny>,
         base_cache_dir: PathBuf,
-        seed: u64,
-        shuffle: bool,
-        read_prefetch: usize,
-        read_validate: bool,
-        read_verify: &str,
-        rank: u64,
-        world_size: u64,
-        drop_last: bool,
-        samples_per_epoch: Option<u64>,
+        reader: ReaderFields<'_>,
+        split: (u64, u64),
     ) -> PyResult<(Option<Dataset>, Vec<Outcome>)> {
         self.pool.check_usable().py_err()?;
-        let reading = Reading::new(
-            seed,
-            shuffle,
-            read_prefetch,
-            read_validate,
-            read_verify,
-            rank,
-            world_size,
-            drop_last,
-            samples_per_epoch,
-        )?;
+        let reading = reader.reading(Some(split))?;
         let names = cache_names(names)?;
         check_names(
             &names,
@@ -231,53 +182,6 @@ impl Runtime {
             }
         }
         self.dataset(py, caches, outcomes, reading.read, reading.verify)
-    }
-}
-
-/// The reader settings of a call, checked.
-struct Reading {
-    read: ReadOptions,
-    validation: Validation,
-    verify: VerifyPolicy,
-}
-
-impl Reading {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        seed: u64,
-        shuffle: bool,
-        prefetch_size: usize,
-        validate: bool,
-        verify: &str,
-        rank: u64,
-        world_size: u64,
-        drop_last: bool,
-        epoch_len: Option<u64>,
-    ) -> PyResult<Self> {
-        let read = ReadOptions {
-            seed,
-            shuffle,
-            prefetch_size,
-            epoch_len,
-            rank,
-            world_size,
-            policy: if drop_last {
-                RankPolicy::Drop
-            } else {
-                RankPolicy::Pad
-            },
-        };
-        read.validate().py_err()?;
-        let validation = if validate {
-            Validation::Full
-        } else {
-            Validation::Structure
-        };
-        Ok(Reading {
-            read,
-            validation,
-            verify: VerifyPolicy::parse(verify).py_err()?,
-        })
     }
 }
 
