@@ -69,7 +69,7 @@ class LoaderIterator(Iterator[Any]):
         # Persistent pipeline between passes: the pass was fully received and ended.
         self._idle = False
         self._next = 0
-        self._ring: _native.RingHandle | None = None
+        self._ring: _native.OwnerRing | None = None
         self._producer: subprocess.Popen[bytes] | None = None
         self._workers: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []

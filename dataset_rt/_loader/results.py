@@ -212,7 +212,7 @@ class RegionOwner:
         self._worker_end.close()
 
     def load(
-        self, ranges: list[tuple[int, int]], stream: io.BytesIO, shards: _native.RingHandle
+        self, ranges: list[tuple[int, int]], stream: io.BytesIO, shards: _native.OwnerRing
     ) -> Any:
         """Rebuilds a batch on its ranges. Each range gets a root array; every leaf is a view
         of it (a numpy view, a tensor or memoryview of one), so the root's death frees the range
@@ -257,7 +257,7 @@ class _RegionUnpickler(pickle.Unpickler):
         stream: io.BytesIO,
         roots: list[Any],
         starts: list[int],
-        shards: _native.RingHandle,
+        shards: _native.OwnerRing,
     ) -> None:
         super().__init__(stream)
         self._roots = roots
@@ -321,7 +321,7 @@ class RegionWriter:
         capacity: int,
         frees: socket.socket,
         warm_batches: int = 2,
-        shards: _native.RingHandle | None = None,
+        shards: _native.WorkerRing | None = None,
     ) -> None:
         try:
             self.map = mmap.mmap(fd.fd, capacity)

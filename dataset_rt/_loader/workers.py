@@ -91,7 +91,7 @@ def consumer_main(
     _native.retain_worker_heap()
     stage = "loader"
     try:
-        ring = _native.RingHandle.attach(ctl_name, index, shard_table)
+        ring = _native.WorkerRing.attach(ctl_name, index, shard_table)
         fd = slots.open_ring(ring.ring_name)
         ring.mark_attached()
         writer = None if region is None else results.RegionWriter(*region, shards=ring)
@@ -114,7 +114,7 @@ def consumer_main(
 
 
 def consume(
-    ring: _native.RingHandle,
+    ring: _native.WorkerRing,
     fd: int,
     transform: Callable[[CachedSample], Any] | None,
     collate_fn: Callable[[list[Any]], Any] | None,

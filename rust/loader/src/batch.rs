@@ -143,6 +143,12 @@ fn u64_at(b: &[u8], at: u64) -> u64 {
     u64::from_le_bytes(b[at as usize..at as usize + 8].try_into().unwrap())
 }
 
+/// The bytes of a slot that its batch uses, from its header (checked against the slot by
+/// [`read_batch`], which a taker calls first).
+pub fn slot_used(slot: &[u8]) -> u64 {
+    u64_at(slot, B_USED as u64)
+}
+
 /// Reads and checks a slot's header and offsets table. `shard_lens[cache][shard]` is the
 /// validated size of each shard file (`ShardTable::lens`): a reference must name a shard that
 /// exists and lie within it.

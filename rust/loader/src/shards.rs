@@ -162,6 +162,28 @@ impl ShardTable {
         Ok(file)
     }
 
+    /// Maps shard `shard` of cache `cache` read-only, with exactly its validated size, after
+    /// [`ShardTable::open`] checked it is the table's file and not cut short. The descriptor is
+    /// closed on return: the map needs none.
+    pub fn map(&self, cache: u32, shard: u32) -> Result<memmap2::Mmap> {
+        let file = self.open(cache, shard)?;
+        let path = self.path(cache, shard).unwrap_or_default();
+        let want = &self.caches[cache as usize];
+        let size = want.shards[shard as usize].len;
+        let len = usize::try_from(size).map_err(|_| {
+            CoreError::malformed(
+                &want.name,
+                &path,
+                format!("{size} bytes cannot be mapped here"),
+            )
+        })?;
+        // SAFETY: a read-only map of a published (read-only) shard; what a file changed under
+        // it does is documented in docs/security.md.
+        let map = unsafe { memmap2::MmapOptions::new().len(len).map(&file) }
+            .map_err(|e| CoreError::io("mmap", &path, e))?;
+        Ok(map)
+    }
+
     /// Checks that `ds` (the producer's own opening of the caches) reads the table's files.
     pub fn check(&self, ds: &Dataset) -> Result<()> {
         let counts = |caches: &[std::sync::Arc<Cache>]| -> Vec<usize> {

@@ -564,6 +564,10 @@ fn the_shard_table_names_the_files_the_core_reads() {
             );
             assert_eq!(table.lens()[c][shard as usize], cache.shard_len(shard));
             table.open(c as u32, shard).unwrap();
+            // The consumers' map: the validated bytes of the very file, nothing past them.
+            let map = table.map(c as u32, shard).unwrap();
+            assert_eq!(map.len() as u64, cache.shard_len(shard));
+            assert_eq!(&map[..], &std::fs::read(cache.shard_path(shard)).unwrap()[..]);
         }
     }
     assert!(table.path(0, cache_shards(&s, 0)).is_none());
@@ -630,9 +634,12 @@ fn a_truncated_shard_file_is_refused_by_the_consumers() {
             && text.contains(&format!("{} bytes", len - 1)),
         "{text}"
     );
+    let mapped = s.spec.shards.map(0, 0).unwrap_err().to_string();
+    assert_eq!(mapped, text, "the map is refused as the open is");
     // Grown is fine: references are bounded by the validated size, and that much is there.
     file.set_len(len + 10).unwrap();
     s.spec.shards.open(0, 0).unwrap();
+    assert_eq!(s.spec.shards.map(0, 0).unwrap().len() as u64, len);
 }
 
 #[test]

@@ -14,12 +14,13 @@ use dataset_rt_core::error::io_errno;
 use dataset_rt_core::metadata::MetaRef;
 use dataset_rt_core::os::{self, own_pid};
 use dataset_rt_core::ErrorKind;
-use dataset_rt_loader::batch::{any_in_slot, decode_metadata, read_batch, Entry, Payload};
+use dataset_rt_loader::batch::{
+    any_in_slot, decode_metadata, read_batch, slot_used, Entry, Payload,
+};
 use dataset_rt_loader::lifecycle;
 use dataset_rt_loader::plan::{self, PassPlan, Plan};
 use dataset_rt_loader::producer;
 use dataset_rt_loader::shards::{MapIndex, ShardTable};
-use dataset_rt_shm::layout::*;
 use dataset_rt_shm::private_copy::replace_with_private_copy;
 use dataset_rt_shm::results;
 use dataset_rt_shm::ring::{Heartbeat, Party, Ring, Role, Ticket};
@@ -44,6 +45,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("WorkerError", py.get_type::<WorkerError>())?;
     m.add_class::<LoaderPlan>()?;
     m.add_class::<RingHandle>()?;
+    m.add_class::<OwnerRing>()?;
+    m.add_class::<WorkerRing>()?;
     m.add_class::<ResultArena>()?;
     m.add_function(wrap_pyfunction!(run_producer, m)?)?;
     m.add_function(wrap_pyfunction!(set_parent_death_signal, m)?)?;
@@ -210,7 +213,7 @@ impl LoaderPlan {
         slot_size: Option<u64>,
         num_consumers: u32,
         persistent: bool,
-    ) -> PyResult<RingHandle> {
+    ) -> PyResult<Py<OwnerRing>> {
         let (inner, opts, weights) = self.dataset.get().reading();
         let slot_size = py
             .detach(|| self.plan.slot_size(&inner, slot_size))
@@ -230,13 +233,7 @@ impl LoaderPlan {
         let ring = py
             .detach(|| self.plan.create_pass(&mut pass, own_pid(), &weights))
             .py_shm()?;
-        Ok(RingHandle::owner(
-            ring,
-            OwnerPass {
-                plan: pass,
-                samples: self.dataset.get().sample_maker(),
-            },
-        ))
+        OwnerRing::create(py, ring, pass, self.dataset.get().sample_maker())
     }
 
     /// Starts the next pass on the segments of `ring`, a persistent pipeline whose previous pass
@@ -245,55 +242,37 @@ impl LoaderPlan {
     /// or `None` when the pipeline cannot read it (the weight table or the reading options
     /// changed since it started): the caller then starts a fresh pipeline. Raises `LoaderError`
     /// when the segments refuse a next pass (an error, a stop, a pass not over).
-    fn restart_pass(&self, py: Python<'_>, ring: &RingHandle) -> PyResult<Option<RingHandle>> {
-        let Some(previous) = &ring.owner else {
-            return Err(LoaderError::new_err(
-                "restart_pass needs the owner's handle",
-            ));
-        };
+    fn restart_pass(&self, py: Python<'_>, ring: &OwnerRing) -> PyResult<Option<Py<OwnerRing>>> {
         let (inner, opts, weights) = self.dataset.get().reading();
         let next = py
             .detach(|| {
                 self.plan
-                    .restart_pass(&ring.ring, &previous.plan, &inner, &opts, &weights)
+                    .restart_pass(&ring.ring, &ring.plan, &inner, &opts, &weights)
             })
             .py_shm()?;
-        Ok(next.map(|plan| {
-            RingHandle::owner(
+        next.map(|plan| {
+            OwnerRing::create(
+                py,
                 ring.ring.clone(),
-                OwnerPass {
-                    plan,
-                    samples: self.dataset.get().sample_maker(),
-                },
+                plan,
+                self.dataset.get().sample_maker(),
             )
-        }))
+        })
+        .transpose()
     }
 
     /// Makes a started pass the live one, once all its processes are running: the state reads
     /// from its control segment, a loaded state is used up and the next pass reads the next
     /// epoch. A `set_epoch` or `load_state_json` since `start_pass` wins over it.
-    fn commit_pass(&self, ring: &RingHandle) -> PyResult<()> {
-        let Some(owner) = &ring.owner else {
-            return Err(LoaderError::new_err("commit_pass needs the owner's handle"));
-        };
-        self.plan.commit(&owner.plan, ring.ring.clone());
-        Ok(())
+    fn commit_pass(&self, ring: &OwnerRing) {
+        self.plan.commit(&ring.plan, ring.ring.clone());
     }
 
     /// Ends the pass of `ring` if it is the live one: keeps its progress for `state_json` and
     /// drops its mappings.
-    fn end_pass(&self, ring: &RingHandle) {
+    fn end_pass(&self, ring: &OwnerRing) {
         self.plan.end(&ring.ring);
     }
-}
-
-/// What the owner's handle remembers of the plan it was started from.
-struct OwnerPass {
-    /// The pass's parameters: a persistent pipeline reads a next pass only with the same
-    /// producer parameters.
-    plan: PassPlan,
-    /// Makes the samples of the batches the training process takes itself (`num_workers=0`).
-    samples: SampleMaker,
 }
 
 /// A consumer process's maps of the shard files that slot references point into: each file
@@ -337,24 +316,7 @@ impl ShardViews {
                 // Checked against the table (the same file, not cut short), mapped with exactly
                 // its validated size, and closed: the map needs no descriptor.
                 let size = self.table.caches[cache as usize].shards[shard as usize].len;
-                let map = py
-                    .detach(|| -> dataset_rt_loader::Result<memmap2::Mmap> {
-                        let file = self.table.open(cache, shard)?;
-                        let path = self.table.path(cache, shard).unwrap_or_default();
-                        let len = usize::try_from(size).map_err(|_| {
-                            dataset_rt_core::Error::malformed(
-                                &self.table.caches[cache as usize].name,
-                                &path,
-                                format!("{size} bytes cannot be mapped here"),
-                            )
-                        })?;
-                        // SAFETY: a read-only map of a published (read-only) shard; what a
-                        // file changed under it does is documented in docs/security.md.
-                        let map = unsafe { memmap2::MmapOptions::new().len(len).map(&file) }
-                            .map_err(|e| dataset_rt_core::Error::io("mmap", &path, e))?;
-                        Ok(map)
-                    })
-                    .py_shm()?;
+                let map = py.detach(|| self.table.map(cache, shard)).py_shm()?;
                 let (view, start) = crate::shard_map::own_view(py, map)?;
                 // Indexed only when this map is the one kept (another thread may have mapped
                 // the shard while this one opened it): a dropped map's range must not be.
@@ -368,81 +330,21 @@ impl ShardViews {
     }
 }
 
-/// One party's view of a pass's segments.
-#[pyclass(module = "dataset_rt._native", frozen)]
+/// What every party's handle of a pass's segments shares: the ring, which party holds it, and
+/// the pass generation its `take_ticket` last found over. The training process holds an
+/// [`OwnerRing`], each loader worker a [`WorkerRing`]: what only one of them may do is a method
+/// of its type alone.
+#[pyclass(module = "dataset_rt._native", frozen, subclass)]
 pub struct RingHandle {
     ring: Arc<Ring>,
-    role: Role,
+    /// The worker's index; `None` for the training process.
     consumer: Option<usize>,
-    /// The validated size of every shard, per cache: the bound of every slot reference.
-    shard_lens: Vec<Vec<u64>>,
-    /// A consumer's maps of the shards references point into (the owner reads its dataset's).
-    shard_views: Option<ShardViews>,
-    /// A consumer's heartbeat thread, from attach until `retire`.
-    heartbeat: Mutex<Option<Heartbeat>>,
     /// The generation of the last pass `take_ticket` found over (`wait_next_pass` waits past it).
     last_generation: AtomicU32,
-    /// The owner's handle: what `commit_pass` needs.
-    owner: Option<OwnerPass>,
-}
-
-impl RingHandle {
-    /// The training process's handle of a pass it started on `ring`.
-    fn owner(ring: Arc<Ring>, owner: OwnerPass) -> Self {
-        RingHandle {
-            ring,
-            role: Role::Owner,
-            consumer: None,
-            shard_lens: owner.samples.shard_lens(),
-            shard_views: None,
-            heartbeat: Mutex::new(None),
-            last_generation: AtomicU32::new(0),
-            owner: Some(owner),
-        }
-    }
 }
 
 #[pymethods]
 impl RingHandle {
-    /// Attaches a consumer process by the control segment's name (checks magic, version and
-    /// geometry) and starts its heartbeat thread, which proves the process alive while user
-    /// code runs. `shard_table` is the owner handle's: the shard files that slot references
-    /// point into. Call `mark_attached` once the ring is mapped on the Python side too.
-    #[staticmethod]
-    fn attach(
-        py: Python<'_>,
-        ctl_name: &str,
-        consumer: usize,
-        shard_table: &str,
-    ) -> PyResult<RingHandle> {
-        let table: ShardTable = serde_json::from_str(shard_table).map_err(|e| {
-            LoaderError::new_err(format!("a loader worker's shard table is not valid: {e}"))
-        })?;
-        let ring = Arc::new(py.detach(|| lifecycle::attach(ctl_name)).py_shm()?);
-        ring.register_consumer(consumer, own_pid()).py_shm()?;
-        let heartbeat = ring.keep_alive(Party::Consumer(consumer)).py_shm()?;
-        Ok(RingHandle {
-            ring,
-            role: Role::Child,
-            consumer: Some(consumer),
-            shard_lens: table.lens(),
-            shard_views: Some(ShardViews::new(table)),
-            heartbeat: Mutex::new(Some(heartbeat)),
-            last_generation: AtomicU32::new(0),
-            owner: None,
-        })
-    }
-
-    /// A consumer is done with the pass: stops its heartbeat thread and tells the owner not to
-    /// watch it any more.
-    fn retire(&self, py: Python<'_>) {
-        let heartbeat = self.heartbeat.lock().unwrap().take();
-        py.detach(|| drop(heartbeat)); // joins the thread
-        if let Some(i) = self.consumer {
-            self.ring.finished(Party::Consumer(i));
-        }
-    }
-
     /// The parties silent for more than `bound` seconds, producer first: `(worker index, or
     /// None for the producer, seconds silent)`. Finished parties are not listed.
     fn stalls(&self, bound: f64) -> Vec<(Option<usize>, f64)> {
@@ -457,26 +359,6 @@ impl RingHandle {
                 (index, s.silent.as_secs_f64())
             })
             .collect()
-    }
-
-    /// The shard files of the owner's dataset (JSON, for `attach`): the consumers map the
-    /// slots' references from these very files.
-    #[getter]
-    fn shard_table(&self) -> PyResult<String> {
-        let Some(owner) = &self.owner else {
-            return Err(LoaderError::new_err("shard_table needs the owner's handle"));
-        };
-        Ok(serde_json::to_string(&owner.plan.spec.shards).expect("plain data"))
-    }
-
-    /// The descriptor of the dataset's verified-samples memfd that the producer inherits
-    /// (`pass_fds`) and attaches to, as its spec says; `None` when the set is not shared.
-    #[getter]
-    fn verified_fd(&self) -> PyResult<Option<i32>> {
-        let Some(owner) = &self.owner else {
-            return Err(LoaderError::new_err("verified_fd needs the owner's handle"));
-        };
-        Ok(owner.plan.spec.verified.map(|v| v.fd))
     }
 
     /// Bytes of one slot (a multiple of 4096).
@@ -498,13 +380,6 @@ impl RingHandle {
     #[getter]
     fn ring_name(&self) -> String {
         self.ring.ring_name().to_owned()
-    }
-
-    /// The producer's spec file in the owner's private directory.
-    #[getter]
-    fn spec_path(&self) -> String {
-        let path = lifecycle::private_dir(&self.ring).join("spec.json");
-        path.to_string_lossy().into_owned() // an ASCII name under /dev/shm
     }
 
     #[getter]
@@ -576,59 +451,111 @@ impl RingHandle {
         Ok(())
     }
 
-    /// Waits up to `timeout` seconds for batch `ticket` and takes it: (slot offset in the ring
-    /// segment, bytes used, [(offset in the slot, length, metadata dict, view) per sample], the
-    /// samples' global indices as the producer wrote them), or `None` when it is not ready yet.
-    /// A sample's `view` is its payload when the slot carries a reference to its record (a
-    /// read-only slice of this process's map of the shard file), else `None` and the payload is
-    /// the slot's bytes at the offset and length. Raises `RingClosed` when this party must exit,
-    /// or the producer's error (owner).
-    #[allow(clippy::type_complexity)]
-    fn wait_batch<'py>(
-        &self,
-        py: Python<'py>,
-        ticket: u64,
-        timeout: f64,
-    ) -> PyResult<
-        Option<(
-            u64,
-            u64,
-            Vec<(u64, u64, Bound<'py, PyDict>, Option<Bound<'py, PyAny>>)>,
-            Vec<u64>,
-        )>,
-    > {
-        let timeout = seconds(timeout);
-        let ring = &self.ring;
-        let taken = py.detach(|| ring.wait_ready(ticket, timeout, self.role, self.consumer));
-        let taken = match (taken, self.role) {
-            (Err(ShmError::ProducerFailed { .. }), Role::Child) => {
-                return Err(RingClosed::new_err("the producer failed"))
-            }
-            (other, _) => other.py_shm()?,
+    /// Gives batch `ticket`'s slot back to the producer (after every view of it was released).
+    fn release(&self, ticket: u64) -> PyResult<()> {
+        self.ring.release(ticket, self.consumer).py_shm()
+    }
+
+    /// Records that the training loop received batch `seq`; the state moves past it.
+    fn mark_delivered(&self, seq: u64) -> PyResult<()> {
+        plan::mark_delivered(&self.ring, seq).py_shm()
+    }
+
+    /// Raises the producer's error if it affects batch `seq` or an earlier one.
+    fn check_error(&self, seq: u64) -> PyResult<()> {
+        match self.ring.error() {
+            Some(e) if e.batch <= seq => Err(producer_error(e.kind, e.errno, e.batch, &e.text)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The producer's recorded error text, if any (whatever batch it affects).
+    fn error_text(&self) -> Option<String> {
+        self.ring
+            .error()
+            .map(|e| format!("batch {}: {}", e.batch, e.text))
+    }
+}
+
+/// The training process's handle of a pass it started: what its plan decided, and the maps of
+/// its own dataset, from which it serves the batches it takes itself.
+#[pyclass(module = "dataset_rt._native", frozen, extends = RingHandle)]
+pub struct OwnerRing {
+    ring: Arc<Ring>,
+    /// The pass's parameters: a persistent pipeline reads a next pass only with the same
+    /// producer parameters.
+    plan: PassPlan,
+    /// Makes the samples of the batches the training process takes itself (`num_workers=0`).
+    samples: SampleMaker,
+    /// The validated size of every shard, per cache: the bound of every slot reference.
+    shard_lens: Vec<Vec<u64>>,
+}
+
+impl OwnerRing {
+    /// The handle of a pass the plan started on `ring`, as a Python object.
+    fn create(
+        py: Python<'_>,
+        ring: Arc<Ring>,
+        plan: PassPlan,
+        samples: SampleMaker,
+    ) -> PyResult<Py<Self>> {
+        let base = RingHandle {
+            ring: ring.clone(),
+            consumer: None,
+            last_generation: AtomicU32::new(0),
         };
-        if !taken {
-            return Ok(None);
+        let owner = OwnerRing {
+            ring,
+            plan,
+            shard_lens: samples.shard_lens(),
+            samples,
+        };
+        Py::new(py, PyClassInitializer::from(base).add_subclass(owner))
+    }
+
+    /// A read-only `mmap.mmap` of the used bytes of batch `ticket`'s slot in the ring file `fd`.
+    fn map_slot<'py>(&self, py: Python<'py>, ticket: u64, fd: i32) -> PyResult<Bound<'py, PyAny>> {
+        let slot = self.ring.slot(ticket);
+        let used = slot_used(slot);
+        let mmap = py.import("mmap")?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("offset", self.ring.slot_offset(ticket))?;
+        kwargs.set_item("access", mmap.getattr("ACCESS_READ")?)?;
+        match mmap.getattr("mmap")?.call((fd, used), Some(&kwargs)) {
+            Ok(map) => Ok(map),
+            Err(e) if is_enomem(py, &e) => Err(PyMemoryError::new_err(format!(
+                "mapping the ring slot of batch {ticket} failed: {e}. The process is out \
+                 of memory or of mappings: each batch the training loop keeps holds its \
+                 bytes and is one mapping, and Linux allows a process vm.max_map_count of \
+                 them (65,530 by default): keep fewer batches, or copy what must be kept \
+                 (bytes(sample.data))"
+            ))),
+            Err(e) => Err(e),
         }
-        let slot = ring.slot(ticket);
-        let base = ring.slot_offset(ticket);
-        let entries = read_batch(slot, ticket, &self.shard_lens).py_shm()?;
-        let mut out = Vec::with_capacity(entries.len());
-        let indices = entries.iter().map(|e| e.global).collect();
-        for e in entries {
-            let dict = metadata_dict(py, slot, &e)?;
-            match e.payload {
-                Payload::Slot { off, len } => out.push((off, len, dict, None)),
-                Payload::Shard(r) => {
-                    let Some(views) = &self.shard_views else {
-                        return Err(LoaderError::new_err("wait_batch needs a consumer's handle"));
-                    };
-                    let view = views.record(py, e.cache, (r.shard, r.offset, r.len))?;
-                    out.push((0, r.len, dict, Some(view)));
-                }
-            }
-        }
-        let used = u64::from_le_bytes(slot[B_USED..B_USED + 8].try_into().expect("8 bytes"));
-        Ok(Some((base, used, out, indices)))
+    }
+}
+
+#[pymethods]
+impl OwnerRing {
+    /// The shard files of the owner's dataset (JSON, for `attach`): the consumers map the
+    /// slots' references from these very files.
+    #[getter]
+    fn shard_table(&self) -> String {
+        serde_json::to_string(&self.plan.spec.shards).expect("plain data")
+    }
+
+    /// The descriptor of the dataset's verified-samples memfd that the producer inherits
+    /// (`pass_fds`) and attaches to, as its spec says; `None` when the set is not shared.
+    #[getter]
+    fn verified_fd(&self) -> Option<i32> {
+        self.plan.spec.verified.map(|v| v.fd)
+    }
+
+    /// The producer's spec file in the owner's private directory.
+    #[getter]
+    fn spec_path(&self) -> String {
+        let path = lifecycle::private_dir(&self.ring).join("spec.json");
+        path.to_string_lossy().into_owned() // an ASCII name under /dev/shm
     }
 
     /// The training process's own take of batch `ticket` (`num_workers=0`, owner only): waits up
@@ -649,13 +576,10 @@ impl RingHandle {
         timeout: f64,
         fd: i32,
     ) -> PyResult<Option<(Option<Bound<'py, PyAny>>, Bound<'py, PyList>, Vec<u64>)>> {
-        let Some(owner) = &self.owner else {
-            return Err(LoaderError::new_err("take_batch needs the owner's handle"));
-        };
         let timeout = seconds(timeout);
         let ring = &self.ring;
         if !py
-            .detach(|| ring.wait_ready(ticket, timeout, self.role, self.consumer))
+            .detach(|| ring.wait_ready(ticket, timeout, Role::Owner, None))
             .py_shm()?
         {
             return Ok(None);
@@ -686,12 +610,12 @@ impl RingHandle {
                     crate::dataset::subview(whole, off, off + len)?
                 }
                 (Payload::Slot { .. }, None) => unreachable!("mapped when any payload is in it"),
-                (Payload::Shard(r), _) => owner
+                (Payload::Shard(r), _) => self
                     .samples
                     .shard_data(py, e.cache, e.row, (r.shard, r.offset, r.len))
                     .ok_or_else(|| unknown(i, e))??,
             };
-            let sample = owner
+            let sample = self
                 .samples
                 .sample(data.unbind(), e.cache, e.row)
                 .ok_or_else(|| unknown(i, e))?;
@@ -700,31 +624,9 @@ impl RingHandle {
         let indices = entries.iter().map(|e| e.global).collect();
         if map.is_none() {
             // Every payload is a view of a shard map: nothing refers to the slot any more.
-            self.ring.release(ticket, self.consumer).py_shm()?;
+            self.ring.release(ticket, None).py_shm()?;
         }
         Ok(Some((map, samples, indices)))
-    }
-
-    /// Where buffers of a worker's result lie in this consumer's shard maps: for each
-    /// `(address, length)`, `(cache, shard, offset in the shard file, length)` (flat, four
-    /// numbers per buffer), or `None` unless every buffer lies wholly inside one map. Such a
-    /// buffer views a verified, read-only shard file the training process maps too, so it
-    /// may leave the worker as a reference instead of being copied (consumer only).
-    fn shard_spans(&self, buffers: Vec<(usize, u64)>) -> PyResult<Option<Vec<u64>>> {
-        let Some(views) = &self.shard_views else {
-            return Err(LoaderError::new_err(
-                "shard_spans needs a consumer's handle",
-            ));
-        };
-        let index = views.index.lock().unwrap();
-        let mut out = Vec::with_capacity(4 * buffers.len());
-        for (address, len) in buffers {
-            let Some(span) = index.find(address, len) else {
-                return Ok(None);
-            };
-            out.extend([span.cache.into(), span.shard.into(), span.offset, len]);
-        }
-        Ok(Some(out))
     }
 
     /// The training process's views of bytes a worker's result referenced (`shard_spans`'
@@ -736,11 +638,6 @@ impl RingHandle {
         py: Python<'py>,
         spans: Vec<u64>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let Some(owner) = &self.owner else {
-            return Err(LoaderError::new_err(
-                "shard_slices needs the owner's handle",
-            ));
-        };
         if spans.len() % 4 != 0 {
             return Err(LoaderError::new_err(format!(
                 "a worker's shard references hold {} numbers, not four per buffer",
@@ -753,7 +650,7 @@ impl RingHandle {
                 let (cache, shard) = (u32::try_from(q[0]), u32::try_from(q[1]));
                 let got = match (cache, shard) {
                     (Ok(cache), Ok(shard)) => {
-                        owner.samples.shard_slice(py, cache, (shard, q[2], q[3]))
+                        self.samples.shard_slice(py, cache, (shard, q[2], q[3]))
                     }
                     _ => None,
                 };
@@ -769,11 +666,6 @@ impl RingHandle {
                 })
             })
             .collect()
-    }
-
-    /// Gives batch `ticket`'s slot back to the producer (after every view of it was released).
-    fn release(&self, ticket: u64) -> PyResult<()> {
-        self.ring.release(ticket, self.consumer).py_shm()
     }
 
     /// Gives batch `ticket`'s slot back although the training process still references `map`,
@@ -826,50 +718,131 @@ impl RingHandle {
             }
             other => shm_err(other),
         })?;
-        self.ring.release(ticket, self.consumer).py_shm()
-    }
-
-    /// Records that the training loop received batch `seq`; the state moves past it.
-    fn mark_delivered(&self, seq: u64) -> PyResult<()> {
-        plan::mark_delivered(&self.ring, seq).py_shm()
-    }
-
-    /// Raises the producer's error if it affects batch `seq` or an earlier one.
-    fn check_error(&self, seq: u64) -> PyResult<()> {
-        match self.ring.error() {
-            Some(e) if e.batch <= seq => Err(producer_error(e.kind, e.errno, e.batch, &e.text)),
-            _ => Ok(()),
-        }
-    }
-
-    /// The producer's recorded error text, if any (whatever batch it affects).
-    fn error_text(&self) -> Option<String> {
-        self.ring
-            .error()
-            .map(|e| format!("batch {}: {}", e.batch, e.text))
+        self.ring.release(ticket, None).py_shm()
     }
 }
 
-impl RingHandle {
-    /// A read-only `mmap.mmap` of the used bytes of batch `ticket`'s slot in the ring file `fd`.
-    fn map_slot<'py>(&self, py: Python<'py>, ticket: u64, fd: i32) -> PyResult<Bound<'py, PyAny>> {
-        let slot = self.ring.slot(ticket);
-        let used = u64::from_le_bytes(slot[B_USED..B_USED + 8].try_into().expect("8 bytes"));
-        let mmap = py.import("mmap")?;
-        let kwargs = PyDict::new(py);
-        kwargs.set_item("offset", self.ring.slot_offset(ticket))?;
-        kwargs.set_item("access", mmap.getattr("ACCESS_READ")?)?;
-        match mmap.getattr("mmap")?.call((fd, used), Some(&kwargs)) {
-            Ok(map) => Ok(map),
-            Err(e) if is_enomem(py, &e) => Err(PyMemoryError::new_err(format!(
-                "mapping the ring slot of batch {ticket} failed: {e}. The process is out \
-                 of memory or of mappings: each batch the training loop keeps holds its \
-                 bytes and is one mapping, and Linux allows a process vm.max_map_count of \
-                 them (65,530 by default): keep fewer batches, or copy what must be kept \
-                 (bytes(sample.data))"
-            ))),
-            Err(e) => Err(e),
+/// A loader worker's handle: attached by the control segment's name, with the heartbeat thread
+/// that proves the process alive and its own maps of the shards that slot references point into.
+#[pyclass(module = "dataset_rt._native", frozen, extends = RingHandle)]
+pub struct WorkerRing {
+    ring: Arc<Ring>,
+    consumer: usize,
+    /// The validated size of every shard, per cache: the bound of every slot reference.
+    shard_lens: Vec<Vec<u64>>,
+    views: ShardViews,
+    /// The heartbeat thread, from attach until `retire`.
+    heartbeat: Mutex<Option<Heartbeat>>,
+}
+
+#[pymethods]
+impl WorkerRing {
+    /// Attaches a consumer process by the control segment's name (checks magic, version and
+    /// geometry) and starts its heartbeat thread, which proves the process alive while user
+    /// code runs. `shard_table` is the owner handle's: the shard files that slot references
+    /// point into. Call `mark_attached` once the ring is mapped on the Python side too.
+    #[staticmethod]
+    fn attach(
+        py: Python<'_>,
+        ctl_name: &str,
+        consumer: usize,
+        shard_table: &str,
+    ) -> PyResult<Py<WorkerRing>> {
+        let table: ShardTable = serde_json::from_str(shard_table).map_err(|e| {
+            LoaderError::new_err(format!("a loader worker's shard table is not valid: {e}"))
+        })?;
+        let ring = Arc::new(py.detach(|| lifecycle::attach(ctl_name)).py_shm()?);
+        ring.register_consumer(consumer, own_pid()).py_shm()?;
+        let heartbeat = ring.keep_alive(Party::Consumer(consumer)).py_shm()?;
+        let base = RingHandle {
+            ring: ring.clone(),
+            consumer: Some(consumer),
+            last_generation: AtomicU32::new(0),
+        };
+        let worker = WorkerRing {
+            ring,
+            consumer,
+            shard_lens: table.lens(),
+            views: ShardViews::new(table),
+            heartbeat: Mutex::new(Some(heartbeat)),
+        };
+        Py::new(py, PyClassInitializer::from(base).add_subclass(worker))
+    }
+
+    /// A consumer is done with the pass: stops its heartbeat thread and tells the owner not to
+    /// watch it any more.
+    fn retire(&self, py: Python<'_>) {
+        let heartbeat = self.heartbeat.lock().unwrap().take();
+        py.detach(|| drop(heartbeat)); // joins the thread
+        self.ring.finished(Party::Consumer(self.consumer));
+    }
+
+    /// Waits up to `timeout` seconds for batch `ticket` and takes it: (slot offset in the ring
+    /// segment, bytes used, [(offset in the slot, length, metadata dict, view) per sample], the
+    /// samples' global indices as the producer wrote them), or `None` when it is not ready yet.
+    /// A sample's `view` is its payload when the slot carries a reference to its record (a
+    /// read-only slice of this process's map of the shard file), else `None` and the payload is
+    /// the slot's bytes at the offset and length. Raises `RingClosed` when this party must exit,
+    /// or the producer's error (owner).
+    #[allow(clippy::type_complexity)]
+    fn wait_batch<'py>(
+        &self,
+        py: Python<'py>,
+        ticket: u64,
+        timeout: f64,
+    ) -> PyResult<
+        Option<(
+            u64,
+            u64,
+            Vec<(u64, u64, Bound<'py, PyDict>, Option<Bound<'py, PyAny>>)>,
+            Vec<u64>,
+        )>,
+    > {
+        let timeout = seconds(timeout);
+        let ring = &self.ring;
+        let taken =
+            py.detach(|| ring.wait_ready(ticket, timeout, Role::Child, Some(self.consumer)));
+        let taken = match taken {
+            Err(ShmError::ProducerFailed { .. }) => {
+                return Err(RingClosed::new_err("the producer failed"))
+            }
+            other => other.py_shm()?,
+        };
+        if !taken {
+            return Ok(None);
         }
+        let slot = ring.slot(ticket);
+        let base = ring.slot_offset(ticket);
+        let entries = read_batch(slot, ticket, &self.shard_lens).py_shm()?;
+        let mut out = Vec::with_capacity(entries.len());
+        let indices = entries.iter().map(|e| e.global).collect();
+        for e in entries {
+            let dict = metadata_dict(py, slot, &e)?;
+            match e.payload {
+                Payload::Slot { off, len } => out.push((off, len, dict, None)),
+                Payload::Shard(r) => {
+                    let view = self.views.record(py, e.cache, (r.shard, r.offset, r.len))?;
+                    out.push((0, r.len, dict, Some(view)));
+                }
+            }
+        }
+        let used = slot_used(slot);
+        Ok(Some((base, used, out, indices)))
+    }
+
+    /// Where buffers of a worker's result lie in this consumer's shard maps: for each
+    /// `(address, length)`, `(cache, shard, offset in the shard file, length)` (flat, four
+    /// numbers per buffer), or `None` unless every buffer lies wholly inside one map. Such a
+    /// buffer views a verified, read-only shard file the training process maps too, so it
+    /// may leave the worker as a reference instead of being copied (consumer only).
+    fn shard_spans(&self, buffers: Vec<(usize, u64)>) -> Option<Vec<u64>> {
+        let index = self.views.index.lock().unwrap();
+        let mut out = Vec::with_capacity(4 * buffers.len());
+        for (address, len) in buffers {
+            let span = index.find(address, len)?;
+            out.extend([span.cache.into(), span.shard.into(), span.offset, len]);
+        }
+        Some(out)
     }
 }
 
