@@ -1,0 +1,30 @@
+//! DatasetRT caches on object storage (S3 and S3-compatible stores, and `file://` through the
+//! same code): URLs and settings, the private async runtime, publication (`push`, `pull`, `ls`),
+//! range fetching for the read planner, and the node's bounded local cache.
+//!
+//! Modules (each imports only those above it):
+//! - `error`: this crate's error, and its mapping onto the core's;
+//! - `location`: URLs; `options`: `RemoteOptions`; `runtime`: the per-process runtime;
+//! - `store`: a URL's object store, built from the environment, per process;
+//! - `fetch`: `RangeFetcher` (coalescing, depth, retries, verification);
+//! - `publish`: the remote layout, `push`, `pull`, `ls`, opening a published cache's manifest;
+//! - `local`: the node's local cache directory (`NodeCache`) and `CachedFetcher` over it.
+
+pub mod error;
+pub mod fetch;
+pub mod local;
+pub mod location;
+pub mod options;
+pub mod publish;
+pub mod runtime;
+pub mod store;
+
+pub use error::{Error, RequestFailure, Result};
+pub use fetch::{coalesce, FetchPolicy, FetchStats, RangeFetcher, RangeRequest, Span, Verify};
+pub use local::{CachedFetcher, NodeCache, RangeKey};
+pub use location::{RemoteUrl, Scheme};
+pub use options::RemoteOptions;
+pub use publish::{
+    ls, pull, push, CacheListing, PublishedCache, PullReport, PushOptions, PushReport,
+};
+pub use store::Remote;

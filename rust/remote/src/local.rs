@@ -1,0 +1,834 @@
+//! The node's local cache directory: downloaded ranges of remote caches, within a byte budget,
+//! shared by the processes of one node.
+//!
+//! Layout (`docs/remote.md` will repeat it):
+//!
+//! ```text
+//! <local_dir>/
+//!     .lock                              flock, held while the budget is changed
+//!     usage                              bytes in use and reserved (ASCII); rebuilt by a scan
+//!     <build-id>/                        one published cache (its manifest's hash), never reused
+//!         ranges/<file>/<start>-<end>    a downloaded range: "DRTRANGE", its xxh3-64, its bytes
+//!         locks/<file>/<start>-<end>     flock, held by the process downloading that range
+//!         procs/<pid>-<nanos>.alive      a process's proof of life (a shared flock)
+//!         procs/<pid>-<nanos>.pins       the ranges it has pinned, one per line
+//!         tmp/<pid>-<nanos>-<seq>-<len>  a range being written (`len` bytes reserved)
+//! ```
+//!
+//! Why range files: the planner asks for records (and coalesces them into requests only on the
+//! wire), so a record's range is the same key in every process of the node, and a file per
+//! range needs no index that a crash could leave inconsistent. Each file carries its own
+//! checksum and is verified whenever it is read, so neither a crash nor a torn write is ever
+//! served (no fsync needed: anything damaged is a miss, fetched again). Files appear by rename.
+//!
+//! Keyed by the build: a remote cache that changed has another manifest, so another build id,
+//! so another directory; a stale copy is never read. Other builds' ranges are evicted first.
+//!
+//! Budget: every write reserves its bytes in `usage` under `.lock` before it writes, evicting
+//! first if needed, so the directory never holds more than the budget (plus the temporary file
+//! of a write that has reserved its bytes). Eviction takes other builds' ranges, then ranges
+//! this process will not need, then the ones needed furthest in the future (the planner gives
+//! the order), and never a range any live process has pinned (prefetched, not yet consumed).
+//! Everything a dead process left is found by its `.alive` lock, which the kernel releases.
+//!
+//! One download per node: a process downloads a missing range only while it holds that range's
+//! lock; the others wait for the lock, then read the file. Locks are `flock`s, released when
+//! their holder dies, so a killed downloader never blocks the others; a waiter gives up waiting
+//! after a bound and downloads the range itself.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dataset_rt_core::liveness::{self, OwnerLock};
+
+use crate::error::{Error, Result};
+use crate::fetch::{RangeFetcher, RangeRequest, Verify};
+
+/// A range of a file of one build: the unit the local cache stores.
+pub type RangeKey = RangeRequest;
+
+const RANGE_MAGIC: &[u8; 8] = b"DRTRANGE";
+const RANGE_HEADER_LEN: u64 = 16;
+
+fn io_err(op: &'static str, path: &Path, e: std::io::Error) -> Error {
+    Error::Core(dataset_rt_core::Error::io(op, path, e))
+}
+
+/// Counters of what a cache did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub stored: u64,
+    /// Ranges not stored: the budget was taken by pinned ranges.
+    pub not_stored: u64,
+    pub evicted: u64,
+    /// Range files that failed their checksum when read (and were removed).
+    pub damaged: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    stored: AtomicU64,
+    not_stored: AtomicU64,
+    evicted: AtomicU64,
+    damaged: AtomicU64,
+}
+
+/// One process's view of the node's local cache, for one build.
+pub struct NodeCache {
+    root: PathBuf,
+    dir: PathBuf,
+    build_id: String,
+    budget: u64,
+    /// `<pid>-<nanos>`: this process's name in `procs/` and `tmp/`.
+    me: String,
+    pid: u32,
+    _alive: OwnerLock,
+    pins: Mutex<HashMap<RangeKey, u32>>,
+    future: Mutex<HashMap<RangeKey, u64>>,
+    seq: AtomicU64,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for NodeCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeCache")
+            .field("dir", &self.dir)
+            .field("budget", &self.budget)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The exclusive lock on `<local_dir>/.lock`, held while the budget changes.
+struct DirLock(File);
+
+impl DirLock {
+    fn take(root: &Path) -> Result<DirLock> {
+        let path = root.join(".lock");
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io_err("open lock file", &path, e))?;
+        flock(&file, libc::LOCK_EX).map_err(|e| io_err("lock", &path, e))?;
+        Ok(DirLock(file))
+    }
+}
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        let _ = flock(&self.0, libc::LOCK_UN);
+    }
+}
+
+fn flock(file: &File, op: libc::c_int) -> std::io::Result<()> {
+    loop {
+        // SAFETY: flock on a descriptor this process owns.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// The lock on one range while this process downloads it. Dropping it removes the lock file
+/// (still holding the lock), so lock files do not pile up; a waiter that then locks the removed
+/// file notices and opens the path again.
+pub struct RangeLock {
+    file: File,
+    path: PathBuf,
+}
+
+impl Drop for RangeLock {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.path);
+        let _ = flock(&self.file, libc::LOCK_UN);
+    }
+}
+
+/// A range file as it is found on disk.
+struct Found {
+    path: PathBuf,
+    size: u64,
+    /// The build it belongs to, and its key there.
+    build: String,
+    key: Option<RangeKey>,
+}
+
+fn now_nanos() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
+}
+
+/// `<start>-<end>` for a file name.
+fn range_name(key: &RangeKey) -> String {
+    format!("{}-{}", key.range.start, key.range.end)
+}
+
+fn parse_range_name(name: &str) -> Option<std::ops::Range<u64>> {
+    let (a, b) = name.split_once('-')?;
+    Some(a.parse().ok()?..b.parse().ok()?)
+}
+
+impl NodeCache {
+    /// Opens (creating if needed) the local cache of build `build_id` under `root`, with a
+    /// budget of `budget` bytes for everything under `root`.
+    pub fn open(root: &Path, build_id: &str, budget: u64) -> Result<NodeCache> {
+        let valid_id = build_id.len() == 32 && build_id.bytes().all(|b| b.is_ascii_hexdigit());
+        if !valid_id {
+            return Err(Error::config(
+                "build_id",
+                format!("{build_id:?} is not a build id (32 hex digits)"),
+            ));
+        }
+        let dir = root.join(build_id);
+        for sub in ["ranges", "locks", "procs", "tmp"] {
+            let path = dir.join(sub);
+            fs::create_dir_all(&path).map_err(|e| io_err("create directory", &path, e))?;
+        }
+        let pid = std::process::id();
+        let me = format!("{pid}-{}", now_nanos());
+        let alive_path = dir.join("procs").join(format!("{me}.alive"));
+        let alive = File::create(&alive_path)
+            .and_then(|f| OwnerLock::hold(f, &alive_path))
+            .map_err(|e| io_err("create", &alive_path, e))?;
+        let cache = NodeCache {
+            root: root.to_owned(),
+            dir,
+            build_id: build_id.to_owned(),
+            budget,
+            me,
+            pid,
+            _alive: alive,
+            pins: Mutex::default(),
+            future: Mutex::default(),
+            seq: AtomicU64::new(0),
+            counters: Counters::default(),
+        };
+        {
+            let _lock = DirLock::take(root)?;
+            cache.reap_dead()?;
+            let (found, reserved) = cache.scan()?;
+            cache.write_usage(found.iter().map(|f| f.size).sum::<u64>() + reserved)?;
+        }
+        Ok(cache)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        let c = &self.counters;
+        CacheStats {
+            hits: c.hits.load(Ordering::Relaxed),
+            misses: c.misses.load(Ordering::Relaxed),
+            stored: c.stored.load(Ordering::Relaxed),
+            not_stored: c.not_stored.load(Ordering::Relaxed),
+            evicted: c.evicted.load(Ordering::Relaxed),
+            damaged: c.damaged.load(Ordering::Relaxed),
+        }
+    }
+
+    fn check_process(&self) -> Result<()> {
+        if std::process::id() != self.pid {
+            return Err(Error::Core(dataset_rt_core::Error::Runtime(
+                "a NodeCache was used in a forked child: open it again in the child".into(),
+            )));
+        }
+        Ok(())
+    }
+
+    fn range_path(&self, key: &RangeKey) -> PathBuf {
+        self.dir
+            .join("ranges")
+            .join(&key.file)
+            .join(range_name(key))
+    }
+
+    fn lock_path(&self, key: &RangeKey) -> PathBuf {
+        self.dir.join("locks").join(&key.file).join(range_name(key))
+    }
+
+    fn check_key(key: &RangeKey) -> Result<()> {
+        let ok = !key.file.is_empty()
+            && key
+                .file
+                .split('/')
+                .all(|p| !p.is_empty() && p != "." && p != "..")
+            && key.range.start <= key.range.end;
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::config(
+                "range",
+                format!(
+                    "{:?} {:?} is not a range of a cache file",
+                    key.file, key.range
+                ),
+            ))
+        }
+    }
+
+    /// The stored bytes of `key`, verified; `None` when absent (or damaged: then removed).
+    pub fn get(&self, key: &RangeKey) -> Result<Option<Bytes>> {
+        self.check_process()?;
+        Self::check_key(key)?;
+        let path = self.range_path(key);
+        let mut data = Vec::new();
+        match File::open(&path).and_then(|mut f| f.read_to_end(&mut data)) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+            Err(e) => return Err(io_err("read", &path, e)),
+        }
+        let valid = data.len() as u64 == RANGE_HEADER_LEN + key.len()
+            && &data[..8] == RANGE_MAGIC
+            && data[8..16] == xxhash_rust::xxh3::xxh3_64(&data[16..]).to_le_bytes();
+        if !valid {
+            self.counters.damaged.fetch_add(1, Ordering::Relaxed);
+            self.counters.misses.fetch_add(1, Ordering::Relaxed);
+            self.remove(key)?;
+            return Ok(None);
+        }
+        self.counters.hits.fetch_add(1, Ordering::Relaxed);
+        let mut bytes = Bytes::from(data);
+        Ok(Some(bytes.split_off(RANGE_HEADER_LEN as usize)))
+    }
+
+    /// Removes the stored range `key` (bytes that did not verify), returning its bytes to the
+    /// budget.
+    pub fn remove(&self, key: &RangeKey) -> Result<()> {
+        let path = self.range_path(key);
+        let _lock = DirLock::take(&self.root)?;
+        if let Ok(meta) = fs::symlink_metadata(&path) {
+            if fs::remove_file(&path).is_ok() {
+                let usage = self.read_usage()?;
+                self.write_usage(usage.saturating_sub(meta.len()))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores `bytes` as range `key`, evicting others if needed; `false` when it cannot fit
+    /// (larger than the budget, or the budget is held by pinned ranges): then nothing changed.
+    pub fn put(&self, key: &RangeKey, bytes: &[u8]) -> Result<bool> {
+        self.check_process()?;
+        Self::check_key(key)?;
+        if bytes.len() as u64 != key.len() {
+            return Err(Error::config(
+                "range",
+                format!(
+                    "{} bytes given for {:?} {:?}",
+                    bytes.len(),
+                    key.file,
+                    key.range
+                ),
+            ));
+        }
+        let size = RANGE_HEADER_LEN + key.len();
+        let path = self.range_path(key);
+        let tmp = self.dir.join("tmp").join(format!(
+            "{}-{}-{size}",
+            self.me,
+            self.seq.fetch_add(1, Ordering::Relaxed)
+        ));
+        {
+            let _lock = DirLock::take(&self.root)?;
+            if path.exists() {
+                return Ok(true);
+            }
+            if !self.make_room(size)? {
+                self.counters.not_stored.fetch_add(1, Ordering::Relaxed);
+                return Ok(false);
+            }
+            // The reservation is the temporary file's name: a scan counts it while this
+            // process lives.
+            File::create(&tmp).map_err(|e| io_err("create", &tmp, e))?;
+        }
+        let written = (|| {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .open(&tmp)
+                .map_err(|e| io_err("open", &tmp, e))?;
+            let mut header = [0u8; RANGE_HEADER_LEN as usize];
+            header[..8].copy_from_slice(RANGE_MAGIC);
+            header[8..].copy_from_slice(&xxhash_rust::xxh3::xxh3_64(bytes).to_le_bytes());
+            f.write_all(&header)
+                .and_then(|()| f.write_all(bytes))
+                .map_err(|e| io_err("write", &tmp, e))?;
+            if let Some(parent) = path.parent() {
+                fs::create_dir_all(parent).map_err(|e| io_err("create directory", parent, e))?;
+            }
+            fs::rename(&tmp, &path).map_err(|e| io_err("rename", &tmp, e))
+        })();
+        if let Err(e) = written {
+            // A full disk or any other failure: give the reservation back, leave nothing.
+            let _ = fs::remove_file(&tmp);
+            let _lock = DirLock::take(&self.root)?;
+            let usage = self.read_usage()?;
+            self.write_usage(usage.saturating_sub(size))?;
+            return Err(e);
+        }
+        self.counters.stored.fetch_add(1, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Reserves `size` bytes in `usage`, evicting if needed (call under the dir lock).
+    fn make_room(&self, size: u64) -> Result<bool> {
+        if size > self.budget {
+            return Ok(false);
+        }
+        let usage = self.read_usage()?;
+        if usage + size <= self.budget {
+            self.write_usage(usage + size)?;
+            return Ok(true);
+        }
+        // Measure (this also corrects any drift of `usage`), then evict.
+        let (found, reserved) = self.scan()?;
+        let mut used = found.iter().map(|f| f.size).sum::<u64>() + reserved;
+        let mut victims = self.victims(found)?;
+        while used + size > self.budget {
+            let Some(victim) = victims.pop() else {
+                self.write_usage(used)?;
+                return Ok(false);
+            };
+            if fs::remove_file(&victim.path).is_ok() {
+                used -= victim.size;
+                self.counters.evicted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.write_usage(used + size)?;
+        Ok(true)
+    }
+
+    /// Range files that may be evicted, the first to go last: other builds' ranges, then this
+    /// build's ranges by their next use (not needed at all counts as furthest). Pinned ranges
+    /// (by any live process) are left out.
+    fn victims(&self, found: Vec<Found>) -> Result<Vec<Found>> {
+        let mut pinned: HashSet<(String, RangeKey)> = HashSet::new();
+        for (build, key) in self.live_pins()? {
+            pinned.insert((build, key));
+        }
+        for key in self.pins.lock().unwrap_or_else(|e| e.into_inner()).keys() {
+            pinned.insert((self.build_id.clone(), key.clone()));
+        }
+        let future = self.future.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ranked: Vec<(u64, u64, Found)> = found
+            .into_iter()
+            .filter(|f| match &f.key {
+                Some(key) => !pinned.contains(&(f.build.clone(), key.clone())),
+                None => true,
+            })
+            .map(|f| {
+                let rank = if f.build != self.build_id {
+                    (u64::MAX, u64::MAX)
+                } else {
+                    match f.key.as_ref().and_then(|k| future.get(k)) {
+                        Some(&next) => (0, next),
+                        None => (1, 0),
+                    }
+                };
+                (rank.0, rank.1, f)
+            })
+            .collect();
+        // Ascending: the range needed soonest first, so `pop` takes the one needed last.
+        ranked.sort_by_key(|r| (r.0, r.1));
+        Ok(ranked.into_iter().map(|(_, _, f)| f).collect())
+    }
+
+    /// Every build directory under the root.
+    fn builds(&self) -> Result<Vec<String>> {
+        let entries = fs::read_dir(&self.root).map_err(|e| io_err("list", &self.root, e))?;
+        Ok(entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                (name.len() == 32 && name.bytes().all(|b| b.is_ascii_hexdigit())).then_some(name)
+            })
+            .collect())
+    }
+
+    /// Every range file (all builds) and the bytes reserved by live writers' temporary files.
+    fn scan(&self) -> Result<(Vec<Found>, u64)> {
+        let mut found = Vec::new();
+        let mut reserved = 0;
+        for build in self.builds()? {
+            let dir = self.root.join(&build);
+            let ranges = dir.join("ranges");
+            walk(&ranges, &mut |path, size| {
+                let rel = path.strip_prefix(&ranges).ok()?;
+                let range = parse_range_name(rel.file_name()?.to_str()?)?;
+                let file = rel.parent()?.to_str()?.to_owned();
+                found.push(Found {
+                    path: path.to_owned(),
+                    size,
+                    build: build.clone(),
+                    key: Some(RangeKey { file, range }),
+                });
+                Some(())
+            });
+            if let Ok(entries) = fs::read_dir(dir.join("tmp")) {
+                for entry in entries.flatten() {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    if let Some(len) = name.rsplit('-').next().and_then(|n| n.parse::<u64>().ok()) {
+                        reserved += len;
+                    }
+                }
+            }
+        }
+        Ok((found, reserved))
+    }
+
+    /// The pins of every live process (of every build), as (build, key).
+    fn live_pins(&self) -> Result<Vec<(String, RangeKey)>> {
+        let mut out = Vec::new();
+        for build in self.builds()? {
+            let procs = self.root.join(&build).join("procs");
+            let Ok(entries) = fs::read_dir(&procs) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let Some(owner) = name.strip_suffix(".pins") else {
+                    continue;
+                };
+                if build == self.build_id && owner == self.me {
+                    continue;
+                }
+                let Ok(text) = fs::read_to_string(entry.path()) else {
+                    continue;
+                };
+                for line in text.lines() {
+                    let mut parts = line.rsplitn(2, '\t');
+                    let (Some(range), Some(file)) = (parts.next(), parts.next()) else {
+                        continue;
+                    };
+                    if let Some(range) = parse_range_name(range) {
+                        out.push((
+                            build.clone(),
+                            RangeKey {
+                                file: file.to_owned(),
+                                range,
+                            },
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes what dead processes left: their proofs of life, pins and temporary files (call
+    /// under the dir lock).
+    fn reap_dead(&self) -> Result<()> {
+        for build in self.builds()? {
+            let procs = self.root.join(&build).join("procs");
+            let Ok(entries) = fs::read_dir(&procs) else {
+                continue;
+            };
+            let mut alive = HashSet::new();
+            let mut seen = HashSet::new();
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let Some(owner) = name
+                    .strip_suffix(".alive")
+                    .or_else(|| name.strip_suffix(".pins"))
+                else {
+                    continue;
+                };
+                seen.insert(owner.to_owned());
+                if name.ends_with(".alive") {
+                    match liveness::probe(&entry.path()) {
+                        liveness::Owner::Gone(_held) => {
+                            let _ = fs::remove_file(entry.path());
+                        }
+                        _ => {
+                            alive.insert(owner.to_owned());
+                        }
+                    }
+                }
+            }
+            for owner in seen.difference(&alive) {
+                let _ = fs::remove_file(procs.join(format!("{owner}.pins")));
+            }
+            let tmp = self.root.join(&build).join("tmp");
+            if let Ok(entries) = fs::read_dir(&tmp) {
+                for entry in entries.flatten() {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    let owner: Vec<&str> = name.splitn(3, '-').take(2).collect();
+                    if !alive.contains(&owner.join("-")) {
+                        let _ = fs::remove_file(entry.path());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn read_usage(&self) -> Result<u64> {
+        let path = self.root.join("usage");
+        match fs::read_to_string(&path) {
+            Ok(text) => match text.trim().parse() {
+                Ok(n) => Ok(n),
+                Err(_) => self.rescan_usage(),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.rescan_usage(),
+            Err(e) => Err(io_err("read", &path, e)),
+        }
+    }
+
+    fn rescan_usage(&self) -> Result<u64> {
+        let (found, reserved) = self.scan()?;
+        Ok(found.iter().map(|f| f.size).sum::<u64>() + reserved)
+    }
+
+    fn write_usage(&self, usage: u64) -> Result<()> {
+        let path = self.root.join("usage");
+        let tmp = self.root.join(format!(".usage.{}", self.me));
+        fs::write(&tmp, format!("{usage}\n"))
+            .and_then(|()| fs::rename(&tmp, &path))
+            .map_err(|e| io_err("write", &path, e))
+    }
+
+    /// The bytes under the root, measured now (range files and live reservations).
+    pub fn usage(&self) -> Result<u64> {
+        let _lock = DirLock::take(&self.root)?;
+        self.rescan_usage()
+    }
+
+    /// Tells eviction when each range will be needed next (smaller is sooner), replacing what
+    /// it was told before. Ranges not listed are not needed in the known future.
+    pub fn set_future(&self, order: impl IntoIterator<Item = (RangeKey, u64)>) {
+        *self.future.lock().unwrap_or_else(|e| e.into_inner()) = order.into_iter().collect();
+    }
+
+    /// Pins ranges (prefetched, not yet consumed): no process evicts them until they are
+    /// unpinned as often as they were pinned.
+    pub fn pin<'a>(&self, keys: impl IntoIterator<Item = &'a RangeKey>) -> Result<()> {
+        {
+            let mut pins = self.pins.lock().unwrap_or_else(|e| e.into_inner());
+            for key in keys {
+                *pins.entry(key.clone()).or_insert(0) += 1;
+            }
+        }
+        self.publish_pins()
+    }
+
+    pub fn unpin<'a>(&self, keys: impl IntoIterator<Item = &'a RangeKey>) -> Result<()> {
+        {
+            let mut pins = self.pins.lock().unwrap_or_else(|e| e.into_inner());
+            for key in keys {
+                if let Some(n) = pins.get_mut(key) {
+                    *n -= 1;
+                    if *n == 0 {
+                        pins.remove(key);
+                    }
+                }
+            }
+        }
+        self.publish_pins()
+    }
+
+    /// Writes this process's pins where the other processes' evictions read them.
+    fn publish_pins(&self) -> Result<()> {
+        self.check_process()?;
+        let text: String = {
+            let pins = self.pins.lock().unwrap_or_else(|e| e.into_inner());
+            pins.keys()
+                .map(|k| format!("{}\t{}\n", k.file, range_name(k)))
+                .collect()
+        };
+        let procs = self.dir.join("procs");
+        let path = procs.join(format!("{}.pins", self.me));
+        let tmp = procs.join(format!("{}.pins.tmp", self.me));
+        fs::write(&tmp, text)
+            .and_then(|()| fs::rename(&tmp, &path))
+            .map_err(|e| io_err("write", &path, e))
+    }
+
+    /// Takes the download lock of `key` if nobody holds it.
+    pub fn try_lock_range(&self, key: &RangeKey) -> Result<Option<RangeLock>> {
+        self.lock_range_within(key, Duration::ZERO)
+    }
+
+    /// Takes the download lock of `key`, waiting at most `patience` for its holder; `None` when
+    /// it is still held then.
+    pub fn lock_range_within(
+        &self,
+        key: &RangeKey,
+        patience: Duration,
+    ) -> Result<Option<RangeLock>> {
+        self.check_process()?;
+        Self::check_key(key)?;
+        let path = self.lock_path(key);
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent).map_err(|e| io_err("create directory", parent, e))?;
+        }
+        let deadline = Instant::now() + patience;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let file = OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+                .map_err(|e| io_err("open lock file", &path, e))?;
+            match flock(&file, libc::LOCK_EX | libc::LOCK_NB) {
+                Ok(()) => {
+                    // The holder before us may have removed the file after we opened it.
+                    let ours = file.metadata().map_err(|e| io_err("stat", &path, e))?;
+                    match fs::metadata(&path) {
+                        Ok(now) if now.ino() == ours.ino() && now.dev() == ours.dev() => {
+                            return Ok(Some(RangeLock { file, path }));
+                        }
+                        _ => continue,
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Ok(None);
+                    }
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+                Err(e) => return Err(io_err("lock", &path, e)),
+            }
+        }
+    }
+}
+
+/// Calls `each(path, size)` for every regular file under `dir`.
+fn walk(dir: &Path, each: &mut dyn FnMut(&Path, u64) -> Option<()>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let Ok(kind) = entry.file_type() else {
+            continue;
+        };
+        let path = entry.path();
+        if kind.is_dir() {
+            walk(&path, each);
+        } else if kind.is_file() {
+            if let Ok(meta) = entry.metadata() {
+                each(&path, meta.len());
+            }
+        }
+    }
+}
+
+/// Range fetching through the node's local cache: each range is read from the cache when it is
+/// there, else downloaded once per node (under its lock), verified, stored and returned.
+pub struct CachedFetcher {
+    pub fetcher: RangeFetcher,
+    pub cache: Arc<NodeCache>,
+}
+
+impl CachedFetcher {
+    pub fn new(fetcher: RangeFetcher, cache: Arc<NodeCache>) -> Self {
+        CachedFetcher { fetcher, cache }
+    }
+
+    /// How long to wait for another process's download before downloading the range here: as
+    /// long as that download may take with every attempt and backoff.
+    fn patience(&self) -> Duration {
+        let p = self.fetcher.policy();
+        (p.timeout + p.max_backoff) * p.attempts * p.verify_attempts
+    }
+
+    /// The bytes of every range, in the order of `requests`, each verified by `verify` (stored
+    /// ranges too, as they are read). Blocks the calling thread.
+    pub fn fetch_blocking(
+        &self,
+        requests: &[RangeRequest],
+        verify: Option<&Verify>,
+    ) -> Result<Vec<Bytes>> {
+        let mut out: Vec<Option<Bytes>> = vec![None; requests.len()];
+        let mut by_key: HashMap<&RangeRequest, Vec<usize>> = HashMap::new();
+        for (i, r) in requests.iter().enumerate() {
+            by_key.entry(r).or_default().push(i);
+        }
+        let fill = |out: &mut Vec<Option<Bytes>>, key: &RangeRequest, bytes: &Bytes| {
+            for &i in &by_key[key] {
+                out[i] = Some(bytes.clone());
+            }
+        };
+        let stored = |key: &RangeRequest| -> Result<Option<Bytes>> {
+            let Some(bytes) = self.cache.get(key)? else {
+                return Ok(None);
+            };
+            if let Some(verify) = verify {
+                if verify(key, &bytes).is_err() {
+                    self.cache.remove(key)?;
+                    return Ok(None);
+                }
+            }
+            Ok(Some(bytes))
+        };
+        let mut ours: Vec<(RangeRequest, RangeLock)> = Vec::new();
+        let mut theirs: Vec<&RangeRequest> = Vec::new();
+        for key in by_key.keys().copied() {
+            if let Some(bytes) = stored(key)? {
+                fill(&mut out, key, &bytes);
+                continue;
+            }
+            match self.cache.try_lock_range(key)? {
+                Some(lock) => match stored(key)? {
+                    Some(bytes) => fill(&mut out, key, &bytes),
+                    None => ours.push((key.clone(), lock)),
+                },
+                None => theirs.push(key),
+            }
+        }
+        let keys: Vec<RangeRequest> = ours.iter().map(|(k, _)| k.clone()).collect();
+        let got = self.fetcher.fetch_blocking(&keys, verify)?;
+        for ((key, lock), bytes) in ours.into_iter().zip(got) {
+            self.cache.put(&key, &bytes)?;
+            drop(lock);
+            fill(&mut out, &key, &bytes);
+        }
+        // Ranges another process was downloading: wait for it (holding no lock of ours, so no
+        // two processes wait for each other), then read them; download what is still missing.
+        for key in theirs {
+            let lock = self.cache.lock_range_within(key, self.patience())?;
+            let bytes = match stored(key)? {
+                Some(bytes) => bytes,
+                None => {
+                    let bytes = self
+                        .fetcher
+                        .fetch_blocking(std::slice::from_ref(key), verify)?
+                        .pop()
+                        .unwrap_or_default();
+                    self.cache.put(key, &bytes)?;
+                    bytes
+                }
+            };
+            drop(lock);
+            fill(&mut out, key, &bytes);
+        }
+        Ok(out.into_iter().map(Option::unwrap_or_default).collect())
+    }
+}

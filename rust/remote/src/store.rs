@@ -1,0 +1,198 @@
+//! A remote location and its object store: which store a URL names, built from the
+//! environment's credentials plus the options, and built again in a forked child.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::local::LocalFileSystem;
+use object_store::path::Path;
+use object_store::{ClientConfigKey, ObjectStore, RetryConfig};
+
+use crate::error::{Error, Result};
+use crate::location::{RemoteUrl, Scheme};
+use crate::options::RemoteOptions;
+use crate::runtime::ProcessLocal;
+
+/// How long a connection may take: an unreachable endpoint is an error in seconds.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long one request may take in all. Requests are at most `FetchPolicy::max_request_bytes`
+/// (8 MiB), so this is a generous bound that still ends a hang.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The HTTP client's own retries (throttling, 5xx, connection errors) under ours: few and
+/// short, so that its retries and the fetcher's bounded attempts together stay within seconds.
+fn client_retry() -> RetryConfig {
+    RetryConfig {
+        backoff: object_store::BackoffConfig {
+            init_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(2),
+            base: 2.0,
+        },
+        max_retries: 2,
+        retry_timeout: Duration::from_secs(10),
+    }
+}
+
+enum Source {
+    /// Built from the environment and the options, per process.
+    S3(RemoteOptions),
+    File,
+    /// Given by the caller (tests: in-memory, throttled, fault-injecting stores).
+    Given(Arc<dyn ObjectStore>),
+}
+
+/// A URL and the store it names. Cheap to share (`Arc<Remote>`); the store itself (and its
+/// connection pool) is made in the process that uses it.
+pub struct Remote {
+    url: RemoteUrl,
+    options: RemoteOptions,
+    source: Source,
+    store: ProcessLocal<Arc<dyn ObjectStore>>,
+}
+
+/// Shows the URL and the options only: never the store, whose configuration holds credentials.
+impl std::fmt::Debug for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Remote")
+            .field("url", &self.url.to_string())
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Remote {
+    /// The store `url` names, with credentials and endpoint from the environment
+    /// (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`,
+    /// `AWS_ENDPOINT_URL`, `AWS_ALLOW_HTTP`) overridden by `options`. Checks the options and
+    /// builds the store once, so a bad setting is an error here, not at the first request.
+    pub fn open(url: &str, options: &RemoteOptions) -> Result<Remote> {
+        options.validate()?;
+        let url = RemoteUrl::parse(url)?;
+        let source = match url.scheme() {
+            Scheme::S3 => Source::S3(options.clone()),
+            Scheme::File => Source::File,
+        };
+        let remote = Remote {
+            url,
+            options: options.clone(),
+            source,
+            store: ProcessLocal::new(),
+        };
+        remote.store()?;
+        Ok(remote)
+    }
+
+    /// A remote over a store the caller built (tests, or stores this crate does not build).
+    /// Keys under `url` are looked up in `store` by the URL's path (its bucket is not used).
+    pub fn with_store(
+        url: &str,
+        store: Arc<dyn ObjectStore>,
+        options: &RemoteOptions,
+    ) -> Result<Remote> {
+        options.validate()?;
+        Ok(Remote {
+            url: RemoteUrl::parse(url)?,
+            options: options.clone(),
+            source: Source::Given(store),
+            store: ProcessLocal::new(),
+        })
+    }
+
+    /// The remote at `rel` under this one (same store, same options).
+    pub fn join(&self, rel: &str) -> Result<Remote> {
+        Ok(self.at(self.url.join(rel)?))
+    }
+
+    /// Another handle on this remote (same URL, store and options).
+    pub fn duplicate(&self) -> Remote {
+        self.at(self.url.clone())
+    }
+
+    fn at(&self, url: RemoteUrl) -> Remote {
+        let source = match &self.source {
+            Source::S3(o) => Source::S3(o.clone()),
+            Source::File => Source::File,
+            Source::Given(s) => Source::Given(Arc::clone(s)),
+        };
+        Remote {
+            url,
+            options: self.options.clone(),
+            source,
+            store: ProcessLocal::new(),
+        }
+    }
+
+    /// Whether requests go to an S3 service (not a local directory or a store the caller gave).
+    pub fn is_s3_client(&self) -> bool {
+        matches!(self.source, Source::S3(_))
+    }
+
+    pub fn url(&self) -> &RemoteUrl {
+        &self.url
+    }
+
+    pub fn options(&self) -> &RemoteOptions {
+        &self.options
+    }
+
+    /// This process's store (built on first use here, and again after a fork).
+    pub fn store(&self) -> Result<Arc<dyn ObjectStore>> {
+        self.store.get_or_try_init(|| self.build()).map(Arc::clone)
+    }
+
+    /// The key of `rel` under this URL.
+    pub fn key(&self, rel: &str) -> Path {
+        self.url.key(rel)
+    }
+
+    /// The URL of a key of this store, for messages.
+    pub fn show(&self, key: &Path) -> String {
+        self.url.display_key(key)
+    }
+
+    fn build(&self) -> Result<Arc<dyn ObjectStore>> {
+        match &self.source {
+            Source::Given(store) => Ok(Arc::clone(store)),
+            Source::File => Ok(Arc::new(LocalFileSystem::new())),
+            Source::S3(options) => {
+                // from_env() reads every AWS_* variable object_store knows; the client's limits
+                // are set key by key so that AWS_ALLOW_HTTP and the other client settings from
+                // the environment are kept.
+                let mut builder = AmazonS3Builder::from_env()
+                    .with_bucket_name(self.url.bucket())
+                    .with_retry(client_retry())
+                    .with_config(
+                        AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout),
+                        format!("{}s", CONNECT_TIMEOUT.as_secs()),
+                    )
+                    .with_config(
+                        AmazonS3ConfigKey::Client(ClientConfigKey::Timeout),
+                        format!("{}s", REQUEST_TIMEOUT.as_secs()),
+                    );
+                if let Some(endpoint) = &options.endpoint {
+                    builder = builder.with_endpoint(endpoint);
+                }
+                if let Some(region) = &options.region {
+                    builder = builder.with_region(region);
+                }
+                if let Some(allow) = options.allow_http {
+                    builder = builder.with_allow_http(allow);
+                }
+                let store = builder.build().map_err(|e| {
+                    // The builder's errors name keys and values it could not parse (an
+                    // endpoint, a region), never a secret; still, say it in our words.
+                    Error::config(
+                        "endpoint",
+                        format!(
+                            "cannot configure the S3 client for {}: {}",
+                            self.url,
+                            crate::location::redact(&e.to_string())
+                        ),
+                    )
+                })?;
+                Ok(Arc::new(store))
+            }
+        }
+    }
+}

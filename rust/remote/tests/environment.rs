@@ -1,0 +1,70 @@
+//! Settings from the environment, in a test binary of its own (it sets environment variables,
+//! which no other test of this binary reads concurrently): credentials never appear in an error
+//! or a `Debug` output, and an unreachable endpoint is a clear error within seconds.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dataset_rt_remote::publish::PublishedCache;
+use dataset_rt_remote::{
+    FetchPolicy, RangeFetcher, RangeRequest, Remote, RemoteOptions, RequestFailure,
+};
+
+const KEY_ID: &str = "AKIDSENTINEL0KEYID";
+const SECRET: &str = "sentinel-secret-access-key-0123";
+const TOKEN: &str = "sentinel-session-token-4567";
+
+#[test]
+fn secrets_stay_hidden_and_an_unreachable_endpoint_fails_fast() {
+    std::env::set_var("AWS_ACCESS_KEY_ID", KEY_ID);
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", SECRET);
+    std::env::set_var("AWS_SESSION_TOKEN", TOKEN);
+    std::env::set_var("AWS_REGION", "eu-west-3");
+    // Nothing listens on port 1.
+    std::env::set_var("AWS_ENDPOINT_URL", "http://127.0.0.1:1");
+    std::env::set_var("AWS_ALLOW_HTTP", "true");
+    let options = RemoteOptions::default();
+    let remote = Arc::new(Remote::open("s3://bucket/data/train", &options).unwrap());
+    let fetcher = RangeFetcher::new(remote.clone(), FetchPolicy::default()).unwrap();
+    let started = Instant::now();
+    let err = fetcher
+        .fetch_blocking(&[RangeRequest::new("shards/000000.bin", 0..100)], None)
+        .unwrap_err();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(15), "took {took:?}");
+    assert_eq!(err.failure(), Some(RequestFailure::Unreachable), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("s3://bucket/data/train/shards/000000.bin bytes 0..100"),
+        "{text}"
+    );
+    assert!(text.contains("check the endpoint"), "{text}");
+    let opened = PublishedCache::open(&remote).unwrap_err();
+    let core: dataset_rt_core::Error = PublishedCache::open(&remote).unwrap_err().into();
+    for shown in [
+        text,
+        format!("{err:?}"),
+        opened.to_string(),
+        format!("{opened:?}"),
+        core.to_string(),
+        format!("{remote:?}"),
+        format!("{fetcher:?}"),
+    ] {
+        for secret in [KEY_ID, SECRET, TOKEN] {
+            assert!(!shown.contains(secret), "{secret} shown in: {shown}");
+        }
+    }
+    // The options override the environment: another region, and plain HTTP refused.
+    let strict = RemoteOptions {
+        allow_http: Some(false),
+        ..RemoteOptions::default()
+    };
+    let remote = Arc::new(Remote::open("s3://bucket/data/train", &strict).unwrap());
+    let err = RangeFetcher::new(remote, FetchPolicy::default())
+        .unwrap()
+        .fetch_blocking(&[RangeRequest::new("shards/000000.bin", 0..100)], None)
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(!text.contains(SECRET), "{text}");
+    assert!(text.to_lowercase().contains("http"), "{text}");
+}
