@@ -567,7 +567,10 @@ fn the_shard_table_names_the_files_the_core_reads() {
             // The consumers' map: the validated bytes of the very file, nothing past them.
             let map = table.map(c as u32, shard).unwrap();
             assert_eq!(map.len() as u64, cache.shard_len(shard));
-            assert_eq!(&map[..], &std::fs::read(cache.shard_path(shard)).unwrap()[..]);
+            assert_eq!(
+                &map[..],
+                &std::fs::read(cache.shard_path(shard)).unwrap()[..]
+            );
         }
     }
     assert!(table.path(0, cache_shards(&s, 0)).is_none());
