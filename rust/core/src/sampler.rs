@@ -350,6 +350,65 @@ pub fn try_epoch_order(params: EpochParams, weights: Weights<'_>) -> Result<Vec<
     Ok(out)
 }
 
+/// The samples at `positions` of an epoch over `num_samples` samples (the whole order when
+/// `None`), for a caller outside any dataset (an audit, a test, a reference loader), with its
+/// arguments checked first: the epoch length within [`MAX_EPOCH_LEN`] and not above zero
+/// without samples, one positive and finite weight per sample, positions within the epoch.
+pub fn checked_order(
+    params: EpochParams,
+    num_samples: u64,
+    weights: Option<&[f64]>,
+    positions: Option<&[u64]>,
+) -> Result<Vec<u64>> {
+    let epoch_len = params.epoch_len;
+    if epoch_len > MAX_EPOCH_LEN {
+        return Err(Error::config(
+            "epoch_len",
+            format!(
+                "an epoch of {epoch_len} samples is above the limit of 2**40 = {MAX_EPOCH_LEN}"
+            ),
+        ));
+    }
+    if num_samples == 0 && epoch_len > 0 {
+        return Err(Error::config(
+            "epoch_len",
+            format!("an epoch of {epoch_len} samples needs at least one sample"),
+        ));
+    }
+    if let Some(w) = weights {
+        if w.len() as u64 != num_samples {
+            return Err(Error::config(
+                "weights",
+                format!("{} weights for {num_samples} samples", w.len()),
+            ));
+        }
+        if let Some((i, x)) = w
+            .iter()
+            .enumerate()
+            .find(|(_, x)| !(x.is_finite() && **x > 0.0))
+        {
+            return Err(Error::config(
+                "weights",
+                format!("weight {i} is {x}: weights must be positive and finite"),
+            ));
+        }
+    }
+    if let Some(k) = positions.into_iter().flatten().find(|&&k| k >= epoch_len) {
+        return Err(Error::config(
+            "positions",
+            format!("position {k} is outside the epoch of {epoch_len} positions"),
+        ));
+    }
+    let weights = match weights {
+        Some(w) => Weights::Weighted(w),
+        None => Weights::Uniform(num_samples),
+    };
+    match positions {
+        Some(ks) => EpochOrder::new(params, weights).map(|o| ks.iter().map(|&k| o.at(k)).collect()),
+        None => try_epoch_order(params, weights),
+    }
+}
+
 /// [`try_epoch_order`] for callers that treat a lack of memory as fatal.
 ///
 /// # Panics
@@ -443,6 +502,50 @@ impl RankSplit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn checked_order_gives_the_order_or_its_positions() {
+        let whole = checked_order(params(3, 1, 10, true), 10, None, None).unwrap();
+        assert_eq!(
+            whole,
+            epoch_order(params(3, 1, 10, true), Weights::Uniform(10))
+        );
+        let some = checked_order(params(3, 1, 10, true), 10, None, Some(&[9, 0, 4])).unwrap();
+        assert_eq!(some, vec![whole[9], whole[0], whole[4]]);
+        let w = [1.0, 2.0, 3.0];
+        let weighted = checked_order(params(3, 1, 7, true), 3, Some(&w), None).unwrap();
+        assert_eq!(
+            weighted,
+            epoch_order(params(3, 1, 7, true), Weights::Weighted(&w))
+        );
+        assert!(checked_order(params(3, 1, 0, true), 0, None, None)
+            .unwrap()
+            .is_empty());
+    }
+
+    #[test]
+    fn checked_order_refuses_bad_arguments_naming_them() {
+        let refused = |p: EpochParams, n: u64, w: Option<&[f64]>, k: Option<&[u64]>| {
+            let e = checked_order(p, n, w, k).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidConfig);
+            e.to_string()
+        };
+        let text = refused(params(3, 1, MAX_EPOCH_LEN + 1, true), 5, None, None);
+        assert!(text.contains("above the limit of 2**40"), "{text}");
+        let text = refused(params(3, 1, 3, true), 0, None, None);
+        assert!(text.contains("needs at least one sample"), "{text}");
+        let text = refused(params(3, 1, 3, true), 3, Some(&[1.0, 2.0]), None);
+        assert!(text.contains("2 weights for 3 samples"), "{text}");
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let text = refused(params(3, 1, 3, true), 2, Some(&[1.0, bad]), None);
+            assert!(text.contains("weight 1 is"), "{text}");
+        }
+        let text = refused(params(3, 1, 13, true), 13, None, Some(&[2, 13]));
+        assert!(
+            text.contains("position 13 is outside the epoch of 13"),
+            "{text}"
+        );
+    }
     use proptest::prelude::*;
     use proptest::test_runner::RngSeed;
     // Explicit: proptest's prelude exports its own (newer) RngCore, and the sampler's is

@@ -13,7 +13,7 @@ use dataset_rt_core::dataset::{
 };
 use dataset_rt_core::metadata::MetaRef;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::sampler::{self, EpochOrder, EpochParams, Weights};
+use dataset_rt_core::sampler::{self, EpochParams};
 use dataset_rt_core::samples;
 use dataset_rt_core::session::{PassProgress, Session, StartedPass};
 use dataset_rt_core::verify::VerifyPolicy;
@@ -869,54 +869,16 @@ pub fn epoch_order(
         epoch_len: epoch_len.unwrap_or(num_samples),
         shuffle,
     };
-    if params.epoch_len > sampler::MAX_EPOCH_LEN {
-        return Err(crate::errors::ConfigError::new_err(format!(
-            "an epoch of {} samples is above the limit of 2**40 = {}",
-            params.epoch_len,
-            sampler::MAX_EPOCH_LEN
-        )));
-    }
-    if num_samples == 0 && params.epoch_len > 0 {
-        return Err(crate::errors::ConfigError::new_err(format!(
-            "an epoch of {} samples needs at least one sample",
-            params.epoch_len
-        )));
-    }
-    if let Some(w) = &weights {
-        if w.len() as u64 != num_samples {
-            return Err(crate::errors::ConfigError::new_err(format!(
-                "{} weights for {num_samples} samples",
-                w.len()
-            )));
-        }
-        if let Some((i, x)) = w
-            .iter()
-            .enumerate()
-            .find(|(_, x)| !(x.is_finite() && **x > 0.0))
-        {
-            return Err(crate::errors::ConfigError::new_err(format!(
-                "weight {i} is {x}: weights must be positive and finite"
-            )));
-        }
-    }
-    if let Some(k) = positions.iter().flatten().find(|&&k| k >= params.epoch_len) {
-        return Err(crate::errors::ConfigError::new_err(format!(
-            "position {k} is outside the epoch of {} positions",
-            params.epoch_len
-        )));
-    }
-    let weights = match &weights {
-        Some(w) => Weights::Weighted(w),
-        None => Weights::Uniform(num_samples),
-    };
     // Not on a pool (this function has none): a local catch_unwind keeps a panic from
     // crossing into Python as PanicException.
     py.detach(|| {
-        std::panic::catch_unwind(|| match &positions {
-            Some(ks) => {
-                EpochOrder::new(params, weights).map(|o| ks.iter().map(|&k| o.at(k)).collect())
-            }
-            None => sampler::try_epoch_order(params, weights),
+        std::panic::catch_unwind(|| {
+            sampler::checked_order(
+                params,
+                num_samples,
+                weights.as_deref(),
+                positions.as_deref(),
+            )
         })
         .unwrap_or_else(|panic| {
             Err(dataset_rt_core::Error::Runtime(
