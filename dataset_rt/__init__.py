@@ -1,6 +1,6 @@
 """DatasetRT: a correctness-first dataset cache and data loader for ML training."""
 
-from dataset_rt._config import ReaderConfig, ShardCompression, WriterConfig
+from dataset_rt._config import ReaderConfig, RemoteConfig, ShardCompression, WriterConfig
 from dataset_rt._dataset import Batch, CachedSample, Dataset
 from dataset_rt._loader import DataLoader
 from dataset_rt._native import __version__
@@ -51,6 +51,7 @@ __all__ = [
     "InvalidSampleError",
     "LoaderError",
     "ReaderConfig",
+    "RemoteConfig",
     "RuntimeStateError",
     "SamplesMetadataError",
     "ShardCompression",

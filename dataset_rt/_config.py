@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
 from dataset_rt import _native
 
-__all__ = ["ReaderConfig", "ShardCompression", "WriterConfig"]
+__all__ = ["ReaderConfig", "RemoteConfig", "ShardCompression", "WriterConfig"]
 
 # The last epoch there is: the epoch after it would not fit the state's 64 bits.
 LAST_EPOCH = 2**64 - 2
@@ -169,3 +170,34 @@ class WriterConfig:
                 f"{type(self.shard_compression).__name__}"
             )
         _native.check_writer_config(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RemoteConfig:
+    """How caches on object storage (``s3://`` and ``file://`` URLs) are reached.
+
+    - ``local_dir``: the node's local cache of downloaded bytes; ``None``:
+      ``$DATASET_RT_REMOTE_DIR``, else ``$XDG_CACHE_HOME/dataset-rt/remote``, else
+      ``~/.cache/dataset-rt/remote``.
+    - ``max_local_bytes``: that cache's budget in bytes, at least 64 MiB; ``None``: 64 GiB.
+    - ``max_requests``: requests in flight at most, per process (1 to 4096).
+    - ``endpoint``: the store's ``http(s)://`` address (MinIO, R2, Ceph, a local server);
+      ``None``: ``AWS_ENDPOINT_URL``, else AWS itself.
+    - ``region``: ``None``: ``AWS_REGION``, else ``us-east-1``.
+    - ``allow_http``: allow a plain ``http://`` endpoint; ``None``: ``AWS_ALLOW_HTTP``, else no.
+
+    Credentials are never part of a config: they come from the environment
+    (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``), so a config's
+    ``repr`` holds none. ``local_dir`` and ``max_local_bytes`` matter once datasets are read
+    from URLs; publishing (``dataset-rt push``, ``pull``, ``ls``) uses the others.
+    """
+
+    local_dir: str | os.PathLike[str] | None = None
+    max_local_bytes: int | None = None
+    max_requests: int = 64
+    endpoint: str | None = None
+    region: str | None = None
+    allow_http: bool | None = None
+
+    def __post_init__(self) -> None:
+        _native.check_remote_config(self)

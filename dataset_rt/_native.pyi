@@ -1,11 +1,12 @@
 # Type stub of the private native module (checked against the build with mypy's stubtest).
 import mmap
 from os import PathLike
-from typing import Any, final
+from pathlib import Path
+from typing import Any, TypedDict, final
 
 from typing_extensions import disjoint_base
 
-from dataset_rt._config import ReaderConfig, WriterConfig
+from dataset_rt._config import ReaderConfig, RemoteConfig, WriterConfig
 
 __all__ = [
     "FORMAT_VERSION",
@@ -35,12 +36,16 @@ __all__ = [
     "__version__",
     "check_compression",
     "check_reader_config",
+    "check_remote_config",
     "check_writer_config",
     "close_inherited_fds",
     "epoch_order",
     "head_records",
     "inspect_cache",
+    "list_caches",
     "payload_spans",
+    "pull_cache",
+    "push_cache",
     "reap_shm_leftovers",
     "retain_worker_heap",
     "run_producer",
@@ -163,12 +168,48 @@ def epoch_order(
 def check_compression(algo: Any, ratio: Any) -> None: ...
 def check_reader_config(config: ReaderConfig) -> None: ...
 def check_writer_config(config: WriterConfig) -> None: ...
+def check_remote_config(config: RemoteConfig) -> None: ...
 def inspect_cache(path: str | PathLike[str]) -> str: ...
 def verify_cache(path: str | PathLike[str]) -> tuple[int, int]: ...
 def payload_spans(path: str | PathLike[str]) -> bytes: ...
 def head_records(
     path: str | PathLike[str], n: int, preview_bytes: int = 32
 ) -> list[tuple[int, str, int, str, int, int, str, int, int, str, bytes]]: ...
+
+# ---- caches on object storage (rust/python/src/remote.rs) ----
+class _PushReport(TypedDict):
+    url: str
+    build_id: str
+    fingerprint: str
+    uploaded: list[str]
+    resumed: list[str]
+    already_published: bool
+    replaced: str | None
+    removed_builds: list[str]
+
+class _PullReport(TypedDict):
+    url: str
+    dir: Path
+    build_id: str
+    fingerprint: str
+    bytes: int
+    already_present: bool
+
+class _CacheListing(TypedDict):
+    url: str
+    name: str
+    num_samples: int | None
+    bytes: int | None
+    fingerprint: str | None
+    format_version: int | None
+    build_id: str | None
+    error: str | None
+
+def push_cache(
+    cache_dir: str | PathLike[str], url: str, remote_config: RemoteConfig, replace: bool = False
+) -> _PushReport: ...
+def pull_cache(url: str, dir: str | PathLike[str], remote_config: RemoteConfig) -> _PullReport: ...
+def list_caches(url: str, remote_config: RemoteConfig) -> list[_CacheListing]: ...
 
 # ---- the shared-memory loader (rust/python/src/loader.rs) ----
 class LoaderError(DatasetRTError): ...

@@ -2,8 +2,9 @@
 
 Commands: ``inspect`` (manifest summary), ``verify`` (every checksum), ``head`` (raw records with
 their embedded metadata), ``view`` (an HTML page or PNG contact sheet of the samples), ``pack`` (a
-directory tree into a cache) and ``demo`` (the quickstart on an embedded synthetic dataset).
-Reading, validating and decoding caches happens in Rust; this module parses arguments and prints.
+directory tree into a cache), ``push``, ``pull`` and ``ls`` (caches published on object storage)
+and ``demo`` (the quickstart on an embedded synthetic dataset). Reading, validating, decoding and
+transferring caches happens in Rust; this module parses arguments and prints.
 
 Exit status: 0 success; 1 a cache failed validation or an operation failed; 2 a usage error or a
 path that is not a cache.
@@ -22,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from dataset_rt import _native
-from dataset_rt._config import ReaderConfig, ShardCompression, WriterConfig
+from dataset_rt._config import ReaderConfig, RemoteConfig, ShardCompression, WriterConfig
 from dataset_rt._native import ConfigError, DatasetRTError
 from dataset_rt._results import (
     CacheInput,
@@ -388,6 +389,66 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- push, pull, ls --------------------------------------------------------------------------
+
+
+def _remote_config(args: argparse.Namespace) -> RemoteConfig:
+    """The flags' settings; each flag left out is taken from the environment."""
+    return RemoteConfig(endpoint=args.endpoint, region=args.region, allow_http=args.allow_http)
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    report = _native.push_cache(args.cache, args.url, _remote_config(args), args.replace)
+    if report["already_published"]:
+        print(
+            f"already published: {report['url']} holds this cache (fingerprint "
+            f"{report['fingerprint']}); nothing was uploaded"
+        )
+        return EXIT_OK
+    uploaded, resumed = len(report["uploaded"]), len(report["resumed"])
+    print(
+        f"published {args.cache} at {report['url']}: {uploaded} file(s) uploaded"
+        + (f", {resumed} already there from an interrupted push" if resumed else "")
+        + f" (fingerprint {report['fingerprint']})"
+    )
+    if report["replaced"] is not None:
+        print(f"replaced the cache with fingerprint {report['replaced']}")
+    return EXIT_OK
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    report = _native.pull_cache(args.url, args.dir, _remote_config(args))
+    if report["already_present"]:
+        print(
+            f"{args.dir} already holds the cache published at {report['url']} (fingerprint "
+            f"{report['fingerprint']}); nothing was downloaded"
+        )
+    else:
+        print(
+            f"pulled {report['url']} into {args.dir}: {_size(report['bytes'])} downloaded and "
+            f"verified (fingerprint {report['fingerprint']})"
+        )
+    return EXIT_OK
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    caches = _native.list_caches(args.url, _remote_config(args))
+    unreadable = [cache for cache in caches if cache["error"] is not None]
+    if args.json:
+        print(json.dumps(caches, indent=2))
+    elif not caches:
+        print(f"no cache is published at {args.url} or directly under it")
+    for cache in [] if args.json else caches:
+        if cache["error"] is not None:
+            print(f"{cache['url']}: unreadable manifest: {cache['error']}")
+        else:
+            print(
+                f"{cache['url']}: {cache['num_samples']} samples, {_size(cache['bytes'] or 0)}, "
+                f"format v{cache['format_version']}, fingerprint {cache['fingerprint']}"
+            )
+    return EXIT_FAILED if unreadable else EXIT_OK
+
+
 # --- demo ------------------------------------------------------------------------------------
 
 
@@ -403,7 +464,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dataset-rt",
-        description="Inspect, verify and build DatasetRT caches.",
+        description="Inspect, verify, build and publish DatasetRT caches.",
         epilog="Exit status: 0 success, 1 validation or operation failed, 2 usage error or "
         "not a cache.",
     )
@@ -500,6 +561,72 @@ def _parser() -> argparse.ArgumentParser:
         "protection); without it such links are refused",
     )
     p.set_defaults(handler=_cmd_pack)
+
+    remote_help = (
+        "URL is s3://BUCKET/PREFIX/NAME (any S3-compatible store) or file:///PATH/NAME. "
+        "Credentials come from the environment only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_SESSION_TOKEN); the endpoint, region and plain-HTTP permission too (AWS_ENDPOINT_URL, "
+        "AWS_REGION, AWS_ALLOW_HTTP) unless the flags below give them."
+    )
+
+    def remote_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--endpoint",
+            metavar="URL",
+            default=None,
+            help="the store's http(s):// address (default: AWS_ENDPOINT_URL, else AWS)",
+        )
+        p.add_argument(
+            "--region", metavar="NAME", default=None, help="default: AWS_REGION, else us-east-1"
+        )
+        p.add_argument(
+            "--allow-http",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="allow (or refuse) a plain http:// endpoint (default: AWS_ALLOW_HTTP, else no)",
+        )
+
+    p = commands.add_parser(
+        "push",
+        help="publish a local cache at a URL (atomically; an existing cache only with --replace)",
+        description="Uploads the cache CACHE_DIR to URL, whose last segment must be the cache's "
+        "name, then makes it visible with one conditional write of its manifest: a reader sees "
+        "the whole cache or none. A URL that holds another cache is refused unless --replace. "
+        "An interrupted push is invisible, and pushing again uploads only what is missing. "
+        + remote_help,
+    )
+    p.add_argument("cache", metavar="CACHE_DIR", help="cache directory (base/name)")
+    p.add_argument("url", metavar="URL", help="where to publish it (ends in the cache's name)")
+    p.add_argument(
+        "--replace", action="store_true", help="replace the cache published at URL, if any"
+    )
+    remote_flags(p)
+    p.set_defaults(handler=_cmd_push)
+
+    p = commands.add_parser(
+        "pull",
+        help="download a published cache into a local cache directory, verified",
+        description="Downloads the cache published at URL into DIR (base/name; the name must be "
+        "the cache's), checking every file's size and checksum against the manifest. DIR ends up "
+        "holding the whole cache or nothing; a DIR that holds another cache is refused. "
+        + remote_help,
+    )
+    p.add_argument("url", metavar="URL", help="the published cache")
+    p.add_argument("dir", metavar="DIR", help="cache directory to create (base/name)")
+    remote_flags(p)
+    p.set_defaults(handler=_cmd_pull)
+
+    p = commands.add_parser(
+        "ls",
+        help="list the caches published at a URL and directly under it",
+        description="Lists the cache published at URL and those directly under it, with their "
+        "samples, size, format and fingerprint. Exit status 1 when a manifest is unreadable. "
+        + remote_help,
+    )
+    p.add_argument("url", metavar="URL", help="a cache's URL, or a prefix holding caches")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    remote_flags(p)
+    p.set_defaults(handler=_cmd_ls)
 
     p = commands.add_parser(
         "demo",

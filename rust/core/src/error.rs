@@ -189,11 +189,17 @@ pub fn limit_note(err: &std::io::Error) -> String {
 }
 
 /// The errno of an I/O error: the operating system's, else the one its kind stands for when an
-/// error was made without one (`NotFound` is ENOENT, `PermissionDenied` EACCES).
+/// error was made without one (`NotFound` is ENOENT, `PermissionDenied` EACCES; the others are
+/// those of remote requests, so that Python raises `FileExistsError`, `ConnectionRefusedError`
+/// and `TimeoutError` for them).
 pub fn io_errno(err: &std::io::Error) -> Option<i32> {
+    use std::io::ErrorKind as K;
     err.raw_os_error().or(match err.kind() {
-        std::io::ErrorKind::NotFound => Some(libc::ENOENT),
-        std::io::ErrorKind::PermissionDenied => Some(libc::EACCES),
+        K::NotFound => Some(libc::ENOENT),
+        K::PermissionDenied => Some(libc::EACCES),
+        K::AlreadyExists => Some(libc::EEXIST),
+        K::ConnectionRefused => Some(libc::ECONNREFUSED),
+        K::TimedOut => Some(libc::ETIMEDOUT),
         _ => None,
     })
 }
@@ -380,5 +386,23 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), ErrorKind::ALL.len());
+    }
+
+    #[test]
+    fn io_errors_without_an_os_code_take_their_kinds_errno() {
+        use std::io::{Error as IoError, ErrorKind as K};
+        for (kind, errno) in [
+            (K::NotFound, Some(libc::ENOENT)),
+            (K::PermissionDenied, Some(libc::EACCES)),
+            (K::AlreadyExists, Some(libc::EEXIST)),
+            (K::ConnectionRefused, Some(libc::ECONNREFUSED)),
+            (K::TimedOut, Some(libc::ETIMEDOUT)),
+            (K::InvalidInput, None),
+        ] {
+            assert_eq!(io_errno(&IoError::new(kind, "x")), errno, "{kind:?}");
+        }
+        // The operating system's own code wins.
+        let os = IoError::from_raw_os_error(libc::ENOSPC);
+        assert_eq!(io_errno(&os), Some(libc::ENOSPC));
     }
 }

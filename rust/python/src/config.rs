@@ -28,7 +28,7 @@ fn unsigned(field: &str, value: &Bound<'_, PyAny>, min: u64) -> PyResult<u64> {
 
 /// A `bool` field: `True` or `False` (a `numpy.bool_` too, which every native call reads as a
 /// bool); an int such as `1`, `None` or a string is refused rather than read as truthy.
-fn boolean(field: &str, value: &Bound<'_, PyAny>) -> PyResult<bool> {
+pub(crate) fn boolean(field: &str, value: &Bound<'_, PyAny>) -> PyResult<bool> {
     value.extract::<bool>().map_err(|_| {
         ConfigError::new_err(format!(
             "invalid {field}: expected a bool, got {}",

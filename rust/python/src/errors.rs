@@ -163,3 +163,60 @@ impl<T> IntoPyResult<T> for dataset_rt_core::Result<T> {
         self.map_err(to_py)
     }
 }
+
+/// The credentials of the environment, whose values must never reach a message. A store's
+/// error can quote what the server sent back, and a server may echo a signed request (its
+/// session-token header included); the access key id is not a secret, but it is hidden too.
+const CREDENTIAL_VARIABLES: [&str; 3] = [
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ACCESS_KEY_ID",
+];
+
+/// `message` with the value of every credential variable of the environment replaced by
+/// `***`. Values shorter than 8 characters are left alone: no real key is that short, and
+/// replacing a short word would garble the message for nothing.
+pub fn scrub_credentials(message: String) -> String {
+    let mut message = message;
+    for name in CREDENTIAL_VARIABLES {
+        if let Some(value) = std::env::var_os(name) {
+            let value = value.to_string_lossy();
+            if value.len() >= 8 && message.contains(value.as_ref()) {
+                message = message.replace(value.as_ref(), "***");
+            }
+        }
+    }
+    message
+}
+
+/// The Python exception of a remote error: a bad setting or URL is a `ConfigError`; a failed
+/// request an `OSError` whose errno says what kind (`FileNotFoundError` for a missing object or
+/// bucket, `PermissionError` for refused credentials, `ConnectionRefusedError` for an
+/// unreachable endpoint, `TimeoutError` after every attempt failed in time, `FileExistsError`
+/// for a cache already published or changed meanwhile); bytes that never verified are a
+/// `CacheMalformedError`. Every message names the URL, and none holds a credential.
+pub fn remote_to_py(err: dataset_rt_remote::Error) -> PyErr {
+    use dataset_rt_remote::{Error as Remote, RequestFailure as Failure};
+    let msg = scrub_credentials(err.to_string());
+    match err {
+        Remote::Config { .. } | Remote::Url { .. } => ConfigError::new_err(msg),
+        Remote::Request { failure, .. } => {
+            let errno = match failure {
+                Failure::NotFound => libc::ENOENT,
+                Failure::Denied => libc::EACCES,
+                Failure::Conflict => libc::EEXIST,
+                Failure::Unreachable => libc::ECONNREFUSED,
+                Failure::Transient => libc::ETIMEDOUT,
+                Failure::Refused => libc::EINVAL,
+            };
+            os_error(Some(errno), msg)
+        }
+        Remote::AlreadyPublished { .. } => os_error(Some(libc::EEXIST), msg),
+        Remote::Verify { .. } => CacheMalformedError::new_err(msg),
+        Remote::Core(e) => from_kind(e.kind(), e.errno(), msg),
+        other => {
+            let core = dataset_rt_core::Error::from(other);
+            from_kind(core.kind(), core.errno(), msg)
+        }
+    }
+}

@@ -16,7 +16,7 @@ use crate::errors::IntoPyResult;
 /// Resolves `path` to a cache directory. A path that is not a directory holding `manifest.json`
 /// is not a cache at all: that is a `FileNotFoundError` / `NotADirectoryError`, kept apart from
 /// a cache that exists and fails validation (`CacheMalformedError`).
-fn cache_dir(path: &Path) -> PyResult<PathBuf> {
+pub(crate) fn cache_dir(path: &Path) -> PyResult<PathBuf> {
     if !path.exists() {
         return Err(PyFileNotFoundError::new_err(format!(
             "no DatasetRT cache at {}: the path does not exist",

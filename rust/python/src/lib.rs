@@ -8,6 +8,7 @@ mod errors;
 mod inspect;
 mod loader;
 mod progress;
+mod remote;
 mod runtime;
 mod shard_map;
 
@@ -33,6 +34,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(inspect::verify_cache, m)?)?;
     m.add_function(wrap_pyfunction!(inspect::head_records, m)?)?;
     m.add_function(wrap_pyfunction!(inspect::payload_spans, m)?)?;
+    m.add_function(wrap_pyfunction!(remote::check_remote_config, m)?)?;
+    m.add_function(wrap_pyfunction!(remote::push_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(remote::pull_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(remote::list_caches, m)?)?;
     loader::register(m)?;
     Ok(())
 }

@@ -442,18 +442,7 @@ where
         };
         tried.push(format!("attempt {}: {reason}", tried.len() + 1));
         if !failure.is_transient() || tried.len() as u32 >= policy.attempts {
-            let advice = match failure {
-                RequestFailure::NotFound => "; the object (or the bucket) does not exist",
-                RequestFailure::Denied => {
-                    "; check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's \
-                     permissions"
-                }
-                RequestFailure::Unreachable => {
-                    "; check the endpoint (RemoteConfig.endpoint or AWS_ENDPOINT_URL) and the \
-                     network"
-                }
-                _ => "",
-            };
+            let advice = advice(failure);
             return Err(Error::Request {
                 op,
                 url: url.to_owned(),
@@ -489,6 +478,20 @@ fn jitter(pause: Duration) -> Duration {
 
 /// What kind of failure an object-store error is. Statuses the S3 client has already retried
 /// (5xx, throttling) stay transient; other 4xx statuses and unreachable endpoints are final.
+/// What to check after a request failed for good this way ("" when there is nothing to say).
+pub(crate) fn advice(failure: RequestFailure) -> &'static str {
+    match failure {
+        RequestFailure::NotFound => "; the object (or the bucket) does not exist",
+        RequestFailure::Denied => {
+            "; check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's permissions"
+        }
+        RequestFailure::Unreachable => {
+            "; check the endpoint (RemoteConfig.endpoint or AWS_ENDPOINT_URL) and the network"
+        }
+        _ => "",
+    }
+}
+
 pub(crate) fn classify(err: &object_store::Error) -> RequestFailure {
     use object_store::Error as E;
     match err {
@@ -520,7 +523,11 @@ fn classify_source(source: &(dyn std::error::Error + 'static)) -> RequestFailure
         // The client's status errors are not public types; their message carries the status.
         let text = err.to_string();
         if let Some(status) = status_in(&text) {
+            // S3's list and head requests (and some stores' gets) report a missing bucket or
+            // refused credentials this way, not as object_store's NotFound or PermissionDenied.
             return match status {
+                404 => RequestFailure::NotFound,
+                401 | 403 => RequestFailure::Denied,
                 408 | 429 => RequestFailure::Transient,
                 400..=499 => RequestFailure::Refused,
                 _ => RequestFailure::Transient,
@@ -582,5 +589,24 @@ mod tests {
             Some(400)
         );
         assert_eq!(status_in("connection reset"), None);
+    }
+
+    #[test]
+    fn statuses_in_generic_errors_are_classified() {
+        let generic = |text: &str| object_store::Error::Generic {
+            store: "S3",
+            source: text.to_owned().into(),
+        };
+        for (status, failure) in [
+            ("404 Not Found: NoSuchBucket", RequestFailure::NotFound),
+            ("403 Forbidden: InvalidAccessKeyId", RequestFailure::Denied),
+            ("401 Unauthorized", RequestFailure::Denied),
+            ("429 Too Many Requests", RequestFailure::Transient),
+            ("400 Bad Request", RequestFailure::Refused),
+            ("503 Slow Down", RequestFailure::Transient),
+        ] {
+            let err = generic(&format!("Server returned non-2xx status code: {status}"));
+            assert_eq!(classify(&err), failure, "{status}");
+        }
     }
 }

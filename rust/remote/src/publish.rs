@@ -39,7 +39,7 @@ use object_store::{
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
 use crate::error::{Error, RequestFailure, Result};
-use crate::fetch::{failure_of, retrying, FetchPolicy, RangeFetcher, RangeRequest};
+use crate::fetch::{advice, failure_of, retrying, FetchPolicy, RangeFetcher, RangeRequest};
 use crate::store::Remote;
 
 /// The folder of build prefixes under a cache's URL.
@@ -80,7 +80,7 @@ fn request_error(op: &'static str, url: String, err: object_store::Error) -> Err
         op,
         url,
         failure,
-        reason,
+        reason: format!("{reason}{}", advice(failure)),
     }
 }
 

@@ -34,6 +34,36 @@ fn client_retry() -> RetryConfig {
     }
 }
 
+/// A plain `http://` endpoint without permission fails at the first request, with the client's
+/// "builder error": say what to do instead, when the store is made.
+fn check_plain_http(builder: &AmazonS3Builder) -> Result<()> {
+    let Some(endpoint) = builder.get_config_value(&AmazonS3ConfigKey::Endpoint) else {
+        return Ok(());
+    };
+    if !endpoint.to_ascii_lowercase().starts_with("http://") {
+        return Ok(());
+    }
+    let allowed = builder
+        .get_config_value(&AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp))
+        .is_some_and(|v| {
+            matches!(
+                v.to_ascii_lowercase().as_str(),
+                "1" | "true" | "on" | "yes" | "y"
+            )
+        });
+    if allowed {
+        return Ok(());
+    }
+    Err(Error::config(
+        "allow_http",
+        format!(
+            "the endpoint {} is plain http://, which is refused unless allowed: set \
+             RemoteConfig(allow_http=True) (`--allow-http`) or AWS_ALLOW_HTTP=true, or use https://",
+            crate::location::redact(&endpoint)
+        ),
+    ))
+}
+
 enum Source {
     /// Built from the environment and the options, per process.
     S3(RemoteOptions),
@@ -179,6 +209,7 @@ impl Remote {
                 if let Some(allow) = options.allow_http {
                     builder = builder.with_allow_http(allow);
                 }
+                check_plain_http(&builder)?;
                 let store = builder.build().map_err(|e| {
                     // The builder's errors name keys and values it could not parse (an
                     // endpoint, a region), never a secret; still, say it in our words.

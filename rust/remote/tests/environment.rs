@@ -59,12 +59,20 @@ fn secrets_stay_hidden_and_an_unreachable_endpoint_fails_fast() {
         allow_http: Some(false),
         ..RemoteOptions::default()
     };
-    let remote = Arc::new(Remote::open("s3://bucket/data/train", &strict).unwrap());
-    let err = RangeFetcher::new(remote, FetchPolicy::default())
-        .unwrap()
-        .fetch_blocking(&[RangeRequest::new("shards/000000.bin", 0..100)], None)
-        .unwrap_err();
+    // Refused when the store is made, saying how to allow it, not at the first request.
+    let err = Remote::open("s3://bucket/data/train", &strict).unwrap_err();
     let text = err.to_string();
     assert!(!text.contains(SECRET), "{text}");
-    assert!(text.to_lowercase().contains("http"), "{text}");
+    assert!(text.contains("RemoteConfig.allow_http"), "{text}");
+    assert!(
+        text.contains("http://127.0.0.1:1 is plain http://"),
+        "{text}"
+    );
+    assert!(text.contains("AWS_ALLOW_HTTP=true"), "{text}");
+    // The environment's permission is read when the options leave it out.
+    std::env::set_var("AWS_ALLOW_HTTP", "no");
+    let err = Remote::open("s3://bucket/data/train", &options).unwrap_err();
+    assert!(err.to_string().contains("RemoteConfig.allow_http"), "{err}");
+    std::env::set_var("AWS_ALLOW_HTTP", "1");
+    Remote::open("s3://bucket/data/train", &options).unwrap();
 }
