@@ -19,7 +19,10 @@ Contenders, each timed from the call until its output is complete on disk:
 
 Also measured in the same run: the disk's sequential write rate (a buffered write with
 ``fsync`` into the same directory) and, for each contender, the machine's CPU use while it ran
-(busy cores, from ``/proc/stat``: 2.0 is both cores of a 2-core machine).
+(busy cores, from ``/proc/stat``: 2.0 is both cores of a 2-core machine, whoever used them),
+and the cores the contender itself used (CPU time of this process and its waited-for children
+over the wall time; Ray's workers are not its children, so Ray's row counts only the driver).
+A machine busier than the contender's own share was running other work meanwhile.
 
     PYTHONPATH=/tmp/bench_site python bench/bench_build.py
 """
@@ -113,16 +116,25 @@ def cpu_ticks() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def measure(run: Callable[[], None]) -> tuple[float, float]:
-    """Seconds ``run`` takes, and the machine's busy cores meanwhile."""
+def own_cpu_seconds() -> float:
+    """CPU time of this process and of its children that were waited for."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def measure(run: Callable[[], None]) -> tuple[float, float, float]:
+    """Seconds ``run`` takes; the machine's busy cores meanwhile (everything running on it);
+    and the cores this process and its waited-for children used (Ray's workers are not)."""
     busy0, total0 = cpu_ticks()
+    own0 = own_cpu_seconds()
     t0 = time.perf_counter()
     run()
     seconds = time.perf_counter() - t0
+    own = (own_cpu_seconds() - own0) / seconds
     busy1, total1 = cpu_ticks()
     cores = os.cpu_count() or 1
     busy = (busy1 - busy0) / max(1, total1 - total0) * cores
-    return seconds, busy
+    return seconds, busy, own
 
 
 @contextlib.contextmanager
@@ -250,7 +262,7 @@ def bench_source(
         out = common.reset_dir(work / "out")
         os.sync()
         try:
-            seconds, busy = measure(lambda run=run, out=out: run(out))
+            seconds, busy, own = measure(lambda run=run, out=out: run(out))
         except Exception as error:  # a peer that fails is reported, not fatal
             print(f"# {kind} {label}: failed: {error!r}", file=sys.stderr)
             rows.append({"source": kind, "label": label, "error": repr(error)})
@@ -265,11 +277,12 @@ def bench_source(
             "output_mib": nbytes / common.MIB,
             "mib_per_s": nbytes / common.MIB / seconds,
             "busy_cores": busy,
+            "own_cores": own,
         }
         rows.append(row)
         print(
             f"# {kind} {label}: {row['samples_per_s']:,.0f} samples/s, "
-            f"{row['mib_per_s']:,.1f} MiB/s, {busy:.2f} cores busy",
+            f"{row['mib_per_s']:,.1f} MiB/s, {busy:.2f} cores busy, {own:.2f} its own",
             file=sys.stderr,
         )
         shutil.rmtree(out, ignore_errors=True)
@@ -312,7 +325,16 @@ def print_tables(res: dict[str, Any], n: int) -> None:
         print(f"\n### {title}\n")
         print(
             common.markdown_table(
-                ["contender", "samples", "s", "samples/s", "MiB out", "MiB/s", "busy cores"],
+                [
+                    "contender",
+                    "samples",
+                    "s",
+                    "samples/s",
+                    "MiB out",
+                    "MiB/s",
+                    "machine busy cores",
+                    "own cores",
+                ],
                 [
                     [
                         r["label"],
@@ -322,6 +344,7 @@ def print_tables(res: dict[str, Any], n: int) -> None:
                         r.get("output_mib"),
                         r.get("mib_per_s"),
                         r.get("busy_cores"),
+                        r.get("own_cores"),
                     ]
                     for r in rows
                 ],

@@ -95,17 +95,19 @@ def _worker_main(
         if not _native.bind_to_parent(parent_pid):
             return
         runtime = _native.Runtime(threads)
-        while True:
-            try:
-                task = conn.recv()
-            except EOFError:
-                return
-            if task is None:
-                return
-            index, name, payload = task
-            conn.send(
-                ("done", index, *_write_one(runtime, conn, index, name, payload, staging, writer))
-            )
+        try:
+            while True:
+                try:
+                    task = conn.recv()
+                except EOFError:
+                    return
+                if task is None:
+                    return
+                index, name, payload = task
+                result = _write_one(runtime, conn, index, name, payload, staging, writer)
+                conn.send(("done", index, *result))
+        finally:
+            runtime.close()
     except KeyboardInterrupt:
         return
 
