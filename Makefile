@@ -105,7 +105,7 @@ test:
 ## installing the `lightning`, `accelerate` and `ray` extras first (torch itself is not
 ## replaced); a framework that cannot be imported fails the run instead of skipping
 FRAMEWORK_REQUIREMENTS := 'lightning>=2.6,<3' 'accelerate>=1.15,<2' 'torchdata>=0.11' \
-	'ray[train]>=2.60,<3'
+	'ray[train,data]>=2.60,<3'
 test-frameworks:
 	$(PIP) install $(FRAMEWORK_REQUIREMENTS)
 	DATASET_RT_REQUIRE_FRAMEWORKS=1 $(PYTHON) -m pytest tests/frameworks

@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--skip-write", action="store_true")
     parser.add_argument("--skip-read", action="store_true")
     parser.add_argument("--skip-cold", action="store_true")
+    parser.add_argument("--skip-build", action="store_true")
     parser.add_argument(
         "--cold-gib", type=float, default=4.0, help="bench_cold.py --gib (GiB per size, x2 copies)"
     )
@@ -82,6 +83,9 @@ def main() -> None:
     rep = ["--repeats", str(args.repeats)]
     if not args.skip_write:
         run("bench_write.py", rep)
+    if not args.skip_build:
+        # Parallel builds: cache sets by N processes and Ray Data, LitData, Streaming.
+        run("bench_build.py", [])
     if not args.skip_read:
         run("bench_read.py", rep)
     run("bench_loader.py", rep)  # the shared-memory loader; draws docs/benchmarks-loader.png

@@ -16,6 +16,7 @@ from dataset_rt._results import (
     CacheWritten,
 )
 from dataset_rt._runtime import DatasetRuntime
+from dataset_rt._sets import CacheSet
 from dataset_rt.exceptions import (
     CacheMalformedError,
     ConfigError,
@@ -36,6 +37,7 @@ __all__ = [
     "CacheMalformed",
     "CacheMalformedError",
     "CacheMissing",
+    "CacheSet",
     "CacheSourceResult",
     "CacheSourcesDatasetError",
     "CacheSourcesDatasetSuccess",

@@ -155,6 +155,10 @@ class WriterConfig:
       sources which one of how many and the ETA.
     - ``validate_cache``: re-read and verify everything written before publishing it.
     - ``shard_size_bytes``: target size of one shard file.
+    - ``processes``: how many processes write the parts of a :class:`CacheSet` at once (1 to
+      1024). With 1 the parts are written one after the other in this process; with more, in
+      worker processes started with ``spawn`` (the parts must be picklable). The content of the
+      set does not depend on it.
     """
 
     prefetch_size: int = 64
@@ -162,6 +166,7 @@ class WriterConfig:
     show_progress: bool = True
     validate_cache: bool = False
     shard_size_bytes: int = 256 * 1024 * 1024
+    processes: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.shard_compression, ShardCompression):

@@ -1,5 +1,6 @@
 # Type stub of the private native module (checked against the build with mypy's stubtest).
 import mmap
+from collections.abc import Callable
 from os import PathLike
 from pathlib import Path
 from typing import Any, TypedDict, final
@@ -29,11 +30,14 @@ __all__ = [
     "Runtime",
     "RuntimeStateError",
     "SamplesMetadataError",
+    "SetBuilder",
+    "SetProgress",
     "ShardMap",
     "StateError",
     "WorkerError",
     "WorkerRing",
     "__version__",
+    "bind_to_parent",
     "check_compression",
     "check_reader_config",
     "check_remote_config",
@@ -51,6 +55,7 @@ __all__ = [
     "run_producer",
     "set_parent_death_signal",
     "verify_cache",
+    "write_part",
 ]
 __version__: str
 FORMAT_VERSION: int
@@ -210,6 +215,39 @@ def push_cache(
 ) -> _PushReport: ...
 def pull_cache(url: str, dir: str | PathLike[str], remote_config: RemoteConfig) -> _PullReport: ...
 def list_caches(url: str, remote_config: RemoteConfig) -> list[_CacheListing]: ...
+
+# ---- cache sets (rust/python/src/cache_set.rs) ----
+@final
+class SetProgress:
+    def __new__(cls, name: str, parts: int, published: int) -> SetProgress: ...
+    def update(self, samples: int, bytes: int, parts_done: int) -> None: ...
+    def finish(self, outcome: str) -> None: ...
+
+@final
+class SetBuilder:
+    def __new__(cls, base: str | PathLike[str], name: str, parts: int) -> SetBuilder: ...
+    @property
+    def published(self) -> str | None: ...
+    @property
+    def staging(self) -> str: ...
+    @property
+    def part_names(self) -> list[str]: ...
+    def missing_parts(self) -> list[int]: ...
+    def published_parts(self) -> int: ...
+    def finish(
+        self, reports: list[tuple[int, str, str | None, int]]
+    ) -> list[tuple[str, str, str, str | None, int | None]]: ...
+    def close(self) -> None: ...
+
+def write_part(
+    runtime: Runtime,
+    source: Any,
+    staging: str | PathLike[str],
+    name: str,
+    writer: WriterConfig,
+    report: Callable[[int, int], None] | None = None,
+) -> tuple[str, str | None, int, int]: ...
+def bind_to_parent(owner_pid: int) -> bool: ...
 
 # ---- the shared-memory loader (rust/python/src/loader.rs) ----
 class LoaderError(DatasetRTError): ...

@@ -85,6 +85,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(text.rstrip("\n"))
         return EXIT_OK
     manifest: dict[str, Any] = json.loads(text)
+    if "parts" in manifest:
+        return _print_set(args.cache, manifest)
     shards: list[dict[str, Any]] = manifest["shards"]
     schema = ", ".join(f"{f['name']}: {f['type']}" for f in manifest["metadata_schema"])
     if manifest["sample_id"] == "metadata":
@@ -114,6 +116,30 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     width = max(len(key) for key, _ in rows) + 1
     for key, value in rows:
         print(f"{key + ':':<{width}} {value}")
+    return EXIT_OK
+
+
+def _print_set(path: str, manifest: dict[str, Any]) -> int:
+    """A cache set's summary: the set, then one line per part."""
+    parts: list[dict[str, Any]] = manifest["parts"]
+    rows = [
+        ("cache set", str(Path(path).resolve())),
+        ("name", manifest["name"]),
+        ("format", f"{manifest['format']} v{manifest['format_version']}"),
+        ("writer", manifest["writer_version"]),
+        ("samples", str(manifest["num_samples"])),
+        ("parts", str(len(parts))),
+        ("fingerprint", manifest["fingerprint"]),
+    ]
+    width = max(len(key) for key, _ in rows) + 1
+    for key, value in rows:
+        print(f"{key + ':':<{width}} {value}")
+    name_width = max(len(p["name"]) for p in parts)
+    for part in parts:
+        print(
+            f"  {part['name']:<{name_width}}  {part['num_samples']:>12} samples  "
+            f"{part['fingerprint']}"
+        )
     return EXIT_OK
 
 

@@ -26,6 +26,8 @@ LAYERS: list[set[str]] = [
     {"dataset_rt.exceptions", "dataset_rt._config"},
     # The in-process reader: datasets, the runtime that opens and writes caches, their results.
     {"dataset_rt._results", "dataset_rt._dataset", "dataset_rt._runtime"},
+    # Cache sets: the source type and the worker processes that write its parts.
+    {"dataset_rt._sets"},
     # The loader's leaves. signals: stdlib only; lifetimes: the rule for reusing memory.
     {"dataset_rt._loader.signals", "dataset_rt._loader.lifetimes"},
     # The loader's parts that each do one thing (the producer's launcher, slot maps, result
@@ -41,7 +43,13 @@ LAYERS: list[set[str]] = [
     {"dataset_rt._loader.plan"},
     {"dataset_rt._loader"},
     # What is built on the reader and the loader: adapters, tools, helpers for users' tests.
-    {"dataset_rt.torch", "dataset_rt._viewer", "dataset_rt._demo", "dataset_rt.testing"},
+    {
+        "dataset_rt.torch",
+        "dataset_rt.ray",
+        "dataset_rt._viewer",
+        "dataset_rt._demo",
+        "dataset_rt.testing",
+    },
     {"dataset_rt.cli"},
     # The facade and the command's entry.
     {"dataset_rt", "dataset_rt.__main__"},

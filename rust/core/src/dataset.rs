@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::cache::Cache;
 use crate::error::{Error, Result};
-use crate::format::{SampleIdSource, FLAG_LZ4};
+use crate::format::{combined_fingerprint, SampleIdSource, FLAG_LZ4};
 use crate::metadata::MetaRef;
 use crate::sampler::{EpochOrder, EpochParams, Weights, SAMPLER_VERSION};
 use crate::verify::{VerifiedSet, VerifyPolicy};
@@ -103,20 +103,19 @@ impl Dataset {
     pub fn new(caches: Vec<Arc<Cache>>) -> Self {
         let mut starts = Vec::with_capacity(caches.len() + 1);
         let mut total = 0u64;
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
         for c in &caches {
             starts.push(total);
             total += c.len();
-            h.update(c.manifest.fingerprint.as_bytes());
-            h.update(b"\n");
         }
         starts.push(total);
+        let fingerprint =
+            combined_fingerprint(caches.iter().map(|c| c.manifest.fingerprint.as_str()));
         let id_indexes = caches.iter().map(|_| OnceLock::new()).collect();
         let may_decompress = caches.iter().any(|c| c.may_hold_compressed());
         Dataset {
             caches,
             starts,
-            fingerprint: format!("{:032x}", h.digest128()),
+            fingerprint,
             may_decompress,
             id_indexes,
             verify: Verifier::Always,

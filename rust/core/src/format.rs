@@ -441,6 +441,17 @@ impl Manifest {
     }
 }
 
+/// The fingerprint of caches taken in order: xxh3-128 over each cache's fingerprint followed by
+/// a newline, as 32 hex digits. It is a dataset's fingerprint, and a cache set's.
+pub fn combined_fingerprint<'a>(fingerprints: impl IntoIterator<Item = &'a str>) -> String {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for fp in fingerprints {
+        h.update(fp.as_bytes());
+        h.update(b"\n");
+    }
+    format!("{:032x}", h.digest128())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

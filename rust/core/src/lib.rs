@@ -14,10 +14,12 @@
 //!    the lock, leftovers), `writer::records` (encoding, the ordered commit into shards),
 //!    `writer::validate` (each sample against the schema) and `writer` (a write from the first
 //!    push to the publication);
-//! 7. `samples` and `passes`, over `dataset`;
+//! 7. `samples` and `passes`, over `dataset`; `cache_set`: sets of caches written as parts, their
+//!    manifest and publication (cache, writer);
 //! 8. `session`: one process's reading of a dataset (dataset, passes, pool).
 
 pub mod cache;
+pub mod cache_set;
 pub mod checksum;
 pub mod dataset;
 pub mod error;

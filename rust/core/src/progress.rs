@@ -119,6 +119,8 @@ impl WriteProgress {
             last_update: None,
             every: if terminal { UPDATE_EVERY } else { LOG_EVERY },
             eta,
+            parts: None,
+            last_counts: (0, 0),
             sink: Arc::clone(&sink),
         };
         if terminal {
@@ -131,6 +133,29 @@ impl WriteProgress {
                 Box::new(SharedSink(sink)),
                 REFRESH_HZ,
             ));
+        line
+    }
+
+    /// Starts the one line of source `index`, a cache set of `total` parts of which `published`
+    /// were published before this call: parts done of all, samples/s and MB/s over the whole
+    /// set (whoever writes its parts) and an ETA over the parts left.
+    pub fn set(
+        &mut self,
+        sink: Arc<dyn ProgressSink>,
+        index: usize,
+        name: &str,
+        total: usize,
+        published: usize,
+    ) -> SourceProgress {
+        let mut line = self.source(sink, index, name);
+        line.parts = Some(Parts {
+            total,
+            published,
+            done: published,
+        });
+        if line.sink.is_terminal() {
+            line.bar.set_message(line.message(0, 0));
+        }
         line
     }
 
@@ -159,7 +184,32 @@ pub struct SourceProgress {
     last_update: Option<Instant>,
     every: Duration,
     eta: Eta,
+    /// For a cache set: its parts, and the ETA is over the parts left.
+    parts: Option<Parts>,
+    /// The samples and bytes of the last update.
+    last_counts: (u64, u64),
     sink: Arc<dyn ProgressSink>,
+}
+
+/// The parts of a set: all of them, those published before this call, and those done now.
+#[derive(Clone, Copy)]
+struct Parts {
+    total: usize,
+    published: usize,
+    done: usize,
+}
+
+impl Parts {
+    fn describe(&self) -> String {
+        format!("parts {}/{}", self.done, self.total)
+    }
+
+    /// The parts left take the mean time of the parts written so far, which ran side by side.
+    fn eta(&self, elapsed: Duration) -> Option<Duration> {
+        let written = self.done.saturating_sub(self.published) as u32;
+        let left = self.total.saturating_sub(self.done) as u32;
+        (written > 0).then(|| elapsed / written * left)
+    }
 }
 
 /// The ETA over the remaining sources of a multi-source write: unknown until one was written.
@@ -184,6 +234,11 @@ impl SourceProgress {
 
     fn message(&self, samples: u64, bytes: u64) -> String {
         let mut msg = self.figures(samples, bytes);
+        if let Some(parts) = &self.parts {
+            let eta = parts.eta(self.started.elapsed());
+            let eta = eta.map_or("-".to_owned(), |d| HumanDuration(d).to_string());
+            return format!("{} | {msg} | ETA {eta}", parts.describe());
+        }
         match self.eta {
             Eta::SingleSource => {}
             Eta::Unknown => msg.push_str(" | ETA -"),
@@ -198,6 +253,7 @@ impl SourceProgress {
     /// Called often; takes new figures at most every 100 ms on a terminal (the draw target
     /// rate-limits further) and every second in a log.
     pub fn update(&mut self, samples: u64, bytes: u64) {
+        self.last_counts = (samples, bytes);
         let now = Instant::now();
         match self.last_update {
             Some(t) if now - t < self.every => return,
@@ -209,11 +265,24 @@ impl SourceProgress {
         self.bar.set_message(self.message(samples, bytes));
     }
 
+    /// For a set's line: `samples` and `bytes` written so far by all its writers, and the parts
+    /// done (published before the call included). Redrawn as [`update`](Self::update) does.
+    pub fn update_parts(&mut self, samples: u64, bytes: u64, parts_done: usize) {
+        if let Some(parts) = &mut self.parts {
+            parts.done = parts_done.min(parts.total);
+        }
+        self.update(samples, bytes);
+    }
+
     /// Draws the final line of this source, without an ETA (the source is done), and on a
     /// terminal ends it with a newline, so what is printed next starts on a row of its own.
     pub fn finish(self, samples: u64, bytes: u64, outcome: &str) {
+        let parts = self
+            .parts
+            .map(|p| format!("{} | ", p.describe()))
+            .unwrap_or_default();
         let msg = format!(
-            "{} | {outcome} in {:.2?}",
+            "{parts}{} | {outcome} in {:.2?}",
             self.figures(samples, bytes),
             self.started.elapsed()
         );
@@ -229,5 +298,10 @@ impl SourceProgress {
 
     pub fn elapsed(&self) -> Duration {
         self.started.elapsed()
+    }
+
+    /// The samples and bytes of the last [`update`](Self::update).
+    pub fn last_counts(&self) -> (u64, u64) {
+        self.last_counts
     }
 }

@@ -195,3 +195,52 @@ fn the_eta_covers_the_remaining_sources_once_one_was_written() {
     assert_eq!(finished.len(), 3, "{finished:?}");
     assert!(finished.iter().all(|d| !d.contains("ETA")), "{finished:?}");
 }
+
+#[test]
+fn a_set_has_one_line_with_its_parts_and_an_eta_over_the_parts_left() {
+    let sink = Recorder::new(true, 200);
+    let mut progress = WriteProgress::new(1);
+    // 4 parts, 1 published before: nothing to estimate from until a part is written here.
+    let mut line = progress.set(sink.clone(), 0, "train", 4, 1);
+    for step in 1..=30u64 {
+        line.update_parts(step * 100, step * 409_600, 1 + (step / 10) as usize);
+        sleep(Duration::from_millis(10));
+    }
+    line.finish(3000, 12_288_000, "written");
+    let text = sink.text();
+    let draws: Vec<&str> = text
+        .split(['\r', '\n'])
+        .map(|d| d.trim_start_matches("\x1b[2K").trim_end())
+        .filter(|d| !d.is_empty())
+        .collect();
+    assert!(
+        draws.iter().all(|d| d.starts_with("train: parts ")),
+        "{draws:?}"
+    );
+    let running: Vec<&str> = draws
+        .iter()
+        .copied()
+        .filter(|d| !d.contains("written in"))
+        .collect();
+    assert!(
+        running
+            .first()
+            .is_some_and(|d| d.starts_with("train: parts 1/4 ") && d.ends_with("| ETA -")),
+        "{running:?}"
+    );
+    assert!(
+        running
+            .iter()
+            .any(|d| d.starts_with("train: parts 2/4 ") && !d.ends_with("ETA -")),
+        "no ETA once a part was written: {running:?}"
+    );
+    assert!(running
+        .iter()
+        .all(|d| d.contains("samples/s") && d.contains("MB/s")));
+    let last = draws.last().unwrap();
+    assert!(
+        last.starts_with("train: parts 4/4 | 3,000 samples") && last.contains("written in"),
+        "{last}"
+    );
+    assert!(!last.contains("ETA"), "{last}");
+}

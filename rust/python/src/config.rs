@@ -172,7 +172,12 @@ pub struct WriterFields<'py> {
     validate_cache: Bound<'py, PyAny>,
     #[pyo3(attribute)]
     shard_size_bytes: Bound<'py, PyAny>,
+    #[pyo3(attribute)]
+    processes: Bound<'py, PyAny>,
 }
+
+/// The most worker processes that write a cache set's parts at once.
+pub const MAX_WRITER_PROCESSES: u64 = 1024;
 
 impl WriterFields<'_> {
     /// The checked writer options, and whether to show the progress line.
@@ -196,6 +201,18 @@ impl WriterFields<'_> {
         options.validate().py_err()?;
         Ok((options, show_progress))
     }
+
+    /// How many processes write a cache set's parts (1 to [`MAX_WRITER_PROCESSES`]).
+    pub fn processes(&self) -> PyResult<usize> {
+        let n = unsigned("WriterConfig.processes", &self.processes, 1)?;
+        if n > MAX_WRITER_PROCESSES {
+            return Err(ConfigError::new_err(format!(
+                "invalid WriterConfig.processes: expected an int from 1 to \
+                 {MAX_WRITER_PROCESSES}, got {n}"
+            )));
+        }
+        Ok(n as usize)
+    }
 }
 
 /// Checks a `ReaderConfig` as it is made.
@@ -207,5 +224,6 @@ pub fn check_reader_config(config: ReaderFields<'_>) -> PyResult<()> {
 /// Checks a `WriterConfig` as it is made.
 #[pyfunction]
 pub fn check_writer_config(config: WriterFields<'_>) -> PyResult<()> {
-    config.options().map(drop)
+    config.options()?;
+    config.processes().map(drop)
 }

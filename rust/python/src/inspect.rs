@@ -1,10 +1,12 @@
 //! Read-only access to one published cache for the `dataset-rt` command line: its validated
-//! manifest, a full verification, and raw records decoded with their embedded metadata. Every
-//! check is the core's; this file only locates the cache and converts the results.
+//! manifest, a full verification, and raw records decoded with their embedded metadata. A cache
+//! set is inspected and verified as a whole (its set manifest and every part). Every check is
+//! the core's; this file only locates the cache and converts the results.
 
 use std::path::{Path, PathBuf};
 
 use dataset_rt_core::cache::{Cache, Validation};
+use dataset_rt_core::cache_set::{part_name, CacheSet, SET_MANIFEST_FILE};
 use dataset_rt_core::format::{checksum_hex, FLAG_LZ4, MANIFEST_FILE};
 use dataset_rt_core::Error;
 use pyo3::exceptions::{PyFileNotFoundError, PyNotADirectoryError};
@@ -15,8 +17,26 @@ use crate::errors::IntoPyResult;
 
 /// Resolves `path` to a cache directory. A path that is not a directory holding `manifest.json`
 /// is not a cache at all: that is a `FileNotFoundError` / `NotADirectoryError`, kept apart from
-/// a cache that exists and fails validation (`CacheMalformedError`).
+/// a cache that exists and fails validation (`CacheMalformedError`). A cache set is refused
+/// with a message naming one of its parts.
 pub(crate) fn cache_dir(path: &Path) -> PyResult<PathBuf> {
+    let dir = cache_or_set_dir(path)?;
+    if dir.join(MANIFEST_FILE).exists() {
+        return Ok(dir);
+    }
+    let set = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Err(PyFileNotFoundError::new_err(format!(
+        "{} is a cache set, not one cache: give one of its parts, such as {}",
+        path.display(),
+        path.join(part_name(&set, 0)).display()
+    )))
+}
+
+/// The resolved directory of a cache or of a cache set (one holding `set.json`).
+fn cache_or_set_dir(path: &Path) -> PyResult<PathBuf> {
     if !path.exists() {
         return Err(PyFileNotFoundError::new_err(format!(
             "no DatasetRT cache at {}: the path does not exist",
@@ -29,9 +49,10 @@ pub(crate) fn cache_dir(path: &Path) -> PyResult<PathBuf> {
             path.display()
         )));
     }
-    if !path.join(MANIFEST_FILE).exists() {
+    if !path.join(MANIFEST_FILE).exists() && !path.join(SET_MANIFEST_FILE).exists() {
         return Err(PyFileNotFoundError::new_err(format!(
-            "no DatasetRT cache at {}: it has no {MANIFEST_FILE}",
+            "no DatasetRT cache at {}: it has no {MANIFEST_FILE} (nor the {SET_MANIFEST_FILE} \
+             of a cache set)",
             path.display()
         )));
     }
@@ -55,9 +76,23 @@ fn open_checked(py: Python<'_>, path: &Path) -> PyResult<Cache> {
     Ok(cache)
 }
 
-/// The manifest of the cache at `path` as JSON text, after the checks of [`open_checked`].
+/// The manifest of the cache at `path` as JSON text, after the checks of [`open_checked`]; for
+/// a cache set, its set manifest, after those checks of every part.
 #[pyfunction]
 pub fn inspect_cache(py: Python<'_>, path: PathBuf) -> PyResult<String> {
+    let dir = cache_or_set_dir(&path)?;
+    if !dir.join(MANIFEST_FILE).exists() {
+        let manifest = dir.join(SET_MANIFEST_FILE);
+        return py
+            .detach(|| {
+                let set = CacheSet::open(&dir, Validation::Structure)?;
+                for part in &set.parts {
+                    part.metadata()?;
+                }
+                std::fs::read_to_string(&manifest).map_err(|e| Error::io("read", &manifest, e))
+            })
+            .py_err();
+    }
     let cache = open_checked(py, &path)?;
     // A published cache is never modified, so the file on disk is the manifest just validated.
     let manifest = cache.dir.join(MANIFEST_FILE);
@@ -70,11 +105,17 @@ pub fn inspect_cache(py: Python<'_>, path: PathBuf) -> PyResult<String> {
 /// whole-file checksum. Records go first so that
 /// damage inside a record is reported with its shard, offset and sample; the shard checksums
 /// then catch damage between records. Returns `(samples, shards)`; raises
-/// `CacheMalformedError` or `CorruptRecordError` naming the file and record.
+/// `CacheMalformedError` or `CorruptRecordError` naming the file and record. A cache set is
+/// verified part by part, after its set manifest, and counts the shards of all its parts.
 #[pyfunction]
 pub fn verify_cache(py: Python<'_>, path: PathBuf) -> PyResult<(u64, usize)> {
-    let dir = cache_dir(&path)?;
+    let dir = cache_or_set_dir(&path)?;
     py.detach(|| {
+        if !dir.join(MANIFEST_FILE).exists() {
+            let set = CacheSet::open(&dir, Validation::Structure)?;
+            set.verify_all()?;
+            return Ok((set.len(), set.parts.iter().map(Cache::num_shards).sum()));
+        }
         let cache = Cache::open(&dir, Validation::Structure)?;
         cache.verify_all()?;
         Ok((cache.len(), cache.num_shards()))

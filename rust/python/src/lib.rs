@@ -2,6 +2,7 @@
 //! correctness is made in the core; this crate converts values, releases the GIL around all I/O,
 //! compute and waiting, and maps core errors onto the Python exception tree.
 
+mod cache_set;
 mod config;
 mod dataset;
 mod errors;
@@ -26,6 +27,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dataset::Batch>()?;
     m.add_class::<dataset::CachedSample>()?;
     m.add_class::<shard_map::ShardMap>()?;
+    m.add_class::<cache_set::SetProgress>()?;
+    m.add_class::<cache_set::SetBuilder>()?;
+    m.add_function(wrap_pyfunction!(cache_set::write_part, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_set::bind_to_parent, m)?)?;
     m.add_function(wrap_pyfunction!(dataset::epoch_order, m)?)?;
     m.add_function(wrap_pyfunction!(config::check_compression, m)?)?;
     m.add_function(wrap_pyfunction!(config::check_reader_config, m)?)?;

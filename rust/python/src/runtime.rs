@@ -1,6 +1,7 @@
 //! `Runtime`: the worker pool; `from_cache_sources`, which decides per source whether to load,
 //! write, report missing or malformed, and builds the dataset; and `open_caches`, which only
-//! loads, sharing that load and that dataset.
+//! loads, sharing that load and that dataset. A source that is a cache set is built by
+//! `cache_set.rs`; a published set loads here as its parts.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -8,10 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use dataset_rt_core::cache::{Cache, Validation};
+use dataset_rt_core::cache_set::Opened;
 use dataset_rt_core::dataset::ReadOptions;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::progress::{SourceProgress, WriteProgress};
+use dataset_rt_core::progress::WriteProgress;
 use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::writer::{
     check_base_dir, reap_dead_leftovers, validate_name, CacheLock, CacheWriter, InterruptCheck,
@@ -24,6 +26,7 @@ use pyo3::types::{
     PyString, PyTuple,
 };
 
+use crate::cache_set::SetSource;
 use crate::config::{ReaderFields, WriterFields};
 use crate::dataset::Dataset;
 use crate::errors::{to_py, ConfigError, IntoPyResult};
@@ -35,7 +38,7 @@ pub struct Runtime {
 }
 
 /// One source's outcome: (kind, name, cache path, message, samples).
-type Outcome = (&'static str, String, PathBuf, Option<String>, Option<u64>);
+pub(crate) type Outcome = (&'static str, String, PathBuf, Option<String>, Option<u64>);
 
 #[pymethods]
 impl Runtime {
@@ -77,13 +80,15 @@ impl Runtime {
         base_cache_dir: PathBuf,
         reader: ReaderFields<'_>,
         split: (u64, u64),
-        writer: WriterFields<'_>,
+        writer: &Bound<'_, PyAny>,
     ) -> PyResult<(Option<Dataset>, Vec<Outcome>)> {
         // A closed runtime, or one inherited by a forked child, can do nothing: say so before
         // anything is created or any source is judged.
         self.pool.check_usable().py_err()?;
         let reading = reader.reading(Some(split))?;
-        let (write, show_progress) = writer.options()?;
+        let fields: WriterFields<'_> = writer.extract()?;
+        let (write, show_progress) = fields.options()?;
+        let processes = fields.processes()?;
 
         let sources: Vec<Bound<'_, PyAny>> =
             if sources.is_instance_of::<PyList>() || sources.is_instance_of::<PyTuple>() {
@@ -108,6 +113,9 @@ impl Runtime {
             "each source writes base_cache_dir/name, so names must be unique; nothing was written",
         )?;
 
+        // A set's name and parts are checked with the names, before anything is written.
+        let sets = SetSource::find(&sources, &names)?;
+
         check_base_dir(&base_cache_dir).py_err()?;
 
         let mut progress = show_progress.then(|| WriteProgress::new(sources.len()));
@@ -115,6 +123,20 @@ impl Runtime {
         let mut caches = Vec::new();
         for (i, (source, name)) in sources.iter().zip(&names).enumerate() {
             let path = base_cache_dir.join(name);
+            if let Some(set) = &sets[i] {
+                let settings = crate::cache_set::SetSettings {
+                    write: &write,
+                    writer,
+                    processes,
+                    validation: reading.validation,
+                };
+                let (parts, outcome, loaded) =
+                    self.one_set(py, set, i, &base_cache_dir, &settings, progress.as_mut())?;
+                outcomes.extend(parts);
+                outcomes.push((outcome.0, name.clone(), path, outcome.1, outcome.2));
+                caches.extend(loaded.into_iter().map(Arc::new));
+                continue;
+            }
             let (outcome, cache) = self.one_source(
                 py,
                 source,
@@ -126,9 +148,7 @@ impl Runtime {
                 progress.as_mut(),
             )?;
             outcomes.push((outcome.0, name.clone(), path, outcome.1, outcome.2));
-            if let Some(c) = cache {
-                caches.push(Arc::new(c));
-            }
+            caches.extend(cache.into_iter().map(Arc::new));
         }
         self.dataset(py, caches, outcomes, reading.read, reading.verify)
     }
@@ -172,14 +192,12 @@ impl Runtime {
                         )),
                         None,
                     ),
-                    None,
+                    Vec::new(),
                 ),
                 Err(e) => return Err(to_py(Error::io("open", &path, e))),
             };
             outcomes.push((outcome.0, name.clone(), path, outcome.1, outcome.2));
-            if let Some(c) = cache {
-                caches.push(Arc::new(c));
-            }
+            caches.extend(cache.into_iter().map(Arc::new));
         }
         self.dataset(py, caches, outcomes, reading.read, reading.verify)
     }
@@ -247,12 +265,14 @@ fn cache_names(names: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
 
 /// Whether loading a cache first removes the temporary directories its dead writers left.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Leftovers {
+pub(crate) enum Leftovers {
     Reap,
     Keep,
 }
 
-type SourceResult = ((&'static str, Option<String>, Option<u64>), Option<Cache>);
+/// A source's outcome (kind, message, samples) and the caches it loaded: none, one, or the
+/// parts of a set.
+pub(crate) type SourceResult = ((&'static str, Option<String>, Option<u64>), Vec<Cache>);
 
 /// A source's `name`: a str that is valid UTF-8 (it names a directory on disk).
 fn source_name(i: usize, source: &Bound<'_, PyAny>) -> PyResult<String> {
@@ -286,10 +306,10 @@ fn source_name(i: usize, source: &Bound<'_, PyAny>) -> PyResult<String> {
 /// Runs Python's signal handlers from inside a wait that released the GIL, and keeps the
 /// exception a handler raised (KeyboardInterrupt for Ctrl-C) for the caller to re-raise.
 #[derive(Clone, Default)]
-struct Signals(Arc<Mutex<Option<PyErr>>>);
+pub(crate) struct Signals(Arc<Mutex<Option<PyErr>>>);
 
 impl Signals {
-    fn check(&self) -> dataset_rt_core::Result<()> {
+    pub(crate) fn check(&self) -> dataset_rt_core::Result<()> {
         Python::attach(|py| py.check_signals()).map_err(|err| {
             *self.0.lock().unwrap() = Some(err);
             Error::Interrupted("stopped by a signal handler's exception".into())
@@ -302,7 +322,7 @@ impl Signals {
     }
 
     /// The exception a signal handler raised, if the failure came from one.
-    fn take(&self) -> Option<PyErr> {
+    pub(crate) fn take(&self) -> Option<PyErr> {
         self.0.lock().unwrap().take()
     }
 
@@ -315,7 +335,7 @@ impl Signals {
     }
 }
 
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
+pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
         .name()
         .map(|n| n.to_string())
@@ -347,7 +367,7 @@ impl Runtime {
                 Ok(l) => l,
                 Err(e) => match signals.take() {
                     Some(raised) => return Err(raised),
-                    None => return Ok((("write_error", Some(e.to_string()), None), None)),
+                    None => return Ok((("write_error", Some(e.to_string()), None), Vec::new())),
                 },
             };
         let dir = lock.final_dir();
@@ -368,7 +388,7 @@ impl Runtime {
                     )),
                     None,
                 ),
-                None,
+                Vec::new(),
             ));
         }
         let started = Instant::now();
@@ -376,7 +396,12 @@ impl Runtime {
         let mut line = progress
             .as_mut()
             .map(|p| p.source(Arc::new(PyStderr::new(py)), index, name));
-        let result = self.write_source(py, source, name, lock, write, line.as_mut());
+        let result = self.write_source(py, source, name, lock, write, &mut |s, b| {
+            if let Some(l) = line.as_mut() {
+                l.update(s, b);
+            }
+            Ok(())
+        });
         if let Some(l) = line {
             let (samples, bytes) = result.as_ref().map(|r| (r.1, r.2)).unwrap_or((0, 0));
             l.finish(
@@ -390,30 +415,30 @@ impl Runtime {
         }
         Ok(match result {
             Ok((dir, n, _)) => match self.open_cache(py, &dir, validation) {
-                Ok(c) => (("written", None, Some(n)), Some(c)),
+                Ok(c) => (("written", None, Some(n)), vec![c]),
                 Err(e) if is_malformed(&e) => (
                     (
                         "write_error",
                         Some(format!("written but not loadable: {e}")),
                         None,
                     ),
-                    None,
+                    Vec::new(),
                 ),
                 Err(e) => return Err(to_py(e)),
             },
-            Err(WriteFailure::Outcome(msg)) => (("write_error", Some(msg), None), None),
+            Err(WriteFailure::Outcome(msg)) => (("write_error", Some(msg), None), Vec::new()),
             Err(WriteFailure::Raise(err)) => return Err(err),
         })
     }
 
-    /// Loads a published cache, first removing the temporary directories its dead writers left
-    /// when `leftovers` says so.
+    /// Loads a published cache or cache set, first removing the temporary directories its dead
+    /// writers left when `leftovers` says so.
     ///
     /// Only a cache that fails validation is "malformed". Anything else is not a property of
     /// the cache and raises: a runtime error (`RuntimeStateError`), and an I/O error with its
     /// OSError kind and errno (`PermissionError`, `OSError` for EIO ...), since reporting a cache
     /// that could not be read as malformed would tell the user to delete a good cache.
-    fn load_existing(
+    pub(crate) fn load_existing(
         &self,
         py: Python<'_>,
         dir: &Path,
@@ -428,15 +453,17 @@ impl Runtime {
                 {
                     reap_dead_leftovers(base, &name.to_string_lossy());
                 }
-                Cache::open(&owned, validation)
+                Opened::open(&owned, validation)
             })
         });
         match opened {
             Ok(c) => {
                 let n = c.len();
-                Ok((("loaded", None, Some(n)), Some(c)))
+                Ok((("loaded", None, Some(n)), c.into_caches()))
             }
-            Err(e) if is_malformed(&e) => Ok((("malformed", Some(e.to_string()), None), None)),
+            Err(e) if is_malformed(&e) => {
+                Ok((("malformed", Some(e.to_string()), None), Vec::new()))
+            }
             Err(e) => Err(to_py(e)),
         }
     }
@@ -461,12 +488,22 @@ impl Runtime {
                 read.epoch_len.unwrap_or(0)
             )));
         }
+        // The parts of a set are named after it, but a cache may still carry a part's name.
+        let mut seen = HashSet::new();
+        if let Some(c) = caches.iter().find(|c| !seen.insert(c.name().to_owned())) {
+            return Err(ConfigError::new_err(format!(
+                "two caches of this dataset are named {:?} ({} and another): a sample is \
+                 identified by its cache's name, so names must be unique; nothing was opened",
+                c.name(),
+                c.dir.display()
+            )));
+        }
         let dataset = Dataset::new(py, self.pool.clone(), caches, read, verify)?;
         Ok((Some(dataset), outcomes))
     }
 
     /// Opens and validates a cache on the pool.
-    fn open_cache(
+    pub(crate) fn open_cache(
         &self,
         py: Python<'_>,
         dir: &Path,
@@ -476,14 +513,17 @@ impl Runtime {
         py.detach(|| self.pool.run(move || Cache::open(&dir, validation)))
     }
 
-    fn write_source(
+    /// Writes `source` as the cache `lock` names; `report` gets the samples and raw bytes
+    /// committed so far after each batch (an exception it returns stops the write and
+    /// propagates).
+    pub(crate) fn write_source(
         &self,
         py: Python<'_>,
         source: &Bound<'_, PyAny>,
         name: &str,
         lock: CacheLock,
         write: &WriterOptions,
-        mut line: Option<&mut SourceProgress>,
+        report: &mut dyn FnMut(u64, u64) -> PyResult<()>,
     ) -> Result<(PathBuf, u64, u64), WriteFailure> {
         let mut writer = py
             .detach(|| CacheWriter::create(self.pool.clone(), lock, *write))
@@ -519,10 +559,8 @@ impl Runtime {
             if staged.batch_full {
                 py.detach(|| writer.hand_off())
                     .map_err(|e| signals.failure(e))?;
-                if let Some(l) = line.as_deref_mut() {
-                    let (s, b) = writer.progress();
-                    l.update(s, b);
-                }
+                let (s, b) = writer.progress();
+                report(s, b).map_err(WriteFailure::Raise)?;
             }
         }
         let published = py
@@ -534,13 +572,13 @@ impl Runtime {
 }
 
 /// Whether opening a cache failed because the cache itself is bad (its files fail validation).
-fn is_malformed(err: &Error) -> bool {
+pub(crate) fn is_malformed(err: &Error) -> bool {
     matches!(err, Error::Malformed { .. } | Error::CorruptRecord { .. })
 }
 
 /// Why a source was not written: an outcome to report, or an exception that must propagate
 /// (KeyboardInterrupt, SystemExit: the user stops the whole call, not one source).
-enum WriteFailure {
+pub(crate) enum WriteFailure {
     Outcome(String),
     Raise(PyErr),
 }

@@ -1,0 +1,331 @@
+//! Cache sets: publication by one rename once every part is published, reuse of published parts,
+//! the set's fingerprint, and a corpus of damaged set manifests, each with its exact error.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use dataset_rt_core::cache::Validation;
+use dataset_rt_core::cache_set::{
+    combined_fingerprint, is_set_dir, part_name, staging_dir, CacheSet, Opened, PartState,
+    SetBuild, SetStart, SET_MANIFEST_FILE,
+};
+use dataset_rt_core::dataset::Dataset;
+use dataset_rt_core::format::Compression;
+use dataset_rt_core::metadata::MetaValue;
+use dataset_rt_core::pool::Pool;
+use dataset_rt_core::writer::{SampleInput, WriterOptions};
+use dataset_rt_core::Error;
+
+fn opts() -> WriterOptions {
+    WriterOptions {
+        prefetch_size: 8,
+        compression: Compression::new("none", 1.0).unwrap(),
+        validate: false,
+        shard_size: 4096,
+    }
+}
+
+fn samples(part: usize, n: usize) -> Vec<SampleInput> {
+    (0..n)
+        .map(|i| SampleInput {
+            data: vec![part as u8; 10 + i],
+            metadata: vec![("label".into(), MetaValue::Int((part * 1000 + i) as i64))],
+        })
+        .collect()
+}
+
+fn building(base: &Path, name: &str, parts: usize) -> SetBuild {
+    match SetBuild::begin(base, name, parts, &|| Ok(())).unwrap() {
+        SetStart::Building(b) => b,
+        SetStart::Published(dir) => panic!("{} is published already", dir.display()),
+    }
+}
+
+fn write_part(pool: &Arc<Pool>, build: &SetBuild, index: usize) {
+    common::write_cache(
+        pool,
+        build.staging(),
+        &build.part_name(index),
+        opts(),
+        samples(index, 5 + index),
+    );
+}
+
+/// Builds set `name` of `parts` parts under `base`, every part written, and publishes it.
+fn build_set(pool: &Arc<Pool>, base: &Path, name: &str, parts: usize) -> CacheSet {
+    let build = building(base, name, parts);
+    for i in 0..parts {
+        write_part(pool, &build, i);
+    }
+    build.publish(Validation::Structure).unwrap()
+}
+
+fn malformed_reason(err: Error) -> (String, String) {
+    match err {
+        Error::Malformed { file, reason, .. } => (
+            file.file_name().unwrap().to_string_lossy().into_owned(),
+            reason,
+        ),
+        other => panic!("expected a malformed set, got {other}"),
+    }
+}
+
+#[test]
+fn a_set_is_published_only_once_every_part_is() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(2).unwrap();
+    let build = building(tmp.path(), "s", 3);
+    assert_eq!(build.staging(), staging_dir(tmp.path(), "s"));
+    write_part(&pool, &build, 0);
+    write_part(&pool, &build, 2);
+    assert!(!tmp.path().join("s").exists());
+    let err = match build.publish(Validation::Structure) {
+        Ok(_) => panic!("published with a part missing"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("part 1") && err.contains("s.part-000001") && err.contains("not published"),
+        "{err}"
+    );
+    // Nothing appeared, and the published parts are kept for the next build.
+    assert!(!tmp.path().join("s").exists());
+    let build = building(tmp.path(), "s", 3);
+    let states = build.part_states(Validation::Structure).unwrap();
+    assert!(matches!(states[0], PartState::Published(ref c) if c.len() == 5));
+    assert!(matches!(states[1], PartState::Missing));
+    assert!(matches!(states[2], PartState::Published(ref c) if c.len() == 7));
+    write_part(&pool, &build, 1);
+    let set = build.publish(Validation::Structure).unwrap();
+    assert_eq!(set.len(), 18);
+    assert!(!staging_dir(tmp.path(), "s").exists());
+    assert!(is_set_dir(&tmp.path().join("s")));
+    // No part lock or leftover travels into the published set.
+    let mut entries: Vec<String> = std::fs::read_dir(tmp.path().join("s"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    entries.sort();
+    assert_eq!(
+        entries,
+        [
+            "s.part-000000",
+            "s.part-000001",
+            "s.part-000002",
+            "set.json"
+        ]
+    );
+    // A later build finds it published.
+    assert!(matches!(
+        SetBuild::begin(tmp.path(), "s", 3, &|| Ok(())).unwrap(),
+        SetStart::Published(_)
+    ));
+}
+
+#[test]
+fn the_set_fingerprint_is_the_fingerprint_of_a_dataset_of_its_parts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(2).unwrap();
+    let set = build_set(&pool, tmp.path(), "s", 3);
+    let part_fps: Vec<String> = set
+        .parts
+        .iter()
+        .map(|c| c.manifest.fingerprint.clone())
+        .collect();
+    assert_eq!(
+        set.fingerprint(),
+        combined_fingerprint(part_fps.iter().map(String::as_str))
+    );
+    let opened = Opened::open(&tmp.path().join("s"), Validation::Full).unwrap();
+    assert_eq!(opened.len(), set.len());
+    let caches: Vec<_> = opened.into_caches().into_iter().map(Arc::new).collect();
+    let names: Vec<&str> = caches.iter().map(|c| c.name()).collect();
+    assert_eq!(
+        names,
+        [part_name("s", 0), part_name("s", 1), part_name("s", 2)]
+    );
+    assert_eq!(Dataset::new(caches).fingerprint(), set.fingerprint());
+    set.verify_all().unwrap();
+
+    // The same parts written again give the same set; another partitioning another one.
+    let again = tempfile::tempdir().unwrap();
+    assert_eq!(
+        build_set(&pool, again.path(), "s", 3).fingerprint(),
+        set.fingerprint()
+    );
+    let other = tempfile::tempdir().unwrap();
+    assert_ne!(
+        build_set(&pool, other.path(), "s", 2).fingerprint(),
+        set.fingerprint()
+    );
+}
+
+#[test]
+fn a_published_set_wins_over_a_staging_directory_and_a_cache_opens_as_a_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    common::write_cache(&pool, tmp.path(), "plain", opts(), samples(0, 3));
+    assert!(!is_set_dir(&tmp.path().join("plain")));
+    match Opened::open(&tmp.path().join("plain"), Validation::Structure).unwrap() {
+        Opened::Cache(c) => assert_eq!(c.len(), 3),
+        Opened::Set(_) => panic!("a cache opened as a set"),
+    }
+    // A set of that name finds the cache published and builds nothing.
+    assert!(matches!(
+        SetBuild::begin(tmp.path(), "plain", 2, &|| Ok(())).unwrap(),
+        SetStart::Published(_)
+    ));
+    assert!(!staging_dir(tmp.path(), "plain").exists());
+}
+
+#[test]
+fn bad_names_and_part_counts_are_refused_before_anything_is_created() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, parts, expected) in [
+        ("", 1, "invalid cache set name"),
+        (".hidden", 1, "invalid cache set name"),
+        ("a/b", 1, "invalid cache set name"),
+        ("ok", 0, "has 0 parts"),
+    ] {
+        let err = match SetBuild::begin(tmp.path(), name, parts, &|| Ok(())) {
+            Ok(_) => panic!("{name:?} with {parts} parts was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(expected), "{name:?}: {err}");
+    }
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
+/// Builds a published set and rewrites its `set.json` with `edit` applied to the JSON value.
+fn damaged(edit: impl FnOnce(&mut serde_json::Value)) -> (tempfile::TempDir, Error) {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    build_set(&pool, tmp.path(), "s", 2);
+    let path = tmp.path().join("s").join(SET_MANIFEST_FILE);
+    let mut value: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut value);
+    std::fs::write(&path, serde_json::to_vec(&value).unwrap()).unwrap();
+    let err = match CacheSet::open(&tmp.path().join("s"), Validation::Structure) {
+        Ok(_) => panic!("a damaged set manifest was accepted"),
+        Err(e) => e,
+    };
+    (tmp, err)
+}
+
+/// A change made to a set manifest's JSON.
+type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+
+#[test]
+fn each_damaged_set_manifest_gives_its_own_error() {
+    let cases: Vec<(&str, Edit)> = vec![
+        (
+            "not a DatasetRT set manifest",
+            Box::new(|v| v["format"] = "dataset-rt-cache".into()),
+        ),
+        (
+            "unsupported set format version 9",
+            Box::new(|v| v["format_version"] = 9.into()),
+        ),
+        ("unknown field `extra`", Box::new(|v| v["extra"] = 1.into())),
+        (
+            "the set manifest names set \"t\"",
+            Box::new(|v| v["name"] = "t".into()),
+        ),
+        (
+            "part 1 is named \"s.part-000007\"",
+            Box::new(|v| v["parts"][1]["name"] = "s.part-000007".into()),
+        ),
+        (
+            "the parts hold 11 samples, num_samples is 12",
+            Box::new(|v| v["num_samples"] = 12.into()),
+        ),
+        (
+            "fingerprint mismatch",
+            Box::new(|v| v["fingerprint"] = "0".repeat(32).into()),
+        ),
+        (
+            "has 0 parts",
+            Box::new(|v| {
+                v["parts"] = serde_json::Value::Array(vec![]);
+                v["num_samples"] = 0.into();
+            }),
+        ),
+    ];
+    for (expected, edit) in cases {
+        let (_tmp, err) = damaged(edit);
+        let (file, reason) = malformed_reason(err);
+        assert_eq!(file, SET_MANIFEST_FILE);
+        assert!(reason.contains(expected), "{expected:?} not in {reason:?}");
+    }
+}
+
+#[test]
+fn a_part_replaced_or_missing_after_publication_is_refused() {
+    // A part's fingerprint in set.json (and the set's recomputed) no longer match the part.
+    let (_tmp, err) = damaged(|v| {
+        let fp = "1".repeat(32);
+        v["parts"][0]["fingerprint"] = fp.clone().into();
+        let other = v["parts"][1]["fingerprint"].as_str().unwrap().to_owned();
+        v["fingerprint"] = combined_fingerprint([fp.as_str(), other.as_str()]).into();
+    });
+    let (file, reason) = malformed_reason(err);
+    assert_eq!(file, SET_MANIFEST_FILE);
+    assert!(
+        reason.contains("part 0 (s.part-000000) has fingerprint") && reason.contains("replaced"),
+        "{reason}"
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    build_set(&pool, tmp.path(), "s", 2);
+    std::fs::remove_dir_all(tmp.path().join("s").join("s.part-000001")).unwrap();
+    let err = match CacheSet::open(&tmp.path().join("s"), Validation::Structure) {
+        Ok(_) => panic!("a set with a part missing opened"),
+        Err(e) => e,
+    };
+    let (file, reason) = malformed_reason(err);
+    assert_eq!(file, "s.part-000001");
+    assert!(reason.contains("part 1 is missing"), "{reason}");
+}
+
+#[test]
+fn a_malformed_part_in_staging_is_reported_and_blocks_publication() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    let build = building(tmp.path(), "s", 2);
+    write_part(&pool, &build, 0);
+    write_part(&pool, &build, 1);
+    let manifest = build.staging().join("s.part-000001").join("manifest.json");
+    std::fs::remove_file(&manifest).unwrap();
+    let states = build.part_states(Validation::Structure).unwrap();
+    match &states[1] {
+        PartState::Malformed(reason) => assert!(reason.contains("manifest.json"), "{reason}"),
+        _ => panic!("a part without its manifest is not malformed"),
+    }
+    let err = match build.publish(Validation::Structure) {
+        Ok(_) => panic!("published with a malformed part"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("part 1 is malformed") && err.contains("remove"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("s").exists());
+}
+
+#[test]
+fn a_dead_builds_manifest_in_staging_is_rewritten_at_publication() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    let build = building(tmp.path(), "s", 1);
+    write_part(&pool, &build, 0);
+    // A build that died between writing set.json and its rename left half a manifest.
+    std::fs::write(build.staging().join(SET_MANIFEST_FILE), b"{\"format\": ").unwrap();
+    drop(build);
+    let build = building(tmp.path(), "s", 1);
+    let set = build.publish(Validation::Structure).unwrap();
+    assert_eq!(set.len(), 5);
+    CacheSet::open(&tmp.path().join("s"), Validation::Full).unwrap();
+}
