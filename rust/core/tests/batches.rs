@@ -10,14 +10,11 @@ use arrow_array::types::{Float64Type, Int64Type};
 use arrow_array::Array;
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{Dataset, EpochReader, ReadOptions, WeightTable};
-use dataset_rt_core::format::Compression;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::samples;
-use dataset_rt_core::writer::{SampleInput, WriterOptions};
-
-mod common;
+use dataset_rt_testkit::{flip_byte, numbered, write_cache, writer_options};
 
 const N: u64 = 29;
 
@@ -46,23 +43,15 @@ fn fixture() -> &'static Fixture {
 }
 
 fn write(pool: &Arc<Pool>, base: &Path, name: &str, n: u64, tag: bool) {
-    let opts = WriterOptions {
-        prefetch_size: 4,
-        compression: Compression::NONE,
-        validate: true,
-        shard_size: 1 << 20,
-    };
     let samples = (0..n).map(|i| {
-        let mut metadata = vec![("i".to_owned(), MetaValue::Int(i as i64))];
+        let mut sample = numbered(i, i.to_le_bytes().to_vec());
         if tag {
-            metadata.push(("tag".to_owned(), MetaValue::Str(format!("t{}", i % 4))));
+            let tag = MetaValue::Str(format!("t{}", i % 4));
+            sample.metadata.push(("tag".to_owned(), tag));
         }
-        SampleInput {
-            data: i.to_le_bytes().to_vec(),
-            metadata,
-        }
+        sample
     });
-    common::write_cache(pool, base, name, opts, samples);
+    write_cache(pool, base, name, writer_options(), samples);
 }
 
 fn options(rank: u64, world_size: u64) -> ReadOptions {
@@ -292,10 +281,7 @@ fn corrupt_record_ends_the_pass_after_the_samples_before_it(n: u64, bad: u64, pr
     {
         let cache = Cache::open(&path, Validation::Full).unwrap();
         let (entry, _, payload_start) = cache.check_record(bad, true).unwrap();
-        let shard = cache.shard_path(entry.shard);
-        let mut bytes = std::fs::read(&shard).unwrap();
-        bytes[payload_start as usize] ^= 0xff;
-        std::fs::write(&shard, bytes).unwrap();
+        flip_byte(&cache.shard_path(entry.shard), payload_start);
     }
     let cache = Arc::new(Cache::open(&path, Validation::Structure).unwrap());
     let dataset = Arc::new(Dataset::new(vec![cache]));

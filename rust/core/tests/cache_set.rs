@@ -1,8 +1,6 @@
 //! Cache sets: publication by one rename once every part is published, reuse of published parts,
 //! the set's fingerprint, and a corpus of damaged set manifests, each with its exact error.
 
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 
@@ -12,26 +10,26 @@ use dataset_rt_core::cache_set::{
     SetBuild, SetStart, SET_MANIFEST_FILE,
 };
 use dataset_rt_core::dataset::Dataset;
-use dataset_rt_core::format::Compression;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::writer::{SampleInput, WriterOptions};
 use dataset_rt_core::Error;
+use dataset_rt_testkit::{sample, write_cache, writer_options};
 
 fn opts() -> WriterOptions {
     WriterOptions {
         prefetch_size: 8,
-        compression: Compression::new("none", 1.0).unwrap(),
         validate: false,
         shard_size: 4096,
+        ..writer_options()
     }
 }
 
 fn samples(part: usize, n: usize) -> Vec<SampleInput> {
     (0..n)
-        .map(|i| SampleInput {
-            data: vec![part as u8; 10 + i],
-            metadata: vec![("label".into(), MetaValue::Int((part * 1000 + i) as i64))],
+        .map(|i| {
+            let label = MetaValue::Int((part * 1000 + i) as i64);
+            sample(vec![part as u8; 10 + i], &[("label", label)])
         })
         .collect()
 }
@@ -44,7 +42,7 @@ fn building(base: &Path, name: &str, parts: usize) -> SetBuild {
 }
 
 fn write_part(pool: &Arc<Pool>, build: &SetBuild, index: usize) {
-    common::write_cache(
+    write_cache(
         pool,
         build.staging(),
         &build.part_name(index),
@@ -165,7 +163,7 @@ fn the_set_fingerprint_is_the_fingerprint_of_a_dataset_of_its_parts() {
 fn a_published_set_wins_over_a_staging_directory_and_a_cache_opens_as_a_cache() {
     let tmp = tempfile::tempdir().unwrap();
     let pool = Pool::new(1).unwrap();
-    common::write_cache(&pool, tmp.path(), "plain", opts(), samples(0, 3));
+    write_cache(&pool, tmp.path(), "plain", opts(), samples(0, 3));
     assert!(!is_set_dir(&tmp.path().join("plain")));
     match Opened::open(&tmp.path().join("plain"), Validation::Structure).unwrap() {
         Opened::Cache(c) => assert_eq!(c.len(), 3),

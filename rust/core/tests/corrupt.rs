@@ -9,15 +9,9 @@ use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::Dataset;
 use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::Error;
-
-mod common;
-use common::golden_copy;
-
-fn flip_byte(path: &Path, offset: usize) {
-    let mut bytes = std::fs::read(path).unwrap();
-    bytes[offset] ^= 0xff;
-    std::fs::write(path, bytes).unwrap();
-}
+use dataset_rt_testkit::{
+    edit_manifest, flip_byte, forge_record, golden_copy, resign, set_len, write_at,
+};
 
 /// Damages a fresh copy, opens it, and returns the malformation as (file, reason).
 fn malformed(damage: impl FnOnce(&Path), validation: Validation) -> (PathBuf, String) {
@@ -147,13 +141,7 @@ fn flipped_byte_in_the_metadata_names_metadata_arrow() {
 #[test]
 fn truncated_shard_states_both_sizes() {
     let (file, reason) = malformed(
-        |d| {
-            let shard = std::fs::OpenOptions::new()
-                .write(true)
-                .open(d.join("shards/000001.bin"))
-                .unwrap();
-            shard.set_len(248).unwrap();
-        },
+        |d| set_len(&d.join("shards/000001.bin"), 248),
         Validation::Structure,
     );
     assert_eq!(file, Path::new("shards/000001.bin"));
@@ -209,7 +197,7 @@ fn flipped_payload_byte_without_full_validation_fails_that_record_only() {
     let entry = cache.entry(4);
     let (_, _, payload_start) = cache.verify_record(4).unwrap();
     drop(cache);
-    flip_byte(&dir.join("shards/000001.bin"), payload_start as usize + 1);
+    flip_byte(&dir.join("shards/000001.bin"), payload_start + 1);
 
     let cache = Cache::open(&dir, Validation::Structure).unwrap();
     for good in [0, 1, 2, 3, 5] {
@@ -234,37 +222,8 @@ fn flipped_payload_byte_without_full_validation_fails_that_record_only() {
 
 // ---------------------------------------------------------------------------------------------
 // Re-signed forgeries: after the damage every checksum and the fingerprint are recomputed, the way
-// an attacker would, so that the structural checks and parsers behind the checksums are reached.
-
-use dataset_rt_core::format::{checksum_hex, hash_bytes, Manifest, RecordHeader};
-
-fn read_manifest_file(dir: &Path) -> Manifest {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap()
-}
-
-/// Recomputes the manifest's file checksums and its fingerprint from the files as they are.
-fn resign(dir: &Path, edit: impl FnOnce(&mut Manifest)) {
-    let mut m = read_manifest_file(dir);
-    edit(&mut m);
-    let sum = |rel: &str| checksum_hex(hash_bytes(&std::fs::read(dir.join(rel)).unwrap()));
-    m.index.checksum = sum("index.bin");
-    m.metadata.checksum = sum("metadata.arrow");
-    for s in &mut m.shards {
-        s.checksum = sum(&s.file);
-    }
-    m.fingerprint = m.compute_fingerprint();
-    std::fs::write(
-        dir.join("manifest.json"),
-        serde_json::to_string_pretty(&m).unwrap(),
-    )
-    .unwrap();
-}
-
-fn write_at(path: &Path, offset: usize, bytes: &[u8]) {
-    let mut data = std::fs::read(path).unwrap();
-    data[offset..offset + bytes.len()].copy_from_slice(bytes);
-    std::fs::write(path, data).unwrap();
-}
+// an attacker would (`resign`), so that the structural checks and parsers behind the checksums
+// are reached.
 
 /// The position in `metadata.arrow` of the footer's first record batch Block
 /// (offset: i64, metaDataLength: i32, padding, bodyLength: i64).
@@ -287,7 +246,7 @@ fn first_block_position(bytes: &[u8]) -> usize {
 fn forged_block(meta_len: Option<i32>, body_len: i64) -> (PathBuf, String) {
     malformed_metadata(|d| {
         let path = d.join("metadata.arrow");
-        let at = first_block_position(&std::fs::read(&path).unwrap());
+        let at = first_block_position(&std::fs::read(&path).unwrap()) as u64;
         if let Some(m) = meta_len {
             write_at(&path, at + 8, &m.to_le_bytes());
         }
@@ -340,7 +299,7 @@ fn resigned_block_of_1_gib_body_is_refused_against_the_file_size() {
 fn resigned_footer_length_past_the_file_is_malformed_metadata() {
     let (file, reason) = malformed_metadata(|d| {
         let path = d.join("metadata.arrow");
-        let n = std::fs::metadata(&path).unwrap().len() as usize;
+        let n = std::fs::metadata(&path).unwrap().len();
         write_at(&path, n - 10, &(i32::MAX).to_le_bytes());
         resign(d, |_| {});
     });
@@ -367,7 +326,7 @@ fn resigned_buffer_past_its_body_is_malformed_metadata() {
         let buffers = message.header_as_record_batch().unwrap().buffers().unwrap();
         // Buffer 1 (the offsets of the str column `sample_id`): offset i64, length i64.
         let pos = buffers.bytes().as_ptr() as usize - bytes.as_ptr() as usize + 16;
-        write_at(&path, pos, &(1i64 << 40).to_le_bytes());
+        write_at(&path, pos as u64, &(1i64 << 40).to_le_bytes());
         resign(d, |_| {});
     });
     assert_eq!(file, Path::new("metadata.arrow"));
@@ -428,17 +387,12 @@ fn forged_sample_count_is_refused_by_sizes_before_the_index_is_hashed() {
     let n: u64 = 1 << 21;
     let (file, reason) = malformed(
         |d| {
-            let index = std::fs::OpenOptions::new()
-                .write(true)
-                .open(d.join("index.bin"))
-                .unwrap();
-            index.set_len(16 + 32 * n).unwrap();
-            let mut m = read_manifest_file(d);
-            m.num_samples = n;
-            m.index.bytes = 16 + 32 * n;
-            m.shards[0].records = n - 3;
-            m.fingerprint = m.compute_fingerprint();
-            std::fs::write(d.join("manifest.json"), serde_json::to_string(&m).unwrap()).unwrap();
+            set_len(&d.join("index.bin"), 16 + 32 * n);
+            edit_manifest(d, |m| {
+                m.num_samples = n;
+                m.index.bytes = 16 + 32 * n;
+                m.shards[0].records = n - 3;
+            });
         },
         Validation::Structure,
     );
@@ -459,11 +413,7 @@ fn file_sizes_are_checked_before_any_checksum() {
     let (file, reason) = malformed(
         |d| {
             flip_byte(&d.join("index.bin"), 100);
-            let shard = std::fs::OpenOptions::new()
-                .write(true)
-                .open(d.join("shards/000001.bin"))
-                .unwrap();
-            shard.set_len(480).unwrap();
+            set_len(&d.join("shards/000001.bin"), 480);
         },
         Validation::Structure,
     );
@@ -487,33 +437,12 @@ fn resigned_lz4_raw_length_beyond_what_lz4_can_expand_is_a_corrupt_record() {
     let cache = Cache::open(&dir, Validation::Structure).unwrap();
     let sample = first_compressed(&cache);
     let e = cache.entry(sample);
-    let (_, h, payload_start) = cache.verify_record(sample).unwrap();
+    let (_, h, _) = cache.verify_record(sample).unwrap();
     drop(cache);
 
+    // The raw length in the record header and its index entry, both re-signed.
     let raw_len: u32 = 1 << 31;
-    let forged = RecordHeader { raw_len, ..h };
-    let shard = dir.join(format!("shards/{:06}.bin", e.shard));
-    let bytes = std::fs::read(&shard).unwrap();
-    let meta_start = e.offset as usize + 40;
-    let checksum = forged.checksum_as(
-        1,
-        &bytes[meta_start..meta_start + h.meta_len as usize],
-        &bytes[payload_start as usize..payload_start as usize + h.stored_len as usize],
-    );
-    let forged = RecordHeader { checksum, ..forged };
-    write_at(&shard, e.offset as usize, &forged.encode_as(1));
-    let entry_at = 16 + 32 * sample as usize;
-    write_at(
-        &dir.join("index.bin"),
-        entry_at + 20,
-        &raw_len.to_le_bytes(),
-    );
-    write_at(
-        &dir.join("index.bin"),
-        entry_at + 24,
-        &checksum.to_le_bytes(),
-    );
-    resign(&dir, |_| {});
+    forge_record(&dir, sample, |h| h.raw_len = raw_len);
 
     let cache = Arc::new(Cache::open(&dir, Validation::Full).unwrap());
     // The bound is a structural check, not the checksum: it holds under every verify policy.

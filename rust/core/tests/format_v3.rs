@@ -8,29 +8,17 @@ use std::sync::Arc;
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::format::{
-    hash_bytes, Compression, RecordHeader, FORMAT_VERSION, INDEX_ENTRY_LEN, INDEX_HEADER_LEN,
-    RECORD_HEADER_LEN, RECORD_V2_HASHED_FROM,
+    hash_bytes, RecordHeader, FORMAT_VERSION, INDEX_ENTRY_LEN, INDEX_HEADER_LEN, RECORD_HEADER_LEN,
+    RECORD_V2_HASHED_FROM,
 };
-use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::writer::{SampleInput, WriterOptions};
 use dataset_rt_core::Error;
-
-mod common;
+use dataset_rt_testkit::{numbered, write_cache, writer_options};
 
 fn write(pool: &Arc<Pool>, base: &Path, name: &str, n: u64) {
-    let opts = WriterOptions {
-        prefetch_size: 4,
-        compression: Compression::NONE,
-        validate: true,
-        shard_size: 1 << 20,
-    };
-    let samples = (0..n).map(|i| SampleInput {
-        // Odd lengths and metadata sizes: padding on both sides of the payload.
-        data: vec![i as u8; 37 + i as usize],
-        metadata: vec![("i".to_owned(), MetaValue::Int(i as i64))],
-    });
-    common::write_cache(pool, base, name, opts, samples);
+    // Odd lengths and metadata sizes: padding on both sides of the payload.
+    let samples = (0..n).map(|i| numbered(i, vec![i as u8; 37 + i as usize]));
+    write_cache(pool, base, name, writer_options(), samples);
 }
 
 /// A v3 cache of `n` samples in a fresh directory (kept as long as the returned guard).

@@ -2,37 +2,13 @@
 //! the core alone: every later version must decode these exact bytes to these exact values. The
 //! values are the ones `tests/test_golden_cache.py` expects, written out again on purpose.
 
-use std::path::{Path, PathBuf};
-
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::format::{
     CompressionAlgo, SampleIdSource, FLAG_LZ4, FORMAT_VERSION, READABLE_VERSIONS,
 };
 use dataset_rt_core::metadata::{FieldType, MetaRef};
-
-fn golden_dir(version: u32) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../tests/data/golden_v{version}/golden"))
-}
-
-/// A private copy: nothing is ever opened or written next to the committed bytes.
-fn golden_copy(tmp: &Path, version: u32) -> PathBuf {
-    let dest = tmp.join(format!("v{version}")).join("golden");
-    copy_tree(&golden_dir(version), &dest);
-    dest
-}
-
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_tree(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
-    }
-}
+// Private copies (`golden_copy_of`): nothing is ever opened next to the committed bytes.
+use dataset_rt_testkit::{golden_copy_of, golden_dir};
 
 fn hex(s: &str) -> Vec<u8> {
     (0..s.len())
@@ -88,7 +64,7 @@ fn golden_caches_open_fully_validated_with_their_manifests() {
 
 fn golden_opens_fully_validated_with_its_manifest(version: u32) {
     let tmp = tempfile::tempdir().unwrap();
-    let cache = Cache::open(&golden_copy(tmp.path(), version), Validation::Full).unwrap();
+    let cache = Cache::open(&golden_copy_of(tmp.path(), version), Validation::Full).unwrap();
     cache.verify_all().unwrap();
     let m = &cache.manifest;
     assert_eq!(m.format_version, version);
@@ -132,7 +108,7 @@ fn golden_payloads_and_metadata_are_exact() {
 fn only_v3_entries_locate_a_record_without_its_header() {
     for version in READABLE_VERSIONS {
         let tmp = tempfile::tempdir().unwrap();
-        let cache = Cache::open(&golden_copy(tmp.path(), version), Validation::Full).unwrap();
+        let cache = Cache::open(&golden_copy_of(tmp.path(), version), Validation::Full).unwrap();
         assert_eq!(cache.serves_from_index(), version >= 3, "v{version}");
         for i in 0..cache.len() {
             let full = cache.verify_record(i).unwrap();
@@ -149,7 +125,7 @@ fn only_v3_entries_locate_a_record_without_its_header() {
 
 fn golden_payloads_and_metadata_are_exact_in(version: u32) {
     let tmp = tempfile::tempdir().unwrap();
-    let cache = Cache::open(&golden_copy(tmp.path(), version), Validation::Structure).unwrap();
+    let cache = Cache::open(&golden_copy_of(tmp.path(), version), Validation::Structure).unwrap();
     for (i, want) in payloads().iter().enumerate() {
         let i = i as u64;
         assert_eq!(

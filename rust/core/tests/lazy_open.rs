@@ -7,16 +7,14 @@ use std::sync::Arc;
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{Dataset, WeightTable};
-use dataset_rt_core::format::{Compression, SampleIdSource};
+use dataset_rt_core::format::SampleIdSource;
 use dataset_rt_core::metadata::{MetaRef, MetaValue};
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::samples;
 use dataset_rt_core::verify::VerifyPolicy;
-use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_core::writer::WriterOptions;
 use dataset_rt_core::Error;
-
-mod common;
-use common::golden_copy;
+use dataset_rt_testkit::{golden_copy, sample, write_cache, writer_options};
 
 const POLICIES: [VerifyPolicy; 3] = [
     VerifyPolicy::Always,
@@ -179,29 +177,19 @@ fn a_fixed_width_table_decodes_from_the_map_to_the_values_written() {
     const N: u64 = 70_000; // more than one record batch
     let tmp = tempfile::tempdir().unwrap();
     let pool = Pool::new(2).unwrap();
-    let lock = CacheLock::acquire(tmp.path(), "ints").unwrap();
     let opts = WriterOptions {
-        prefetch_size: 4,
-        compression: Compression::NONE,
         validate: false,
-        shard_size: 1 << 20,
+        ..writer_options()
     };
-    let mut writer = CacheWriter::create(pool, lock, opts).unwrap();
-    for i in 0..N {
-        writer
-            .push(SampleInput {
-                data: i.to_le_bytes().to_vec(),
-                metadata: vec![
-                    ("label".into(), MetaValue::Int(i as i64 % 1000)),
-                    ("x".into(), MetaValue::Float(i as f64 / 2.0)),
-                    ("odd".into(), MetaValue::Bool(i % 2 == 1)),
-                ],
-            })
-            .unwrap();
-    }
-    writer.finish().unwrap();
-
-    let dir = tmp.path().join("ints");
+    let samples = (0..N).map(|i| {
+        let metadata = [
+            ("label", MetaValue::Int(i as i64 % 1000)),
+            ("x", MetaValue::Float(i as f64 / 2.0)),
+            ("odd", MetaValue::Bool(i % 2 == 1)),
+        ];
+        sample(i.to_le_bytes().to_vec(), &metadata)
+    });
+    let dir = write_cache(&pool, tmp.path(), "ints", opts, samples);
     let cache = Cache::open(&dir, Validation::Structure).unwrap();
     assert!(!cache.metadata_loaded());
     let table = cache.metadata().unwrap();

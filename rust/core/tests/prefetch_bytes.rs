@@ -11,13 +11,11 @@ use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{
     Dataset, EpochReader, Payload, ReadOptions, WeightTable, MAPPED_READ_AHEAD,
 };
-use dataset_rt_core::format::{Compression, FLAG_LZ4};
-use dataset_rt_core::metadata::MetaValue;
+use dataset_rt_core::format::FLAG_LZ4;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::RankPolicy;
-use dataset_rt_core::writer::{SampleInput, WriterOptions};
-
-mod common;
+use dataset_rt_core::writer::WriterOptions;
+use dataset_rt_testkit::{lz4, numbered, sample, write_cache, writer_options};
 
 const RECORD: usize = 1 << 20;
 const RECORDS: u64 = 24;
@@ -25,20 +23,16 @@ const RECORDS: u64 = 24;
 /// `RECORDS` records of `RECORD` zero bytes each (plus the sample number), stored as LZ4.
 fn zeros_cache(pool: &Arc<Pool>, base: &Path) -> Arc<Cache> {
     let opts = WriterOptions {
-        prefetch_size: 4,
-        compression: Compression::new("lz4", 1.0).unwrap(),
+        compression: lz4(1.0),
         validate: false,
-        shard_size: 1 << 20,
+        ..writer_options()
     };
     let samples = (0..RECORDS).map(|i| {
         let mut data = vec![0u8; RECORD];
         data[0] = i as u8;
-        SampleInput {
-            data,
-            metadata: vec![("i".to_string(), MetaValue::Int(i as i64))],
-        }
+        numbered(i, data)
     });
-    common::write_cache(pool, base, "zeros", opts, samples);
+    write_cache(pool, base, "zeros", opts, samples);
     let cache = Cache::open(&base.join("zeros"), Validation::Full).unwrap();
     assert!((0..RECORDS).all(|s| cache.entry(s).flags & FLAG_LZ4 != 0));
     assert!(
@@ -154,15 +148,11 @@ fn small_chunks_on_several_workers_keep_the_order_and_both_bounds() {
 fn raw_cache(pool: &Arc<Pool>, base: &Path, n: u64) -> Arc<Cache> {
     let opts = WriterOptions {
         prefetch_size: 64,
-        compression: Compression::NONE,
         validate: false,
-        shard_size: 1 << 20,
+        ..writer_options()
     };
-    let samples = (0..n).map(|i| SampleInput {
-        data: i.to_le_bytes().to_vec(),
-        metadata: vec![],
-    });
-    common::write_cache(pool, base, "raw", opts, samples);
+    let samples = (0..n).map(|i| sample(i.to_le_bytes().to_vec(), &[]));
+    write_cache(pool, base, "raw", opts, samples);
     Arc::new(Cache::open(&base.join("raw"), Validation::Full).unwrap())
 }
 

@@ -7,15 +7,12 @@ use std::sync::Arc;
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{Dataset, ReadOptions, LAST_EPOCH};
-use dataset_rt_core::format::Compression;
-use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::session::{Session, StartedPass};
-use dataset_rt_core::writer::{SampleInput, WriterOptions};
+use dataset_rt_core::writer::WriterOptions;
 use dataset_rt_core::ErrorKind;
-
-mod common;
+use dataset_rt_testkit::{numbered, write_cache, writer_options};
 
 const N: u64 = 29;
 
@@ -23,17 +20,12 @@ const N: u64 = 29;
 fn session(dir: &Path) -> Session {
     let pool = Pool::new(2).unwrap();
     let opts = WriterOptions {
-        prefetch_size: 4,
-        compression: Compression::NONE,
-        validate: true,
         shard_size: 256,
+        ..writer_options()
     };
-    let samples = (0..N).map(|i| SampleInput {
-        data: i.to_le_bytes().to_vec(),
-        metadata: vec![("i".to_owned(), MetaValue::Int(i as i64))],
-    });
-    common::write_cache(&pool, dir, "c", opts, samples);
-    let cache = Cache::open(&dir.join("c"), Validation::Full).unwrap();
+    let samples = (0..N).map(|i| numbered(i, i.to_le_bytes().to_vec()));
+    let path = write_cache(&pool, dir, "c", opts, samples);
+    let cache = Cache::open(&path, Validation::Full).unwrap();
     let read = ReadOptions {
         seed: 5,
         shuffle: true,

@@ -9,15 +9,11 @@ use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{
     next_epoch, resume_point, Dataset, EpochReader, ReadOptions, State, WeightTable, LAST_EPOCH,
 };
-use dataset_rt_core::format::Compression;
-use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::{RankPolicy, SAMPLER_VERSION};
-use dataset_rt_core::writer::{SampleInput, WriterOptions};
 use dataset_rt_core::Error;
+use dataset_rt_testkit::{numbered, write_cache, writer_options};
 use proptest::prelude::*;
-
-mod common;
 
 const N: u64 = 23;
 
@@ -44,17 +40,8 @@ fn fixture() -> &'static Fixture {
 }
 
 fn write(pool: &Arc<Pool>, base: &Path, name: &str) {
-    let opts = WriterOptions {
-        prefetch_size: 4,
-        compression: Compression::NONE,
-        validate: true,
-        shard_size: 1 << 20,
-    };
-    let samples = (0..N).map(|i| SampleInput {
-        data: i.to_le_bytes().to_vec(),
-        metadata: vec![("i".to_owned(), MetaValue::Int(i as i64))],
-    });
-    common::write_cache(pool, base, name, opts, samples);
+    let samples = (0..N).map(|i| numbered(i, i.to_le_bytes().to_vec()));
+    write_cache(pool, base, name, writer_options(), samples);
 }
 
 fn options(epoch_len: u64, rank: u64, world_size: u64, policy: RankPolicy) -> ReadOptions {

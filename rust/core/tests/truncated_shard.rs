@@ -2,20 +2,15 @@
 //! shard and the sample, under every verification policy, never SIGBUS (pages past the new end)
 //! nor the zeros of the rest of its last page.
 
-use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
 use std::sync::Arc;
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{Dataset, EpochReader, Fetched, ReadOptions, WeightTable};
-use dataset_rt_core::format::Compression;
-use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::verify::VerifyPolicy;
-use dataset_rt_core::writer::{SampleInput, WriterOptions};
-
-mod common;
+use dataset_rt_core::writer::WriterOptions;
+use dataset_rt_testkit::{numbered, set_len, write_cache, writer_options};
 
 const SAMPLES: u64 = 200;
 const SAMPLE_BYTES: usize = 3 * 1024;
@@ -26,30 +21,37 @@ fn payload(i: u64) -> Vec<u8> {
         .collect()
 }
 
-/// 200 samples of 3 KiB in shards of 64 KiB (about 21 records each).
-fn write(pool: &Arc<Pool>, base: &Path) {
+const POLICIES: [VerifyPolicy; 3] = [
+    VerifyPolicy::Always,
+    VerifyPolicy::Once,
+    VerifyPolicy::Never,
+];
+
+/// One case's cache, its own since the case truncates one of its shards, read under one policy.
+struct Fixture {
+    ds: Arc<Dataset>,
+    pool: Arc<Pool>,
+    /// Dropped last: the directory outlives the maps of the cache in it.
+    _dir: tempfile::TempDir,
+}
+
+/// A fresh cache of 200 samples of 3 KiB in shards of 64 KiB (about 21 records each), opened
+/// under `policy`.
+fn fixture(policy: VerifyPolicy) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Pool::new(2).unwrap();
     let opts = WriterOptions {
-        prefetch_size: 4,
-        compression: Compression::NONE,
-        validate: true,
         shard_size: 64 * 1024,
+        ..writer_options()
     };
-    let samples = (0..SAMPLES).map(|i| SampleInput {
-        data: payload(i),
-        metadata: vec![("i".to_owned(), MetaValue::Int(i as i64))],
-    });
-    common::write_cache(pool, base, "c", opts, samples);
-}
-
-fn open(base: &Path, policy: VerifyPolicy) -> Arc<Dataset> {
-    let cache = Cache::open(&base.join("c"), Validation::Structure).unwrap();
-    Arc::new(Dataset::new(vec![Arc::new(cache)]).with_verify(policy))
-}
-
-fn truncate(path: &Path, len: u64) {
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
-    file.set_len(len).unwrap();
+    let samples = (0..SAMPLES).map(|i| numbered(i, payload(i)));
+    let path = write_cache(&pool, dir.path(), "c", opts, samples);
+    let cache = Cache::open(&path, Validation::Structure).unwrap();
+    Fixture {
+        ds: Arc::new(Dataset::new(vec![Arc::new(cache)]).with_verify(policy)),
+        pool,
+        _dir: dir,
+    }
 }
 
 fn reader(pool: &Arc<Pool>, ds: &Arc<Dataset>, prefetch_size: usize) -> EpochReader {
@@ -101,42 +103,30 @@ fn assert_names_shard_and_sample(text: &str, ds: &Dataset, shard: u32, sample: u
 
 #[test]
 fn a_shard_truncated_before_the_pass_is_an_error_naming_it() {
-    for policy in [
-        VerifyPolicy::Always,
-        VerifyPolicy::Once,
-        VerifyPolicy::Never,
-    ] {
-        let dir = tempfile::tempdir().unwrap();
-        let pool = Pool::new(2).unwrap();
-        write(&pool, dir.path());
-        let ds = open(dir.path(), policy);
+    for policy in POLICIES {
+        let fixture = fixture(policy);
+        let (ds, pool) = (&fixture.ds, &fixture.pool);
         assert!(ds.caches[0].num_shards() > 2);
         // Verified once already: under "once" the second pass trusts the records.
         let mut got = Vec::new();
-        assert_eq!(read_to_error(&ds, reader(&pool, &ds, 8), &mut got), None);
-        truncate(&ds.caches[0].shard_path(1), 16);
-        let first = first_of_shard(&ds, 1);
+        assert_eq!(read_to_error(ds, reader(pool, ds, 8), &mut got), None);
+        set_len(&ds.caches[0].shard_path(1), 16);
+        let first = first_of_shard(ds, 1);
         let mut got = Vec::new();
-        let text = read_to_error(&ds, reader(&pool, &ds, 8), &mut got).expect("an error");
+        let text = read_to_error(ds, reader(pool, ds, 8), &mut got).expect("an error");
         assert_eq!(got, (0..first).collect::<Vec<_>>(), "{policy:?}");
-        assert_names_shard_and_sample(&text, &ds, 1, first);
+        assert_names_shard_and_sample(&text, ds, 1, first);
     }
 }
 
 #[test]
 fn a_shard_truncated_after_its_records_were_read_ahead_is_an_error_naming_it() {
-    for policy in [
-        VerifyPolicy::Always,
-        VerifyPolicy::Once,
-        VerifyPolicy::Never,
-    ] {
-        let dir = tempfile::tempdir().unwrap();
-        let pool = Pool::new(2).unwrap();
-        write(&pool, dir.path());
-        let ds = open(dir.path(), policy);
-        let first = first_of_shard(&ds, 1);
+    for policy in POLICIES {
+        let fixture = fixture(policy);
+        let (ds, pool) = (&fixture.ds, &fixture.pool);
+        let first = first_of_shard(ds, 1);
         assert!(first > 17);
-        let mut r = reader(&pool, &ds, 256);
+        let mut r = reader(pool, ds, 256);
         // Up to sample 17: past the first chunk, so the rest of the pass is read ahead (and,
         // under "always" and "once", verified), shard 1 included.
         let mut got = Vec::new();
@@ -147,9 +137,9 @@ fn a_shard_truncated_after_its_records_were_read_ahead_is_an_error_naming_it() {
         // Time for the pool to read ahead; the test holds whether it did or not (a shard found
         // truncated before its records are read is the same error).
         std::thread::sleep(std::time::Duration::from_millis(200));
-        truncate(&ds.caches[0].shard_path(1), 16);
-        let text = read_to_error(&ds, r, &mut got).expect("an error");
+        set_len(&ds.caches[0].shard_path(1), 16);
+        let text = read_to_error(ds, r, &mut got).expect("an error");
         assert_eq!(got, (0..first).collect::<Vec<_>>(), "{policy:?}");
-        assert_names_shard_and_sample(&text, &ds, 1, first);
+        assert_names_shard_and_sample(&text, ds, 1, first);
     }
 }

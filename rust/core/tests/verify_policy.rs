@@ -1,6 +1,5 @@
 //! `ReaderConfig.verify`: what each policy catches, on private copies of the golden cache.
 
-use std::io::{Seek, SeekFrom, Write};
 use std::os::fd::IntoRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -9,23 +8,8 @@ use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{Dataset, Fetched};
 use dataset_rt_core::verify::{VerifiedSet, VerifyPolicy};
 use dataset_rt_core::Error;
-
-mod common;
-use common::golden_copy;
-
-/// Flips one byte in place, as another writer would: an open map of the file sees the change.
-fn flip_in_place(path: &Path, offset: u64) {
-    let mut bytes = [0u8];
-    let mut file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    file.seek(SeekFrom::Start(offset)).unwrap();
-    std::io::Read::read_exact(&mut file, &mut bytes).unwrap();
-    file.seek(SeekFrom::Start(offset)).unwrap();
-    file.write_all(&[bytes[0] ^ 0xff]).unwrap();
-}
+// `flip_byte` flips one byte in place, as another writer would: an open map sees the change.
+use dataset_rt_testkit::{flip_byte, golden_copy, golden_copy_of};
 
 /// A golden copy and where the stored payload of `sample` starts (shard file, offset).
 fn copy_with_payload_of(tmp: &Path, sample: u64) -> (PathBuf, PathBuf, u64) {
@@ -103,7 +87,7 @@ fn always_catches_corruption_on_every_read() {
     let (dir, shard, start) = copy_with_payload_of(tmp.path(), SAMPLE);
     let ds = open(&dir, VerifyPolicy::Always);
     ds.fetch(SAMPLE).unwrap();
-    flip_in_place(&shard, start + 1);
+    flip_byte(&shard, start + 1);
     for _ in 0..2 {
         assert_corrupt(
             ds.fetch(SAMPLE).err().expect("a corrupt record"),
@@ -118,7 +102,7 @@ fn always_catches_corruption_on_every_read() {
 fn once_catches_a_record_corrupted_before_its_first_read_and_never_marks_it() {
     let tmp = tempfile::tempdir().unwrap();
     let (dir, shard, start) = copy_with_payload_of(tmp.path(), SAMPLE);
-    flip_in_place(&shard, start + 1);
+    flip_byte(&shard, start + 1);
     let ds = open(&dir, VerifyPolicy::Once);
     assert_eq!(ds.verified_count(), Some(0));
     for _ in 0..2 {
@@ -142,7 +126,7 @@ fn once_skips_the_hash_after_a_verified_read_and_always_does_not() {
     let once = open(&dir, VerifyPolicy::Once);
     let sound = bytes(&once, once.fetch(SAMPLE).unwrap());
     assert_eq!(once.verified_count(), Some(1));
-    flip_in_place(&shard, start + 1);
+    flip_byte(&shard, start + 1);
     // The documented limit of "once": a change after the first verified read goes unseen...
     let changed = bytes(&once, once.fetch(SAMPLE).unwrap());
     assert_ne!(changed, sound);
@@ -174,7 +158,7 @@ fn once_still_runs_the_structural_checks_on_every_read_before_v3() {
     let e = ds.caches[0].entry(SAMPLE);
     let shard = ds.caches[0].shard_path(e.shard);
     // The record header's sample number no longer matches the index.
-    flip_in_place(&shard, e.offset + 24);
+    flip_byte(&shard, e.offset + 24);
     assert_corrupt(
         ds.fetch(SAMPLE).err().expect("a corrupt record"),
         &shard,
@@ -189,7 +173,7 @@ fn once_still_runs_the_structural_checks_on_every_read_before_v3() {
 #[test]
 fn once_serves_a_verified_v3_record_from_its_index_entry() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = common::golden_copy_of(tmp.path(), 3);
+    let dir = golden_copy_of(tmp.path(), 3);
     for sample in [SAMPLE, 2] {
         // Sample 2 is stored LZ4-compressed: it is decoded from the entry's lengths.
         let ds = open(&dir, VerifyPolicy::Once);
@@ -197,7 +181,7 @@ fn once_serves_a_verified_v3_record_from_its_index_entry() {
         let e = ds.caches[0].entry(sample);
         let shard = ds.caches[0].shard_path(e.shard);
         // The record header's sample number no longer matches the index.
-        flip_in_place(&shard, e.offset + 32);
+        flip_byte(&shard, e.offset + 32);
         assert_eq!(
             bytes(&ds, ds.fetch(sample).unwrap()),
             sound,
@@ -210,7 +194,7 @@ fn once_serves_a_verified_v3_record_from_its_index_entry() {
             sample,
             "record header",
         );
-        flip_in_place(&shard, e.offset + 32);
+        flip_byte(&shard, e.offset + 32);
     }
 
     // An entry moved past the end of its shard is refused, not read out of bounds.
@@ -218,7 +202,7 @@ fn once_serves_a_verified_v3_record_from_its_index_entry() {
     ds.fetch(SAMPLE).unwrap();
     let index = dir.join("index.bin");
     let at = 16 + 40 * SAMPLE + 7; // the offset's most significant byte
-    flip_in_place(&index, at);
+    flip_byte(&index, at);
     let shard = ds.caches[0].shard_path(ds.caches[0].entry(SAMPLE).shard);
     assert_corrupt(
         ds.fetch(SAMPLE).err().expect("a corrupt record"),
@@ -234,12 +218,12 @@ fn never_skips_the_hash_but_keeps_the_structural_checks() {
     let (dir, shard, start) = copy_with_payload_of(tmp.path(), SAMPLE);
     let ds = open(&dir, VerifyPolicy::Never);
     let sound = bytes(&ds, ds.fetch(SAMPLE).unwrap());
-    flip_in_place(&shard, start + 1);
+    flip_byte(&shard, start + 1);
     assert_ne!(bytes(&ds, ds.fetch(SAMPLE).unwrap()), sound);
     assert_eq!(ds.verified_count(), None);
 
     let e = ds.caches[0].entry(SAMPLE);
-    flip_in_place(&shard, e.offset + 24);
+    flip_byte(&shard, e.offset + 24);
     assert_corrupt(
         ds.fetch(SAMPLE).err().expect("a corrupt record"),
         &shard,
@@ -281,7 +265,7 @@ fn datasets_sharing_a_set_skip_what_either_verified() {
     assert_eq!(owner.verified_count(), Some(len - 1));
     let sound = bytes(&owner, owner.fetch(SAMPLE).unwrap());
     assert_eq!(producer.verified_count(), Some(len));
-    flip_in_place(&shard, start + 1);
+    flip_byte(&shard, start + 1);
     // Verified by the owner: the producer does not hash it again, and reads the change...
     assert_ne!(bytes(&producer, producer.fetch(SAMPLE).unwrap()), sound);
     // ...which a dataset with a set of its own catches.

@@ -10,24 +10,20 @@ use dataset_rt_core::format::{
 };
 use dataset_rt_core::metadata::{FieldType, MetaRef, MetaValue};
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_core::writer::{SampleInput, WriterOptions};
 use dataset_rt_core::Error;
+use dataset_rt_testkit::{flip_byte, lz4, sample, try_write_cache};
 use proptest::prelude::*;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// One sample as the tests describe it: the payload and the metadata in source order.
 type Row = (Vec<u8>, Vec<(&'static str, MetaValue)>);
 
-fn lz4(ratio: f64) -> Compression {
-    Compression::new("lz4", ratio).unwrap()
-}
-
 fn options(compression: Compression, shard_size: u64) -> WriterOptions {
     WriterOptions {
-        prefetch_size: 4,
         compression,
-        validate: true,
         shard_size,
+        ..dataset_rt_testkit::writer_options()
     }
 }
 
@@ -37,16 +33,6 @@ fn noise(len: usize, seed: u64) -> Vec<u8> {
         .flat_map(|i| xxh3_64(&[seed.to_le_bytes(), i.to_le_bytes()].concat()).to_le_bytes())
         .take(len)
         .collect()
-}
-
-fn sample(data: Vec<u8>, metadata: &[(&str, MetaValue)]) -> SampleInput {
-    SampleInput {
-        data,
-        metadata: metadata
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.clone()))
-            .collect(),
-    }
 }
 
 fn write(base: &Path, name: &str, opts: WriterOptions, samples: Vec<SampleInput>) -> Cache {
@@ -64,13 +50,8 @@ fn write_with(
     opts: WriterOptions,
     samples: Vec<SampleInput>,
 ) -> dataset_rt_core::Result<()> {
-    let lock = CacheLock::acquire(base, name)?;
-    let mut writer = CacheWriter::create(pool.clone(), lock, opts)?;
-    for s in samples {
-        writer.push(s)?;
-    }
-    let published = writer.finish()?;
-    assert_eq!(published.dir, base.join(name));
+    let published = try_write_cache(pool, base, name, opts, samples)?;
+    assert_eq!(published, base.join(name));
     Ok(())
 }
 
@@ -376,11 +357,6 @@ fn a_record_larger_than_the_shard_size_gets_a_shard_of_its_own() {
     assert_eq!(&cache.payload(1).unwrap()[..], &rows[1][..]);
 }
 
-fn make_writable(path: &Path) {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
-}
-
 #[test]
 fn every_published_file_is_read_only() {
     use std::os::unix::fs::PermissionsExt;
@@ -513,10 +489,7 @@ fn a_flipped_payload_byte_names_cache_shard_offset_and_sample() {
     let (entry, _, start) = cache.verify_record(4).unwrap();
     let path = cache.shard_path(entry.shard);
     drop(cache);
-    let mut bytes = std::fs::read(&path).unwrap();
-    bytes[start as usize + 10] ^= 0xff;
-    make_writable(&path); // published read-only
-    std::fs::write(&path, bytes).unwrap();
+    flip_byte(&path, start + 10); // made writable first: published read-only
 
     let full = Cache::open(&dir.path().join("flip"), Validation::Full)
         .err()

@@ -7,29 +7,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use dataset_rt_core::format::Compression;
-use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::writer::{
     reap_dead_leftovers, validate_name, CacheLock, CacheWriter, InterruptCheck, SampleInput,
     WriterOptions, MAX_NAME_BYTES,
 };
 use dataset_rt_core::Error;
+use dataset_rt_testkit::{cache_writer, dead_pid, numbered, write_cache};
 
 fn options() -> WriterOptions {
     WriterOptions {
-        prefetch_size: 4,
-        compression: Compression::NONE,
         validate: false,
-        shard_size: 1 << 20,
+        ..dataset_rt_testkit::writer_options()
     }
 }
 
-fn sample(i: i64) -> SampleInput {
-    SampleInput {
-        data: i.to_le_bytes().to_vec(),
-        metadata: vec![("i".into(), MetaValue::Int(i))],
-    }
+fn sample(i: u64) -> SampleInput {
+    numbered(i, i.to_le_bytes().to_vec())
 }
 
 /// Runs `f` on its own thread and fails the test if it does not return within a minute.
@@ -71,8 +65,7 @@ fn a_pool_closed_mid_write_fails_the_write_without_hanging_or_leftovers() {
     let base = dir.path().to_owned();
     let (push_err, finish_err) = within_a_minute("writing with a closed pool", move || {
         let pool = Pool::new(2).unwrap();
-        let lock = CacheLock::acquire(&base, "c").unwrap();
-        let mut writer = CacheWriter::create(pool.clone(), lock, options()).unwrap();
+        let mut writer = cache_writer(&pool, &base, "c", options());
         for i in 0..8 {
             writer.push(sample(i)).unwrap();
         }
@@ -97,21 +90,12 @@ fn dropping_a_writer_whose_batch_was_refused_returns_and_cleans_up() {
     let base = dir.path().to_owned();
     within_a_minute("dropping the writer", move || {
         let pool = Pool::new(1).unwrap();
-        let lock = CacheLock::acquire(&base, "c").unwrap();
-        let mut writer = CacheWriter::create(pool.clone(), lock, options()).unwrap();
+        let mut writer = cache_writer(&pool, &base, "c", options());
         pool.close();
         assert!((0..8).any(|i| writer.push(sample(i)).is_err()));
         drop(writer);
     });
     assert_eq!(entries(dir.path()), [".c.lock"]);
-}
-
-/// A pid that belonged to a process that has exited.
-fn dead_pid() -> u32 {
-    let mut child = std::process::Command::new("true").spawn().unwrap();
-    let pid = child.id();
-    child.wait().unwrap();
-    pid
 }
 
 fn leftover(base: &Path, name: &str, pid: u32, nanos: u64) -> PathBuf {
@@ -161,10 +145,7 @@ fn a_new_writer_removes_every_leftover_of_its_name_under_the_lock() {
     let stale = leftover(base, "c", dead_pid(), 1);
     let other_name = leftover(base, "c2", dead_pid(), 1);
     let pool = Pool::new(1).unwrap();
-    let lock = CacheLock::acquire(base, "c").unwrap();
-    let mut writer = CacheWriter::create(pool, lock, options()).unwrap();
-    writer.push(sample(0)).unwrap();
-    writer.finish().unwrap();
+    write_cache(&pool, base, "c", options(), [sample(0)]);
     assert!(!stale.exists());
     assert!(other_name.exists());
 }
@@ -189,8 +170,7 @@ fn a_failed_commit_with_a_later_batch_pending_ends_and_cleans_up() {
         // One worker: a job submitted after another runs after it, so the order is fixed.
         let pool = Pool::new(1).unwrap();
         let barrier = |pool: &std::sync::Arc<Pool>| pool.run(|| Ok(())).unwrap();
-        let lock = CacheLock::acquire(&base, "c").unwrap();
-        let mut writer = CacheWriter::create(pool.clone(), lock, options()).unwrap();
+        let mut writer = cache_writer(&pool, &base, "c", options());
         // The first shard cannot be created: the first commit fails.
         std::fs::remove_dir(tmp_dir_of(&base).join("shards")).unwrap();
         for i in 0..4 {
@@ -251,12 +231,11 @@ fn an_interrupt_stops_a_push_waiting_for_commits_and_the_next_write_works() {
     let err = within_a_minute("an interrupted push", move || {
         let pool = Pool::new(1).unwrap();
         let unblock = block_pool(&pool);
-        let lock = CacheLock::acquire(&base, "c").unwrap();
         let opts = WriterOptions {
             prefetch_size: 1,
             ..options()
         };
-        let mut writer = CacheWriter::create(pool.clone(), lock, opts).unwrap();
+        let mut writer = cache_writer(&pool, &base, "c", opts);
         writer.set_interrupt(check);
         interrupt_soon(&flag);
         // Nothing commits while the worker is busy: the second push waits for room.
@@ -266,10 +245,7 @@ fn an_interrupt_stops_a_push_waiting_for_commits_and_the_next_write_works() {
         drop(unblock);
         drop(writer);
         // The lock is free and the next write of the name works.
-        let lock = CacheLock::acquire(&base, "c").unwrap();
-        let mut writer = CacheWriter::create(pool, lock, options()).unwrap();
-        writer.push(sample(0)).unwrap();
-        writer.finish().unwrap();
+        write_cache(&pool, &base, "c", options(), [sample(0)]);
         err
     });
     assert!(matches!(err, Error::Interrupted(_)), "{err:?}");
@@ -285,8 +261,7 @@ fn an_interrupt_stops_finish_waiting_for_commits_and_publishes_nothing() {
     let err = within_a_minute("an interrupted finish", move || {
         let pool = Pool::new(1).unwrap();
         let unblock = block_pool(&pool);
-        let lock = CacheLock::acquire(&base, "c").unwrap();
-        let mut writer = CacheWriter::create(pool.clone(), lock, options()).unwrap();
+        let mut writer = cache_writer(&pool, &base, "c", options());
         writer.set_interrupt(check);
         writer.push(sample(0)).unwrap();
         interrupt_soon(&flag);
@@ -384,10 +359,7 @@ fn names_are_limited_so_the_temporary_directory_name_fits() {
     let dir = tempfile::tempdir().unwrap();
     let longest = "n".repeat(MAX_NAME_BYTES);
     let pool = Pool::new(1).unwrap();
-    let lock = CacheLock::acquire(dir.path(), &longest).unwrap();
-    let mut writer = CacheWriter::create(pool, lock, options()).unwrap();
-    writer.push(sample(0)).unwrap();
-    writer.finish().unwrap();
+    write_cache(&pool, dir.path(), &longest, options(), [sample(0)]);
     assert!(dir.path().join(&longest).is_dir());
 
     for len in [MAX_NAME_BYTES + 1, 226, 255] {

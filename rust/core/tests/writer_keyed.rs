@@ -9,47 +9,38 @@ use std::sync::Arc;
 use dataset_rt_core::format::Compression;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::writer::{
-    CacheLock, CacheWriter, MetaKey, Payload, SampleInput, SharedBytes, WriterOptions,
-};
+use dataset_rt_core::writer::{MetaKey, Payload, SampleInput, SharedBytes, WriterOptions};
 use dataset_rt_core::Error;
+use dataset_rt_testkit::{cache_writer, try_write_cache, write_cache};
 use proptest::prelude::*;
 
 fn options() -> WriterOptions {
     WriterOptions {
         prefetch_size: 3,
-        compression: Compression::NONE,
         validate: false,
-        shard_size: 1 << 20,
+        ..dataset_rt_testkit::writer_options()
     }
 }
 
 /// One sample as a caller converts it: (key identity, key name, value) in the source's order.
 type Keyed = (Vec<u8>, Vec<(usize, String, MetaValue)>);
 
-fn writer(pool: &Arc<Pool>, base: &Path, name: &str) -> CacheWriter {
-    CacheWriter::create(
-        pool.clone(),
-        CacheLock::acquire(base, name).unwrap(),
-        options(),
-    )
-    .unwrap()
+/// `sample` as `push` takes it: its metadata by name.
+fn named(sample: &Keyed) -> SampleInput {
+    let (data, meta) = sample;
+    let metadata = meta
+        .iter()
+        .map(|(_, k, v)| (k.clone(), v.clone()))
+        .collect();
+    SampleInput {
+        data: data.clone(),
+        metadata,
+    }
 }
 
 /// Writes `samples` with `push`, by name.
 fn by_name(pool: &Arc<Pool>, base: &Path, name: &str, samples: &[Keyed]) -> Result<(), Error> {
-    let mut w = writer(pool, base, name);
-    for (data, meta) in samples {
-        let metadata = meta
-            .iter()
-            .map(|(_, k, v)| (k.clone(), v.clone()))
-            .collect();
-        w.push(SampleInput {
-            data: data.clone(),
-            metadata,
-        })?;
-    }
-    w.finish().map(drop)
+    try_write_cache(pool, base, name, options(), samples.iter().map(named)).map(drop)
 }
 
 /// Writes `samples` with `push_keyed`, handing batches off as a converting caller does; the
@@ -60,7 +51,7 @@ fn by_identity(
     name: &str,
     samples: &[Keyed],
 ) -> (Result<(), Error>, Vec<bool>) {
-    let mut w = writer(pool, base, name);
+    let mut w = cache_writer(pool, base, name, options());
     let mut remembered = Vec::new();
     for (data, meta) in samples {
         let keys: Vec<MetaKey<'_>> = meta
@@ -368,8 +359,7 @@ fn shared_payloads_are_written_in_place_and_released() {
         let name = format!("shared_{:?}", compression.algo);
         let mut opts = options();
         opts.compression = compression;
-        let lock = CacheLock::acquire(dir.path(), &name).unwrap();
-        let mut w = CacheWriter::create(pool.clone(), lock, opts).unwrap();
+        let mut w = cache_writer(&pool, dir.path(), &name, opts);
         for (data, meta) in &samples {
             held.fetch_add(1, Ordering::SeqCst);
             let payload = Payload::Shared(Box::new(Counted(data.clone(), held.clone())));
@@ -388,24 +378,11 @@ fn shared_payloads_are_written_in_place_and_released() {
             0,
             "every shared payload released"
         );
-        let named = format!("owned_{:?}", compression.algo);
-        let lock = CacheLock::acquire(dir.path(), &named).unwrap();
-        let mut w = CacheWriter::create(pool.clone(), lock, opts).unwrap();
-        for (data, meta) in &samples {
-            let metadata = meta
-                .iter()
-                .map(|(_, k, v)| (k.clone(), v.clone()))
-                .collect();
-            w.push(SampleInput {
-                data: data.clone(),
-                metadata,
-            })
-            .unwrap();
-        }
-        w.finish().unwrap();
+        let owned = format!("owned_{:?}", compression.algo);
+        write_cache(&pool, dir.path(), &owned, opts, samples.iter().map(named));
         assert_eq!(
             data_files(&dir.path().join(&name)),
-            data_files(&dir.path().join(&named))
+            data_files(&dir.path().join(&owned))
         );
     }
 }
