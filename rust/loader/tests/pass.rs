@@ -3,7 +3,6 @@
 //! one LZ4). Checks the order against the core's epoch order, and every byte and metadata
 //! value against the caches.
 
-use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::{AsRawFd, IntoRawFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -15,7 +14,7 @@ use dataset_rt_core::format::Compression;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::verify::VerifyPolicy;
-use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_core::writer::WriterOptions;
 use dataset_rt_loader::batch::{
     encode_metadata, max_sample_bytes, read_batch, slot_size_for, Payload,
 };
@@ -25,6 +24,7 @@ use dataset_rt_loader::{lifecycle, plan};
 use dataset_rt_shm::layout::{B_USED, POLICY_PAD};
 use dataset_rt_shm::ring::{Geometry, Pass, Ring, Role, Ticket, POLL};
 use dataset_rt_shm::{segment, ShmError};
+use dataset_rt_testkit::{flip_byte, numbered, set_len, write_at, write_cache, writer_options};
 
 const BATCH: u64 = 3;
 const SEED: u64 = 11;
@@ -37,28 +37,20 @@ fn payload(cache: usize, i: u64) -> Vec<u8> {
         .collect()
 }
 
-fn write_cache(base: &Path, name: &str, index: usize, n: u64, compression: Compression) {
+/// Cache `name` (the `index`-th) of `n` samples: metadata `i` and a `tag` naming the cache.
+fn write(base: &Path, name: &str, index: usize, n: u64, compression: Compression) {
     let pool = Pool::new(1).unwrap();
-    let lock = CacheLock::acquire(base, name).unwrap();
     let opts = WriterOptions {
-        prefetch_size: 4,
         compression,
-        validate: true,
-        shard_size: 1 << 20,
+        ..writer_options()
     };
-    let mut writer = CacheWriter::create(pool, lock, opts).unwrap();
-    for i in 0..n {
-        writer
-            .push(SampleInput {
-                data: payload(index, i),
-                metadata: vec![
-                    ("i".into(), MetaValue::Int(i as i64)),
-                    ("tag".into(), MetaValue::Str(format!("{name}-{i}"))),
-                ],
-            })
-            .unwrap();
-    }
-    writer.finish().unwrap();
+    let samples = (0..n).map(|i| {
+        let mut sample = numbered(i, payload(index, i));
+        let tag = MetaValue::Str(format!("{name}-{i}"));
+        sample.metadata.push(("tag".into(), tag));
+        sample
+    });
+    write_cache(&pool, base, name, opts, samples);
 }
 
 struct Setup {
@@ -75,14 +67,14 @@ fn setup() -> Setup {
 /// A raw cache of `raw` samples and an LZ4 cache of `lz4`, read by one thread, one sample ahead.
 fn setup_sized(raw: u64, lz4: u64) -> Setup {
     let dir = tempfile::tempdir().unwrap();
-    write_cache(
+    write(
         dir.path(),
         "raw",
         0,
         raw,
         Compression::new("none", 1.0).unwrap(),
     );
-    write_cache(
+    write(
         dir.path(),
         "lz4",
         1,
@@ -291,17 +283,7 @@ fn corrupt_record_stops_the_pass_at_its_batch(threads: usize, prefetch_size: usi
     let (c, row) = s.ds.locate(order.at(7));
     let cache = &s.ds.caches[c];
     let (entry, _, start) = cache.verify_record(row).unwrap();
-    let mut shard = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(cache.shard_path(entry.shard))
-        .unwrap();
-    let mut byte = [0u8];
-    shard.seek(SeekFrom::Start(start)).unwrap();
-    shard.read_exact(&mut byte).unwrap();
-    shard.seek(SeekFrom::Start(start)).unwrap();
-    shard.write_all(&[!byte[0]]).unwrap();
-    drop(shard);
+    flip_byte(&cache.shard_path(entry.shard), start);
 
     let ring = create_ring(&s, 64 * 1024);
     let (produced, got, error) = run_pass(&s, &ring);
@@ -403,13 +385,7 @@ fn the_producer_marks_and_skips_in_the_training_process_set() {
     // the owner's set, does not hash it again (the documented limit of "once")...
     let cache = &s.ds.caches[0];
     let (entry, _, start) = cache.verify_record(3).unwrap();
-    let mut shard = std::fs::OpenOptions::new()
-        .write(true)
-        .open(cache.shard_path(entry.shard))
-        .unwrap();
-    shard.seek(SeekFrom::Start(start)).unwrap();
-    shard.write_all(&[0xee]).unwrap();
-    drop(shard);
+    write_at(&cache.shard_path(entry.shard), start, &[0xee]);
     s.spec.verified = Some(passed_down(&owner));
     let ring = create_ring(&s, slot_size);
     let (produced, got, error) = run_pass(&s, &ring);
@@ -544,12 +520,6 @@ fn a_persistent_producer_fills_pass_after_pass_until_stopped() {
     });
 }
 
-/// Makes shard `shard` of `cache` writable (published files are read-only).
-fn writable(path: &Path) {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
-}
-
 #[test]
 fn the_shard_table_names_the_files_the_core_reads() {
     let s = setup();
@@ -628,9 +598,7 @@ fn a_truncated_shard_file_is_refused_by_the_consumers() {
     let s = setup();
     let path = s.ds.caches[0].shard_path(0);
     let len = s.ds.caches[0].shard_len(0);
-    writable(&path);
-    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-    file.set_len(len - 1).unwrap();
+    set_len(&path, len - 1);
     let text = s.spec.shards.open(0, 0).unwrap_err().to_string();
     assert!(
         text.contains("truncated since the dataset was opened")
@@ -640,7 +608,7 @@ fn a_truncated_shard_file_is_refused_by_the_consumers() {
     let mapped = s.spec.shards.map(0, 0).unwrap_err().to_string();
     assert_eq!(mapped, text, "the map is refused as the open is");
     // Grown is fine: references are bounded by the validated size, and that much is there.
-    file.set_len(len + 10).unwrap();
+    set_len(&path, len + 10);
     s.spec.shards.open(0, 0).unwrap();
     assert_eq!(s.spec.shards.map(0, 0).unwrap().len() as u64, len);
 }

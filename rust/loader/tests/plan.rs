@@ -5,16 +5,14 @@ use std::sync::Arc;
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{Dataset, ReadOptions, WeightTable};
-use dataset_rt_core::format::Compression;
-use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::RankPolicy;
-use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
 use dataset_rt_loader::batch::{max_sample_bytes, slot_size_for};
 use dataset_rt_loader::lifecycle;
 use dataset_rt_loader::plan::{self, check_split, num_slots, Plan};
 use dataset_rt_shm::layout::{C_RANK_SAMPLES, MIN_SLOT_SIZE, PAGE};
 use dataset_rt_shm::segment::path_of;
+use dataset_rt_testkit::{numbered, write_cache, writer_options};
 use proptest::prelude::*;
 
 const SAMPLES: u64 = 10;
@@ -27,24 +25,10 @@ struct Setup {
 /// One raw cache of `SAMPLES` samples, sample `i` of `100 + 10 i` bytes.
 fn setup() -> Setup {
     let dir = tempfile::tempdir().unwrap();
-    let lock = CacheLock::acquire(dir.path(), "c").unwrap();
-    let opts = WriterOptions {
-        prefetch_size: 4,
-        compression: Compression::new("none", 1.0).unwrap(),
-        validate: true,
-        shard_size: 1 << 20,
-    };
-    let mut writer = CacheWriter::create(Pool::new(1).unwrap(), lock, opts).unwrap();
-    for i in 0..SAMPLES {
-        writer
-            .push(SampleInput {
-                data: vec![i as u8; 100 + 10 * i as usize],
-                metadata: vec![("i".into(), MetaValue::Int(i as i64))],
-            })
-            .unwrap();
-    }
-    writer.finish().unwrap();
-    let cache = Cache::open(&dir.path().join("c"), Validation::Full).unwrap();
+    let pool = Pool::new(1).unwrap();
+    let samples = (0..SAMPLES).map(|i| numbered(i, vec![i as u8; 100 + 10 * i as usize]));
+    let path = write_cache(&pool, dir.path(), "c", writer_options(), samples);
+    let cache = Cache::open(&path, Validation::Full).unwrap();
     Setup {
         _dir: dir,
         ds: Dataset::new(vec![Arc::new(cache)]),

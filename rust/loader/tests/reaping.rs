@@ -7,14 +7,7 @@ use dataset_rt_loader::lifecycle::{self, reap_leftovers};
 use dataset_rt_shm::layout::POLICY_PAD;
 use dataset_rt_shm::ring::{Geometry, Pass, Ring};
 use dataset_rt_shm::segment::path_of;
-
-/// A pid that belonged to a process that has exited.
-fn dead_pid() -> u64 {
-    let mut child = std::process::Command::new("true").spawn().unwrap();
-    let pid = child.id();
-    child.wait().unwrap();
-    u64::from(pid)
-}
+use dataset_rt_testkit::dead_pid;
 
 fn create_ring(owner_pid: u64) -> Ring {
     let pass = Pass {
@@ -62,7 +55,7 @@ fn leftovers_are_judged_by_their_owners_lock() {
 fn a_live_owners_entries_are_kept_even_when_its_pid_looks_dead() {
     // The owner (this process) holds the lock of every entry; the pid in the names is dead,
     // as it would look from another PID namespace.
-    let ring = create_ring(dead_pid());
+    let ring = create_ring(u64::from(dead_pid()));
     let names = names_of(&ring);
     std::fs::write(lifecycle::private_dir(&ring).join("spec.json"), b"{}").unwrap();
     assert!(names.iter().all(|n| exists(n)), "{names:?}");

@@ -2,19 +2,18 @@
 //! after the damage every checksum the structure check reads is recomputed ("re-signed"), so
 //! that the forged size reaches the loader instead of stopping at a checksum.
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::Dataset;
 use dataset_rt_core::format::*;
-use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_core::writer::WriterOptions;
 use dataset_rt_core::Error as CoreError;
 use dataset_rt_loader::batch::max_sample_bytes;
 use dataset_rt_loader::Error;
+use dataset_rt_testkit::{forge_entry, forge_record, numbered, writer_options};
 
 const FORGED_RAW_LEN: u32 = 64 << 20;
 
@@ -47,79 +46,18 @@ fn write_cache_with(
     n: u64,
     compressible: impl Fn(u64) -> bool,
 ) -> std::path::PathBuf {
-    let lock = CacheLock::acquire(base, name).unwrap();
     let opts = WriterOptions {
-        prefetch_size: 4,
         compression: Compression::new(algo, 1.0).unwrap(),
-        validate: true,
-        shard_size: 1 << 20,
+        ..writer_options()
     };
-    let mut writer = CacheWriter::create(Pool::new(1).unwrap(), lock, opts).unwrap();
-    for i in 0..n {
-        writer
-            .push(SampleInput {
-                data: payload(i, compressible(i)),
-                metadata: vec![("i".into(), MetaValue::Int(i as i64))],
-            })
-            .unwrap();
-    }
-    writer.finish().unwrap().dir
+    let samples = (0..n).map(|i| numbered(i, payload(i, compressible(i))));
+    dataset_rt_testkit::write_cache(&Pool::new(1).unwrap(), base, name, opts, samples)
 }
 
 fn open(dir: &Path) -> Dataset {
     Dataset::new(vec![Arc::new(
         Cache::open(dir, Validation::Structure).unwrap(),
     )])
-}
-
-fn rewrite(path: &Path, at: u64, bytes: &[u8]) {
-    // Published files may be read-only: the forger does not care.
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let mut all = std::fs::read(path).unwrap();
-    all[at as usize..at as usize + bytes.len()].copy_from_slice(bytes);
-    std::fs::write(path, all).unwrap();
-}
-
-/// Sets sample `sample`'s `raw_len` to `raw_len` in the index and, with `record`, in its
-/// record header too (with the record checksum recomputed); then re-signs the index, shard and
-/// manifest checksums and the fingerprint.
-fn forge_raw_len(dir: &Path, sample: u64, raw_len: u32, record: bool) {
-    forge(dir, sample, raw_len, None, record)
-}
-
-/// As `forge_raw_len`, and sets the flags to `flags` too when given.
-fn forge(dir: &Path, sample: u64, raw_len: u32, flags: Option<u32>, record: bool) {
-    let cache = Cache::open(dir, Validation::Structure).unwrap();
-    let (mut entry, mut header, payload_start) = cache.verify_record(sample).unwrap();
-    let shard_path = cache.shard_path(entry.shard);
-    let mut manifest = cache.manifest.clone();
-    drop(cache);
-    if record {
-        let shard = std::fs::read(&shard_path).unwrap();
-        let meta_start = (entry.offset + RECORD_HEADER_LEN) as usize;
-        let meta = &shard[meta_start..meta_start + header.meta_len as usize];
-        let stored = &shard[payload_start as usize..][..header.stored_len as usize];
-        header.raw_len = raw_len;
-        header.flags = flags.unwrap_or(header.flags);
-        header.checksum = header.compute_checksum(meta, stored);
-        entry.checksum = header.checksum;
-        rewrite(&shard_path, entry.offset, &header.encode());
-        let shard = std::fs::read(&shard_path).unwrap();
-        manifest.shards[entry.shard as usize].checksum = checksum_hex(hash_bytes(&shard));
-    }
-    entry.raw_len = raw_len;
-    entry.flags = flags.unwrap_or(entry.flags);
-    let index_path = dir.join(INDEX_FILE);
-    rewrite(
-        &index_path,
-        INDEX_HEADER_LEN + sample * INDEX_ENTRY_LEN,
-        &entry.encode(),
-    );
-    manifest.index.checksum = checksum_hex(hash_bytes(&std::fs::read(&index_path).unwrap()));
-    manifest.fingerprint = manifest.compute_fingerprint();
-    let manifest_path = dir.join(MANIFEST_FILE);
-    std::fs::set_permissions(&manifest_path, std::fs::Permissions::from_mode(0o644)).unwrap();
-    std::fs::write(&manifest_path, serde_json::to_vec(&manifest).unwrap()).unwrap();
 }
 
 fn corrupt_reason(result: dataset_rt_loader::Result<u64>, sample: u64) -> String {
@@ -176,7 +114,7 @@ fn slots_are_sized_from_what_travels_in_them() {
 fn a_forged_index_size_is_refused_before_a_ring_is_sized_from_it() {
     let dir = tempfile::tempdir().unwrap();
     let cache = write_cache(dir.path(), "c", "lz4", 8);
-    forge_raw_len(&cache, 0, FORGED_RAW_LEN, false);
+    forge_entry(&cache, 0, |e| e.raw_len = FORGED_RAW_LEN);
     let reason = corrupt_reason(max_sample_bytes(&open(&cache)), 0);
     assert!(reason.contains("disagrees with index entry"), "{reason}");
 }
@@ -185,7 +123,7 @@ fn a_forged_index_size_is_refused_before_a_ring_is_sized_from_it() {
 fn a_forged_index_size_of_a_raw_record_sizes_nothing_and_is_refused_when_read() {
     let dir = tempfile::tempdir().unwrap();
     let cache = write_cache(dir.path(), "c", "none", 8);
-    forge_raw_len(&cache, 0, FORGED_RAW_LEN, false);
+    forge_entry(&cache, 0, |e| e.raw_len = FORGED_RAW_LEN);
     let ds = open(&cache);
     assert_eq!(max_sample_bytes(&ds).unwrap(), ENTRY_AND_METADATA);
     let reason = read_refusal(&ds, 0);
@@ -196,7 +134,7 @@ fn a_forged_index_size_of_a_raw_record_sizes_nothing_and_is_refused_when_read() 
 fn a_forged_size_in_a_re_signed_raw_record_sizes_nothing_and_is_refused_when_read() {
     let dir = tempfile::tempdir().unwrap();
     let cache = write_cache(dir.path(), "c", "none", 8);
-    forge_raw_len(&cache, 3, FORGED_RAW_LEN, true);
+    forge_record(&cache, 3, |h| h.raw_len = FORGED_RAW_LEN);
     let ds = open(&cache);
     assert_eq!(max_sample_bytes(&ds).unwrap(), ENTRY_AND_METADATA);
     let reason = read_refusal(&ds, 3);
@@ -210,7 +148,10 @@ fn a_forged_size_in_a_re_signed_raw_record_sizes_nothing_and_is_refused_when_rea
 fn a_raw_record_forged_to_claim_lz4_is_refused_before_a_ring_is_sized_from_it() {
     let dir = tempfile::tempdir().unwrap();
     let cache = write_cache(dir.path(), "c", "none", 8);
-    forge(&cache, 2, FORGED_RAW_LEN, Some(FLAG_LZ4), true);
+    forge_record(&cache, 2, |h| {
+        h.raw_len = FORGED_RAW_LEN;
+        h.flags = FLAG_LZ4;
+    });
     let reason = corrupt_reason(max_sample_bytes(&open(&cache)), 2);
     // The cache was written without compression, so no record of it may claim LZ4 at all
     // (checked before the claimed length is).
@@ -228,7 +169,7 @@ fn a_forged_size_in_a_re_signed_lz4_record_is_refused_without_decoding_it() {
     let (_, header, _) = ds.caches[0].verify_record(5).unwrap();
     assert_eq!(header.flags & FLAG_LZ4, FLAG_LZ4, "stored compressed");
     // Beyond what the stored bytes can decode to: refused before any decoding.
-    forge_raw_len(&cache, 5, FORGED_RAW_LEN, true);
+    forge_record(&cache, 5, |h| h.raw_len = FORGED_RAW_LEN);
     let reason = corrupt_reason(max_sample_bytes(&open(&cache)), 5);
     assert!(
         reason.contains(&format!(
@@ -239,7 +180,7 @@ fn a_forged_size_in_a_re_signed_lz4_record_is_refused_without_decoding_it() {
     // Within LZ4's bound but false (forged in a fresh copy): the decoded length gives it away.
     let dir = tempfile::tempdir().unwrap();
     let cache = write_cache(dir.path(), "c", "lz4", 8);
-    forge_raw_len(&cache, 5, header.stored_len * 200, true);
+    forge_record(&cache, 5, |h| h.raw_len = header.stored_len * 200);
     let reason = corrupt_reason(max_sample_bytes(&open(&cache)), 5);
     assert!(
         reason.contains("does not decode") || reason.contains("decodes to"),

@@ -13,6 +13,7 @@ use dataset_rt_remote::publish::{build_id, PublishedCache, BUILDS_DIR};
 use dataset_rt_remote::{
     ls, pull, push, Error, FetchPolicy, PushOptions, Remote, RemoteOptions, RequestFailure,
 };
+use dataset_rt_testkit::write_at;
 use futures::TryStreamExt;
 use object_store::memory::InMemory;
 use object_store::path::Path as Key;
@@ -224,10 +225,8 @@ fn large_files_go_up_in_parts_and_a_changed_local_file_is_refused() {
         std::fs::copy(&entry, copy.join(rel)).unwrap();
     }
     let shard = copy.join("shards/000000.bin");
-    let mut bytes = std::fs::read(&shard).unwrap();
-    bytes[5000] ^= 1;
-    std::fs::set_permissions(&shard, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-    std::fs::write(&shard, bytes).unwrap();
+    let byte = std::fs::read(&shard).unwrap()[5000];
+    write_at(&shard, 5000, &[byte ^ 1]);
     let fresh = Arc::new(InMemory::new());
     let err = push(&copy, &remote_over(fresh.clone(), URL), &parts).unwrap_err();
     let text = err.to_string();

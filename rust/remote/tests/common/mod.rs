@@ -14,9 +14,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use dataset_rt_core::format::Compression;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_core::writer::WriterOptions;
+use dataset_rt_testkit::{sample, writer_options};
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use object_store::path::Path as Key;
@@ -36,27 +36,18 @@ pub fn write_cache(
     seed: u8,
 ) -> PathBuf {
     let pool = Pool::new(1).unwrap();
-    let lock = CacheLock::acquire(base, name).unwrap();
     let opts = WriterOptions {
-        prefetch_size: 4,
-        compression: Compression::NONE,
         validate: false,
         shard_size,
+        ..writer_options()
     };
-    let mut writer = CacheWriter::create(pool, lock, opts).unwrap();
-    for i in 0..samples {
+    let records = (0..samples).map(|i| {
         let data = (0..payload)
             .map(|j| (i * 31 + j * 7) as u8 ^ seed)
             .collect();
-        writer
-            .push(SampleInput {
-                data,
-                metadata: Vec::new(),
-            })
-            .unwrap();
-    }
-    writer.finish().unwrap();
-    base.join(name)
+        sample(data, &[])
+    });
+    dataset_rt_testkit::write_cache(&pool, base, name, opts, records)
 }
 
 /// What the next GET meets.
