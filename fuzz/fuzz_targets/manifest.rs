@@ -4,6 +4,7 @@
 #![no_main]
 
 use dataset_rt_fuzz::{exercise, forge, guarded, scratch};
+use dataset_rt_testkit::resign::resign_fingerprint;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -15,7 +16,7 @@ fuzz_target!(|data: &[u8]| {
         files.manifest = text.to_vec();
         if flags & 1 != 0 {
             if let Ok(mut m) = serde_json::from_slice::<serde_json::Value>(text) {
-                forge::resign_fingerprint(&mut m);
+                resign_fingerprint(&mut m);
                 files.manifest = serde_json::to_vec(&m).unwrap();
             }
         }

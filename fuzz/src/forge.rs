@@ -1,94 +1,48 @@
 //! Caches as bytes: small valid caches written by the real writer, damage described by the fuzz
-//! input, and re-signing (record checksums, file sizes and checksums, the fingerprint) so that
-//! the damage reaches the structural checks and parsers instead of stopping at a checksum.
+//! input, and re-signing (record checksums, file sizes and checksums, the fingerprint: the
+//! steps of `dataset_rt_testkit::resign`) so that the damage reaches the structural checks and
+//! parsers instead of stopping at a checksum.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use arbitrary::Arbitrary;
-use dataset_rt_core::format::{
-    align_up, checksum_hex, hash_bytes, index_entry_len, shard_file_name, Compression, Manifest,
-    FORMAT_VERSION, INDEX_FILE, INDEX_HEADER_LEN, MANIFEST_FILE, METADATA_FILE, READABLE_VERSIONS,
-    RECORD_HEADER_LEN, RECORD_V2_HASHED_FROM, SHARDS_DIR,
-};
+use dataset_rt_core::format::{hash_bytes, index_entry_len, Compression};
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::writer::{CacheLock, CacheWriter, SampleInput, WriterOptions};
+use dataset_rt_core::writer::{SampleInput, WriterOptions};
+use dataset_rt_testkit::layout::{
+    entries, entry_at, entry_layout, put, record_layout, record_of, version_of, Field,
+};
+use dataset_rt_testkit::resign::{resign_files, resign_fingerprint, resign_records};
+use dataset_rt_testkit::{golden_dir, write_cache, writer_options, CacheFiles};
 use serde_json::Value;
 
-/// Every file of a cache directory, in memory.
-#[derive(Clone, Debug)]
-pub struct Files {
-    pub name: String,
-    pub manifest: Vec<u8>,
-    pub index: Vec<u8>,
-    pub metadata: Vec<u8>,
-    pub shards: Vec<Vec<u8>>,
-}
-
-impl Files {
-    /// Reads a cache directory.
-    pub fn read(dir: &Path) -> Files {
-        let read = |rel: &str| std::fs::read(dir.join(rel)).expect("a file of a valid cache");
-        let mut shards = Vec::new();
-        while dir.join(shard_file_name(shards.len() as u32)).exists() {
-            shards.push(read(&shard_file_name(shards.len() as u32)));
-        }
-        Files {
-            name: dir.file_name().unwrap().to_string_lossy().into_owned(),
-            manifest: read(MANIFEST_FILE),
-            index: read(INDEX_FILE),
-            metadata: read(METADATA_FILE),
-            shards,
-        }
-    }
-
-    /// Writes the cache into `parent/<name>` (replacing what was there) and returns that path.
-    pub fn write(&self, parent: &Path) -> std::path::PathBuf {
-        let dir = parent.join(&self.name);
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(dir.join(SHARDS_DIR)).expect("create the cache directory");
-        let put = |rel: &str, bytes: &[u8]| std::fs::write(dir.join(rel), bytes).expect("write");
-        put(MANIFEST_FILE, &self.manifest);
-        put(INDEX_FILE, &self.index);
-        put(METADATA_FILE, &self.metadata);
-        for (i, s) in self.shards.iter().enumerate() {
-            put(&shard_file_name(i as u32), s);
-        }
-        dir
-    }
-
-    pub fn file_mut(&mut self, which: FileSel) -> &mut Vec<u8> {
-        match which {
-            FileSel::Manifest => &mut self.manifest,
-            FileSel::Index => &mut self.index,
-            FileSel::Metadata => &mut self.metadata,
-            FileSel::Shard(i) => {
-                if self.shards.is_empty() {
-                    &mut self.index
-                } else {
-                    let n = self.shards.len();
-                    &mut self.shards[i as usize % n]
-                }
+/// The file of `files` that `which` names (a shard chosen modulo their number; the index when
+/// there is none).
+pub fn file_mut(files: &mut CacheFiles, which: FileSel) -> &mut Vec<u8> {
+    match which {
+        FileSel::Manifest => &mut files.manifest,
+        FileSel::Index => &mut files.index,
+        FileSel::Metadata => &mut files.metadata,
+        FileSel::Shard(i) => {
+            if files.shards.is_empty() {
+                &mut files.index
+            } else {
+                let n = files.shards.len();
+                &mut files.shards[i as usize % n]
             }
         }
     }
 }
 
 /// The committed golden cache (`tests/data/golden_v1/golden`): every metadata type, NaN and
-/// infinities, unicode, one LZ4 record, two shards.
-pub fn golden() -> Files {
-    Files {
-        name: "golden".into(),
-        manifest: include_bytes!("../../tests/data/golden_v1/golden/manifest.json").to_vec(),
-        index: include_bytes!("../../tests/data/golden_v1/golden/index.bin").to_vec(),
-        metadata: include_bytes!("../../tests/data/golden_v1/golden/metadata.arrow").to_vec(),
-        shards: vec![
-            include_bytes!("../../tests/data/golden_v1/golden/shards/000000.bin").to_vec(),
-            include_bytes!("../../tests/data/golden_v1/golden/shards/000001.bin").to_vec(),
-        ],
-    }
+/// infinities, unicode, one LZ4 record, two shards. Read once per process.
+pub fn golden() -> CacheFiles {
+    static GOLDEN: OnceLock<CacheFiles> = OnceLock::new();
+    GOLDEN
+        .get_or_init(|| CacheFiles::read(&golden_dir(1)))
+        .clone()
 }
 
 /// Payload bytes that compress well (`compressible`) or not at all.
@@ -132,8 +86,8 @@ fn samples(config: u8) -> Vec<SampleInput> {
 /// A small valid cache written by the real writer: `config` decides the number of samples
 /// (bits 0-2), LZ4 (bit 3), the metadata schema (bits 4-5), one record per shard (bit 6) and
 /// incompressible payloads (bit 7). Each is written once per process.
-pub fn base(config: u8) -> Files {
-    static BASES: OnceLock<Mutex<HashMap<u8, Files>>> = OnceLock::new();
+pub fn base(config: u8) -> CacheFiles {
+    static BASES: OnceLock<Mutex<HashMap<u8, CacheFiles>>> = OnceLock::new();
     static POOL: OnceLock<Arc<Pool>> = OnceLock::new();
     let bases = BASES.get_or_init(Default::default);
     if let Some(files) = bases.lock().unwrap().get(&config) {
@@ -148,25 +102,20 @@ pub fn base(config: u8) -> Files {
         Compression::NONE
     };
     let opts = WriterOptions {
-        prefetch_size: 4,
         compression,
         validate: false,
         shard_size: if config & 0x40 != 0 { 64 } else { 1 << 20 },
+        ..writer_options()
     };
-    let lock = CacheLock::acquire(&parent, "c").expect("lock a scratch cache");
-    let mut writer = CacheWriter::create(pool.clone(), lock, opts).expect("start a scratch cache");
-    for s in samples(config) {
-        writer.push(s).expect("a valid sample");
-    }
-    writer.finish().expect("write a scratch cache");
-    let files = Files::read(&parent.join("c"));
+    let dir = write_cache(pool, &parent, "c", opts, samples(config));
+    let files = CacheFiles::read(&dir);
     let _ = std::fs::remove_dir_all(&parent);
     bases.lock().unwrap().insert(config, files.clone());
     files
 }
 
 /// The cache to start from: the golden cache, or a base cache.
-pub fn start(selector: u16) -> Files {
+pub fn start(selector: u16) -> CacheFiles {
     if selector % 257 == 256 {
         golden()
     } else {
@@ -347,88 +296,30 @@ pub struct Case {
     pub full_validation: bool,
 }
 
-fn put(bytes: &mut [u8], at: usize, value: &[u8]) {
-    if let Some(dst) = bytes.get_mut(at..at + value.len()) {
-        dst.copy_from_slice(value);
+/// Where an index entry's field lies in format `version` (`None`: not in entries of it).
+fn index_field(version: u32, field: IndexField) -> Option<Field> {
+    let entry = entry_layout(version);
+    match field {
+        IndexField::Offset => Some(entry.offset),
+        IndexField::Shard => Some(entry.shard),
+        IndexField::Flags => Some(entry.flags),
+        IndexField::StoredLen => Some(entry.stored_len),
+        IndexField::RawLen => Some(entry.raw_len),
+        IndexField::MetaLen => entry.meta_len,
     }
 }
 
-fn get_u32(bytes: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
-}
-
-fn get_u64(bytes: &[u8], at: usize) -> Option<u64> {
-    Some(u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
-}
-
-/// The format version the index header names (damage may have changed it: a version this
-/// DatasetRT does not read is laid out as the one it writes).
-fn version_of(files: &Files) -> u32 {
-    get_u32(&files.index, 8)
-        .filter(|v| READABLE_VERSIONS.contains(v))
-        .unwrap_or(FORMAT_VERSION)
-}
-
-fn entry_at(version: u32, entry: usize) -> usize {
-    (INDEX_HEADER_LEN + index_entry_len(version) * entry as u64) as usize
-}
-
-fn entries(version: u32, index: &[u8]) -> usize {
-    (index.len().saturating_sub(INDEX_HEADER_LEN as usize)) / index_entry_len(version) as usize
-}
-
-/// (shard, offset) of index entry `k`, when it names an existing shard.
-fn record_of(files: &Files, k: usize) -> Option<(usize, usize)> {
-    let e = entry_at(version_of(files), k);
-    let offset = usize::try_from(get_u64(&files.index, e)?).ok()?;
-    let shard = get_u32(&files.index, e + 8)? as usize;
-    (shard < files.shards.len()).then_some((shard, offset))
-}
-
-/// (offset in the entry, width) of an index entry's field in format `version`.
-fn index_field(version: u32, field: IndexField) -> Option<(usize, usize)> {
-    Some(match field {
-        IndexField::Offset => (0, 8),
-        IndexField::Shard => (8, 4),
-        IndexField::Flags => (12, 4),
-        IndexField::StoredLen => (16, 4),
-        IndexField::RawLen => (20, 4),
-        IndexField::MetaLen if version >= 3 => (24, 4),
-        IndexField::MetaLen => return None,
-    })
-}
-
-/// Where an index entry keeps its copy of the record checksum.
-fn index_checksum_at(version: u32) -> usize {
-    if version >= 3 {
-        32
-    } else {
-        24
-    }
-}
-
-/// (offset in the record, width) of a record header's field in format `version`.
-fn record_field(version: u32, field: RecordField) -> (usize, usize) {
-    if version == 1 {
-        match field {
-            RecordField::Magic => (0, 4),
-            RecordField::Flags => (4, 4),
-            RecordField::MetaLen => (8, 4),
-            RecordField::StoredLen => (12, 4),
-            RecordField::RawLen => (16, 4),
-            RecordField::Reserved => (20, 4),
-            RecordField::Sample => (24, 8),
-        }
-    } else {
-        match field {
-            RecordField::Magic => (0, 4),
-            RecordField::Reserved => (4, 4),
-            RecordField::Flags => (16, 4),
-            RecordField::MetaLen => (20, 4),
-            RecordField::StoredLen => (24, 4),
-            RecordField::RawLen => (28, 4),
-            RecordField::Sample => (32, 8),
-        }
+/// Where a record header's field lies in format `version`.
+fn record_field(version: u32, field: RecordField) -> Field {
+    let record = record_layout(version);
+    match field {
+        RecordField::Magic => record.magic,
+        RecordField::Flags => record.flags,
+        RecordField::MetaLen => record.meta_len,
+        RecordField::StoredLen => record.stored_len,
+        RecordField::RawLen => record.raw_len,
+        RecordField::Reserved => record.reserved,
+        RecordField::Sample => record.sample,
     }
 }
 
@@ -462,46 +353,46 @@ fn schema_mut(m: &mut Value) -> Option<&mut Vec<Value>> {
 }
 
 /// Applies one damage to the binary files (`manifest` is the parsed manifest).
-fn damage_files(files: &mut Files, m: &mut Value, d: &Damage) {
+fn damage_files(files: &mut CacheFiles, m: &mut Value, d: &Damage) {
     match d {
         Damage::Flip { file, at, mask } => {
-            let f = files.file_mut(*file);
+            let f = file_mut(files, *file);
             let i = at.resolve(f.len());
             if let Some(b) = f.get_mut(i) {
                 *b ^= *mask;
             }
         }
         Damage::PutU32 { file, at, value } => {
-            let f = files.file_mut(*file);
+            let f = file_mut(files, *file);
             let i = at.resolve(f.len());
             put(f, i, &value.to_le_bytes());
         }
         Damage::PutU64 { file, at, value } => {
-            let f = files.file_mut(*file);
+            let f = file_mut(files, *file);
             let i = at.resolve(f.len());
             put(f, i, &value.to_le_bytes());
         }
-        Damage::Truncate { file, len } => files.file_mut(*file).truncate(usize::from(*len)),
+        Damage::Truncate { file, len } => file_mut(files, *file).truncate(usize::from(*len)),
         Damage::Insert { file, at, bytes } => {
-            let f = files.file_mut(*file);
+            let f = file_mut(files, *file);
             let i = at.resolve(f.len());
             f.splice(i..i, bytes.iter().copied().take(4096));
         }
         Damage::Overwrite { file, at, bytes } => {
-            let f = files.file_mut(*file);
+            let f = file_mut(files, *file);
             let i = at.resolve(f.len());
             let end = (i + bytes.len()).min(f.len());
             f[i..end].copy_from_slice(&bytes[..end - i]);
         }
         Damage::Replace { file, bytes } => {
-            *files.file_mut(*file) = bytes.iter().copied().take(1 << 16).collect()
+            *file_mut(files, *file) = bytes.iter().copied().take(1 << 16).collect()
         }
         Damage::Index {
             entry,
             field,
             value,
         } => {
-            let version = version_of(files);
+            let version = version_of(&files.index);
             let n = entries(version, &files.index);
             if let (true, Some((off, width))) = (n > 0, index_field(version, *field)) {
                 let at = entry_at(version, usize::from(*entry) % n) + off;
@@ -514,7 +405,7 @@ fn damage_files(files: &mut Files, m: &mut Value, d: &Damage) {
             value,
             also_index,
         } => {
-            let version = version_of(files);
+            let version = version_of(&files.index);
             let n = entries(version, &files.index);
             if n == 0 {
                 return;
@@ -544,7 +435,7 @@ fn damage_files(files: &mut Files, m: &mut Value, d: &Damage) {
         }
         Damage::Samples { n } => {
             let n = usize::from(*n) % 16;
-            let version = version_of(files);
+            let version = version_of(&files.index);
             let old = entries(version, &files.index);
             let entry0 = files
                 .index
@@ -629,79 +520,8 @@ fn damage_manifest(m: &mut Value, d: &Damage) {
     }
 }
 
-/// Gives every record that lies inside its shard the checksum of its bytes, in its header and
-/// in its index entry.
-pub fn resign_records(files: &mut Files) {
-    let version = version_of(files);
-    for k in 0..entries(version, &files.index) {
-        let Some((shard, start)) = record_of(files, k) else {
-            continue;
-        };
-        let bytes = &files.shards[shard];
-        let Some(header) = start
-            .checked_add(RECORD_HEADER_LEN as usize)
-            .and_then(|end| bytes.get(start..end))
-        else {
-            continue;
-        };
-        let field =
-            |f: RecordField| u64::from(get_u32(header, record_field(version, f).0).unwrap());
-        let meta_len = field(RecordField::MetaLen);
-        let stored_len = field(RecordField::StoredLen);
-        let meta_start = start as u64 + RECORD_HEADER_LEN;
-        let payload_start = start as u64 + align_up(RECORD_HEADER_LEN + meta_len);
-        let payload_end = payload_start + stored_len;
-        if payload_end > bytes.len() as u64 {
-            continue;
-        }
-        let (sum, sum_at) = if version == 1 {
-            // v1: the header without its checksum, the metadata, the payload; the sum after them.
-            let mut h = xxhash_rust::xxh3::Xxh3::new();
-            h.update(&header[..32]);
-            h.update(&bytes[meta_start as usize..(meta_start + meta_len) as usize]);
-            h.update(&bytes[payload_start as usize..payload_end as usize]);
-            (h.digest(), 32)
-        } else {
-            // v2 and later: one range from the fields to the payload's end; the sum at 8.
-            let from = start + RECORD_V2_HASHED_FROM as usize;
-            (hash_bytes(&bytes[from..payload_end as usize]), 8)
-        };
-        let sum = sum.to_le_bytes();
-        put(&mut files.shards[shard], start + sum_at, &sum);
-        put(
-            &mut files.index,
-            entry_at(version, k) + index_checksum_at(version),
-            &sum,
-        );
-    }
-}
-
-/// Sets the sizes and checksums the manifest gives for every file that exists.
-pub fn resign_files(files: &Files, m: &mut Value) {
-    let sign = |entry: Option<&mut Value>, bytes: &[u8]| {
-        if let Some(e) = entry.filter(|e| e.is_object()) {
-            e["bytes"] = (bytes.len() as u64).into();
-            e["checksum"] = checksum_hex(hash_bytes(bytes)).into();
-        }
-    };
-    sign(m.get_mut("index"), &files.index);
-    sign(m.get_mut("metadata"), &files.metadata);
-    if let Some(shards) = shards_mut(m) {
-        for (entry, bytes) in shards.iter_mut().zip(&files.shards) {
-            sign(Some(entry), bytes);
-        }
-    }
-}
-
-/// Recomputes the fingerprint when the manifest still parses.
-pub fn resign_fingerprint(m: &mut Value) {
-    if let Ok(manifest) = serde_json::from_value::<Manifest>(m.clone()) {
-        m["fingerprint"] = manifest.compute_fingerprint().into();
-    }
-}
-
 /// Builds the damaged, re-signed cache that `case` describes.
-pub fn forge(case: &Case) -> Files {
+pub fn forge(case: &Case) -> CacheFiles {
     let mut files = start(case.start);
     let Ok(mut m) = serde_json::from_slice::<Value>(&files.manifest) else {
         unreachable!("the starting caches have valid manifests");

@@ -1,5 +1,6 @@
 //! What the fuzz targets share: the panic policy, a scratch directory, small valid caches to
-//! start from, re-signing after damage, and reading everything an opened cache offers.
+//! start from and their damage (re-signing after it is `dataset_rt_testkit`'s, as in the Rust
+//! tests), and reading everything an opened cache offers.
 
 use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
