@@ -109,6 +109,8 @@ pub fn check_reader_config(
         } else {
             RankPolicy::Pad
         },
+        io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+        read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
     }
     .validate()
     .py_err()

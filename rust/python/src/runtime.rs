@@ -266,6 +266,8 @@ impl Reading {
             } else {
                 RankPolicy::Pad
             },
+            io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+            read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
         };
         read.validate().py_err()?;
         let validation = if validate {
