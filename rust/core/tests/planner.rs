@@ -557,23 +557,30 @@ fn warm_records_put_the_planner_to_rest_and_a_miss_wakes_it() {
     let source = Recording::resident();
     let mut r = reader(&pool, &ds, &opts).with_range_source(source.clone());
     let mut got = Vec::new();
+    let mut woke_at = None;
     while let Some(s) = r.next_sample() {
         let s = s.unwrap();
         got.push(global(&ds, &s));
-        if got.len() == 200 {
+        if got.len() == 100 {
             // The data turns cold: the next probe misses and the planner plans again.
             source.resident.store(false, Ordering::Relaxed);
+        }
+        if woke_at.is_none() && r.planner_stats().unwrap().planned > 0 {
+            woke_at = Some(got.len());
         }
     }
     assert_eq!(got, want);
     let stats = r.planner_stats().unwrap();
-    assert_eq!(stats.rests, 1);
-    assert!(stats.planned >= u64::from(REST_AFTER));
-    assert!(stats.probes >= 1 && stats.probes_missed == 1, "{stats:?}");
+    // Warm from the first sample: it never planned until a probe missed after sample 100 (the
+    // probes come at positions 0, 64, 192: the window is 16 samples ahead of the consumer).
+    assert!(woke_at.is_some_and(|n| n >= 100), "{woke_at:?}");
+    assert_eq!(stats.rests, 0);
+    assert!(stats.probes >= 3 && stats.probes_missed == 1, "{stats:?}");
     // Nothing was started while warm; after the miss, the rest of the pass was.
     let s = source.state.lock().unwrap();
-    assert!(!s.started.is_empty() && (s.started.len() as u64) < SAMPLES - 64);
+    assert!(!s.started.is_empty() && (s.started.len() as u64) < SAMPLES - 100);
     assert_eq!(stats.started, s.started.len() as u64);
+    assert_eq!(stats.planned, stats.started);
     drop(s);
     drop(r);
     assert_eq!(source.in_flight(), (0, 0));
@@ -596,7 +603,7 @@ fn the_local_file_backend_reads_every_record_and_rests_on_warm_data() {
         let r = reader(&pool, &ds, &opts).with_range_source(Arc::new(local));
         assert_eq!(read_samples(&ds, r), want);
     }
-    // The records were just read: resident, so the planner rests after REST_AFTER of them.
+    // The records were just read: resident, so the planner never wakes.
     let local = dataset_rt_core::dataset::LocalFiles::new(
         ds.caches.clone(),
         dataset_rt_core::dataset::WillNeed::Fadvise,
@@ -608,7 +615,32 @@ fn the_local_file_backend_reads_every_record_and_rests_on_warm_data() {
     }
     let stats = r.planner_stats().unwrap();
     assert_eq!(stats.started, 0, "{stats:?}");
+    assert_eq!(stats.planned, 0, "{stats:?}");
+    assert!(stats.probes >= 1 && stats.probes_missed == 0, "{stats:?}");
+}
+
+#[test]
+fn a_planner_that_finds_records_resident_goes_back_to_rest() {
+    let pool = Pool::new(2).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    write(&pool, tmp.path(), Compression::NONE);
+    let ds = open(tmp.path(), VerifyPolicy::Once);
+    let opts = options(true, 16, 16, u64::MAX);
+    let source = Recording::missing();
+    let mut r = reader(&pool, &ds, &opts).with_range_source(source.clone());
+    let mut n = 0;
+    while let Some(s) = r.next_sample() {
+        s.unwrap();
+        n += 1;
+        if n == 20 {
+            // The data turns warm: after REST_AFTER resident records in a row it rests.
+            source.resident.store(true, Ordering::Relaxed);
+        }
+    }
+    let stats = r.planner_stats().unwrap();
     assert_eq!(stats.rests, 1, "{stats:?}");
+    assert!(stats.planned < SAMPLES - 64, "{stats:?}");
+    assert!(stats.resident >= u64::from(REST_AFTER), "{stats:?}");
 }
 
 #[test]

@@ -10,11 +10,12 @@
 //! planned and not yet taken. It adds no thread: a backend starts fetches without waiting for
 //! them (kernel advice for local files; requests on an asynchronous runtime for object storage).
 //!
-//! Warm data pays nothing: each planned record is first probed ([`RangeSource::resident`]); a
-//! resident one is not fetched, and once [`REST_AFTER`] records in a row were resident the
-//! planner rests. While it rests the reader reads as it would without it, and one record every
-//! so many positions is probed (the interval doubles after each resident probe, up to
-//! [`MAX_PROBE_INTERVAL`]); the first probe that misses wakes it.
+//! Warm data pays nothing: a planner starts at rest, and probes the pass's first record
+//! ([`RangeSource::resident`]) before anything is read. While it rests the reader reads as it
+//! would without it, and one record every so many positions is probed (the interval doubles
+//! after each resident probe, from [`FIRST_PROBE_INTERVAL`] up to [`MAX_PROBE_INTERVAL`]); the
+//! first probe that misses wakes it. Awake, it probes each record it plans: a resident one is
+//! not fetched, and once [`REST_AFTER`] records in a row were resident it rests again.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -151,8 +152,10 @@ impl ReadPlanner {
             bytes: 0,
             pending: Vec::new(),
             released: Vec::new(),
-            mode: Mode::Advising {
-                resident_in_a_row: 0,
+            // At rest, with a probe due at the first position: a warm pass never wakes it.
+            mode: Mode::Resting {
+                next: 0,
+                interval: FIRST_PROBE_INTERVAL / 2,
             },
             stats: PlannerStats::default(),
         }
@@ -369,10 +372,33 @@ mod tests {
         }
     }
 
+    /// A planner woken by a probe that misses (shard 0 is not resident).
+    fn awake(source: Arc<Recording>, depth: usize, max_bytes: u64) -> ReadPlanner {
+        let mut p = ReadPlanner::new(source, depth, max_bytes);
+        assert!(!p.advising(), "a planner starts at rest");
+        assert_eq!(p.probe_due(0, 1), Some(0), "and probes the first record");
+        p.probe(0, Some(at(0, 0, 1)));
+        assert!(p.advising());
+        p
+    }
+
+    #[test]
+    fn a_planner_whose_first_probe_hits_stays_at_rest() {
+        let source = Arc::new(Recording::default());
+        let mut p = ReadPlanner::new(source, 8, 1 << 20);
+        p.probe(0, Some(at(1, 0, 1)));
+        assert!(!p.advising());
+        assert_eq!(p.probe_due(1, FIRST_PROBE_INTERVAL), None);
+        assert_eq!(
+            p.probe_due(1, FIRST_PROBE_INTERVAL + 1),
+            Some(FIRST_PROBE_INTERVAL)
+        );
+    }
+
     #[test]
     fn missing_records_are_started_and_released_record_by_record_in_order() {
         let source = Arc::new(Recording::default());
-        let mut p = ReadPlanner::new(source.clone(), 8, 1 << 20);
+        let mut p = awake(source.clone(), 8, 1 << 20);
         let ranges = [
             at(0, 0, 100),
             at(1, 112, 100),
@@ -400,7 +426,7 @@ mod tests {
     #[test]
     fn resident_records_are_not_started_and_the_planner_rests_then_wakes_on_a_miss() {
         let source = Arc::new(Recording::default());
-        let mut p = ReadPlanner::new(source.clone(), 1 << 10, u64::MAX);
+        let mut p = awake(source.clone(), 1 << 10, u64::MAX);
         for k in 0..u64::from(REST_AFTER) {
             assert!(p.advising());
             p.plan(k, Some(at(1, k * 100, 100)));
@@ -417,8 +443,8 @@ mod tests {
         let due = p.probe_due(due, due + 10_000).unwrap();
         p.probe(due, Some(at(0, 0, 1)));
         assert!(p.advising());
-        assert_eq!(p.stats().probes, 2);
-        assert_eq!(p.stats().probes_missed, 1);
+        assert_eq!(p.stats().probes, 3);
+        assert_eq!(p.stats().probes_missed, 2);
         p.release_all();
         assert_eq!(p.in_flight(), 0);
     }
@@ -426,7 +452,7 @@ mod tests {
     #[test]
     fn the_probe_interval_grows_to_its_bound() {
         let source = Arc::new(Recording::default());
-        let mut p = ReadPlanner::new(source, 4, u64::MAX);
+        let mut p = awake(source, 4, u64::MAX);
         for k in 0..u64::from(REST_AFTER) {
             p.plan(k, Some(at(1, 0, 1)));
             p.release_through(k + 1);
@@ -445,7 +471,7 @@ mod tests {
     #[test]
     fn one_record_larger_than_the_byte_bound_goes_through_alone() {
         let source = Arc::new(Recording::default());
-        let mut p = ReadPlanner::new(source, 8, 1000);
+        let mut p = awake(source, 8, 1000);
         let big = at(0, 0, 5000);
         assert!(p.admits(Some(&big)));
         p.plan(0, Some(big));

@@ -633,10 +633,15 @@ impl EpochReader {
                     break;
                 }
             } else if self.ahead.is_empty() {
-                // A resting planner probes one sample now and then: a miss wakes it.
+                // A resting planner probes one sample now and then (the pass's first one before
+                // anything is read): a miss wakes it, and this chunk is then planned.
                 if let Some(planner) = self.planner.as_mut() {
                     if let Some(k) = planner.probe_due(k0, k1) {
                         planner.probe(k, self.dataset.record_range(self.pass.global(k)));
+                        if planner.advising() {
+                            self.plan_ahead();
+                            continue;
+                        }
                     }
                 }
             }
