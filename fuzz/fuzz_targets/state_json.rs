@@ -44,6 +44,8 @@ fuzz_target!(|data: &[u8]| {
             } else {
                 RankPolicy::Pad
             },
+            io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+            read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
         };
         opts.validate().expect("the harness's options are valid");
         let weights = if flags & 16 != 0 {

@@ -1,7 +1,8 @@
 //! A dataset: the loaded caches in source order, their weights, epoch orders and iterator state.
 //!
-//! `state` holds the options and the iterator state, `reader` the read-ahead of an epoch;
-//! their items are re-exported here.
+//! `state` holds the options and the iterator state, `reader` the read-ahead of an epoch,
+//! `planner` the read planner it consults (with its backend trait) and `local_files` the
+//! planner's backend for local files; their items are re-exported here.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -10,18 +11,28 @@ use std::sync::{Arc, OnceLock};
 
 use crate::cache::Cache;
 use crate::error::{Error, Result};
-use crate::format::{combined_fingerprint, SampleIdSource, FLAG_LZ4};
+use crate::format::{combined_fingerprint, payload_offset, SampleIdSource, FLAG_LZ4};
 use crate::metadata::MetaRef;
 use crate::sampler::{EpochOrder, EpochParams, Weights, SAMPLER_VERSION};
 use crate::verify::{VerifiedSet, VerifyPolicy};
 
+mod local_files;
+mod planner;
 mod reader;
 mod state;
 
+pub use local_files::{io_path, IoPath, LocalFiles, WillNeed, DEFAULT_IO_PATH, IO_ENV};
+pub use planner::{
+    PlannerStats, Range, RangeSource, ReadPlanner, FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL,
+    REST_AFTER,
+};
 pub use reader::{
     CheckedShards, EpochReader, FetchHook, DEFAULT_PREFETCH_BYTES, MAPPED_READ_AHEAD,
 };
-pub use state::{next_epoch, resume_point, ReadOptions, State, LAST_EPOCH, STATE_VERSION};
+pub use state::{
+    next_epoch, resume_point, ReadOptions, State, DEFAULT_IO_DEPTH, DEFAULT_READ_AHEAD_BYTES,
+    LAST_EPOCH, MAX_IO_DEPTH, STATE_VERSION,
+};
 
 /// A sample's payload: a range of a shard (served without a copy) or decompressed bytes.
 pub enum Payload {
@@ -405,6 +416,45 @@ impl Dataset {
             }
             Payload::Owned(bytes) => Cow::Owned(bytes),
         }
+    }
+
+    /// Where the record of sample `global` lies, from its index entry (unchecked: a hint for
+    /// the read planner, clamped to its shard's map): `None` when the entry names no shard, or
+    /// an offset past its end. Before format v3 the entry lacks the metadata's length, and a
+    /// page is assumed for it.
+    pub fn record_range(&self, global: u64) -> Option<Range> {
+        let (c, row) = self.locate(global);
+        let cache = &self.caches[c];
+        let e = cache.entry(row);
+        if e.shard as usize >= cache.num_shards() {
+            return None;
+        }
+        let shard_len = cache.shard_len(e.shard);
+        if e.offset >= shard_len {
+            return None;
+        }
+        let meta_len = e.meta_len.unwrap_or(4096);
+        let len = payload_offset(meta_len).saturating_add(u64::from(e.stored_len));
+        Some(Range {
+            cache: c as u32,
+            shard: e.shard,
+            offset: e.offset,
+            len: len.min(shard_len - e.offset),
+        })
+    }
+
+    /// The read planner for a pass over this dataset under `opts`, on the path [`io_path`]
+    /// chose: `None` on the plain path.
+    pub fn planner(&self, opts: &ReadOptions) -> Option<ReadPlanner> {
+        let IoPath::Advise { how, random } = io_path() else {
+            return None;
+        };
+        let local = LocalFiles::new(self.caches.clone(), how, random);
+        Some(ReadPlanner::new(
+            Arc::new(local),
+            opts.io_depth,
+            opts.read_ahead_bytes,
+        ))
     }
 
     /// Asks the CPU to bring in what reading sample `global` touches first, without waiting for

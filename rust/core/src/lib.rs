@@ -7,9 +7,12 @@
 //! 3. `metadata` (error, pool, hashed_file);
 //! 4. `format`: byte layouts and the manifest (checksum, metadata's field types);
 //! 5. `cache`: opening and validating a cache (format, metadata, pool);
-//! 6. `dataset`: reading it (cache, sampler, verify, pool), in three files: `dataset::state`
-//!    (the read options and the iterator state), `dataset` (the `Dataset` and its `fetch`) and
-//!    `dataset::reader` (the `EpochReader`'s read-ahead, over `Dataset`); and `writer`: writing
+//! 6. `dataset`: reading it (cache, sampler, verify, pool), in five files: `dataset::state`
+//!    (the read options and the iterator state), `dataset` (the `Dataset` and its `fetch`),
+//!    `dataset::planner` (the read planner and its backend trait, `RangeSource`),
+//!    `dataset::local_files` (the planner's backend for local files: kernel advice) and
+//!    `dataset::reader` (the `EpochReader`'s read-ahead, over `Dataset`, consulting the
+//!    planner); and `writer`: writing
 //!    one (cache, format, hashed_file, liveness, pool), in four files: `writer::lock` (names,
 //!    the lock, leftovers), `writer::records` (encoding, the ordered commit into shards),
 //!    `writer::validate` (each sample against the schema) and `writer` (a write from the first

@@ -63,6 +63,8 @@ fn options(rank: u64, world_size: u64) -> ReadOptions {
         rank,
         world_size,
         policy: RankPolicy::Pad,
+        io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+        read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
     }
 }
 

@@ -50,6 +50,8 @@ fn options(prefetch_size: usize) -> ReadOptions {
         rank: 0,
         world_size: 1,
         policy: RankPolicy::Pad,
+        io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+        read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
     }
 }
 

@@ -34,6 +34,8 @@ fn session(dir: &Path) -> Session {
         rank: 0,
         world_size: 1,
         policy: RankPolicy::Pad,
+        io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+        read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
     };
     Session::new(pool, Arc::new(Dataset::new(vec![Arc::new(cache)])), read)
 }

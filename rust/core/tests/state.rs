@@ -53,6 +53,8 @@ fn options(epoch_len: u64, rank: u64, world_size: u64, policy: RankPolicy) -> Re
         rank,
         world_size,
         policy,
+        io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+        read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
     }
 }
 

@@ -63,6 +63,8 @@ fn reader(pool: &Arc<Pool>, ds: &Arc<Dataset>, prefetch_size: usize) -> EpochRea
         rank: 0,
         world_size: 1,
         policy: RankPolicy::Pad,
+        io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+        read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
     };
     let order = ds.try_order(&opts, &WeightTable::uniform(), 0).unwrap();
     EpochReader::new(pool.clone(), ds.clone(), Arc::new(order), &opts, 0, 0)

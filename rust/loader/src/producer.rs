@@ -333,6 +333,8 @@ fn prepare(
         rank: pass.rank,
         world_size: pass.world_size,
         policy: crate::pass::split_of(&pass).policy,
+        io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+        read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
     };
     opts.validate()?;
     if spec.threads == 0 {

@@ -95,6 +95,8 @@ fn setup_sized(raw: u64, lz4: u64) -> Setup {
         rank: 0,
         world_size: 1,
         policy: dataset_rt_core::sampler::RankPolicy::Pad,
+        io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+        read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
     };
     let spec = ProducerSpec {
         ctl_name: String::new(),

@@ -44,6 +44,8 @@ fn opts(rank: u64, world_size: u64, policy: RankPolicy) -> ReadOptions {
         rank,
         world_size,
         policy,
+        io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+        read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
     }
 }
 

@@ -136,6 +136,8 @@ impl ReaderFields<'_> {
             } else {
                 RankPolicy::Pad
             },
+            io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+            read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
         };
         read.validate().py_err()?;
         Ok(Reading {

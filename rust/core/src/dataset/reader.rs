@@ -1,6 +1,7 @@
 //! Reading an epoch ahead of its consumer on the pool: chunks of the epoch's order, claimed by
 //! the pool's threads in blocks, their shards checked against their validated sizes, handed
-//! out in order by an [`EpochReader`].
+//! out in order by an [`EpochReader`]. While reads miss the page cache, the reader's
+//! [`ReadPlanner`] has the records of the chunks it submits fetched ahead of the threads.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -11,6 +12,7 @@ use crate::error::{Error, Result};
 use crate::pool::{panic_message, Pool};
 use crate::sampler::{EpochOrder, RankSplit};
 
+use super::planner::{PlannerStats, RangeSource, ReadPlanner};
 use super::{Dataset, Fetched, Payload, ReadOptions};
 
 /// The default bound on decompressed bytes an [`EpochReader`] holds ahead of its consumer.
@@ -121,6 +123,9 @@ impl PassOrder {
 struct Chunk {
     samples: ChunkSamples,
     len: usize,
+    /// The position after this chunk's last sample: when the consumer takes the chunk, the
+    /// planner's records before it leave its window.
+    end: u64,
     /// Blocks of [`CLAIM_BLOCK`] samples claimed so far.
     claimed: AtomicUsize,
     /// Samples read so far.
@@ -161,6 +166,7 @@ impl Chunk {
         Chunk {
             samples,
             len,
+            end: 0,
             claimed: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
             results: blocks,
@@ -364,6 +370,19 @@ pub struct EpochReader {
     failed: bool,
     /// An error met while refilling the window on a hand-out, reported by the next take.
     deferred: Option<Error>,
+    /// Plans the reads ahead of the reading threads while they miss the page cache (`None` on
+    /// the plain path, `DATASET_RT_IO=plain`).
+    planner: Option<ReadPlanner>,
+    /// The global samples of the positions planned and not yet submitted (`submitted ..`).
+    ahead: VecDeque<u64>,
+    /// Samples of one pool job while the planner plans (at most): a quarter of its depth, so
+    /// that the records it keeps in flight are read by several jobs at once, and each job
+    /// taken lets the planner start the next records.
+    plan_chunk: u64,
+    /// What a planner set later ([`EpochReader::with_range_source`]) is given.
+    io_depth: usize,
+    read_ahead_bytes: u64,
+    shuffled: bool,
 }
 
 impl Drop for EpochReader {
@@ -375,6 +394,11 @@ impl Drop for EpochReader {
             chunk.abandon();
         }
     }
+}
+
+/// Samples of one pool job while the planner plans: a quarter of `io_depth` (1 to 256).
+fn plan_chunk(io_depth: usize) -> u64 {
+    (io_depth as u64 / 4).clamp(1, 256)
 }
 
 /// What a reader calls on a pool thread after reading each sample.
@@ -393,6 +417,10 @@ impl EpochReader {
         let epoch_len = order.len();
         let len = split.rank_len(epoch_len, start);
         let prefetch = opts.prefetch_size as u64;
+        let planner = dataset.planner(opts);
+        if let Some(planner) = &planner {
+            planner.begin_pass(opts.shuffle);
+        }
         EpochReader {
             pool,
             dataset,
@@ -422,7 +450,39 @@ impl EpochReader {
             on_fetched: None,
             failed: false,
             deferred: None,
+            planner,
+            ahead: VecDeque::new(),
+            plan_chunk: plan_chunk(opts.io_depth),
+            io_depth: opts.io_depth,
+            read_ahead_bytes: opts.read_ahead_bytes,
+            shuffled: opts.shuffle,
         }
+    }
+
+    /// Plans this pass's reads with `source` as the backend (a test seam, and the way in for
+    /// other backends), under the pass's `io_depth` and `read_ahead_bytes`.
+    pub fn with_range_source(mut self, source: Arc<dyn RangeSource>) -> Self {
+        let planner = ReadPlanner::new(source, self.io_depth, self.read_ahead_bytes);
+        planner.begin_pass(self.shuffled);
+        self.planner = Some(planner);
+        self
+    }
+
+    /// Reads without a planner, whatever `DATASET_RT_IO` says: the plain path.
+    pub fn with_plain_io(mut self) -> Self {
+        self.planner = None;
+        self.ahead.clear();
+        self
+    }
+
+    /// What the planner did so far (`None` on the plain path).
+    pub fn planner_stats(&self) -> Option<PlannerStats> {
+        self.planner.as_ref().map(ReadPlanner::stats)
+    }
+
+    /// Records the planner planned and the consumer has not taken yet (0 on the plain path).
+    pub fn planned_in_flight(&self) -> usize {
+        self.planner.as_ref().map_or(0, ReadPlanner::in_flight)
     }
 
     /// Ends the pass after its last whole batch of `batch` samples: the short tail is neither
@@ -517,27 +577,86 @@ impl EpochReader {
             .global_progress(pass.epoch_len, pass.start, self.yielded)
     }
 
+    /// Plans the records ahead, while the planner advises (reads miss): from the first
+    /// position not planned yet, as many as it admits (its depth and byte bound, counted from
+    /// the consumer's position), whatever `prefetch` says: advice costs the process no memory.
+    /// The globals are kept for the chunks that will read them.
+    fn plan_ahead(&mut self) {
+        let Some(planner) = self.planner.as_mut().filter(|p| p.advising()) else {
+            return;
+        };
+        let mut k = self.submitted + self.ahead.len() as u64;
+        while k < self.len && planner.advising() {
+            let g = self.pass.global(k);
+            let range = self.dataset.record_range(g);
+            if !planner.admits(range.as_ref()) {
+                break;
+            }
+            planner.plan(k, range);
+            self.ahead.push_back(g);
+            k += 1;
+        }
+        // One call to the backend for what was planned, before any of it is submitted.
+        planner.flush();
+    }
+
     /// Submits chunks until `prefetch` samples or `prefetch_bytes` decompressed bytes are ahead
-    /// of the consumer, whichever comes first (and always at least one sample).
+    /// of the consumer, whichever comes first (and always at least one sample). While the
+    /// planner advises, the chunks read only planned samples and hold at most `plan_chunk`
+    /// of them, so that several are read at once and each one taken frees room for the
+    /// planner.
     fn fill(&mut self) -> Result<()> {
+        self.plan_ahead();
         let mut over_budget = false;
-        while !over_budget
-            && self.submitted < self.len
-            && self.submitted - self.taken + self.chunk <= self.prefetch.max(self.chunk)
-        {
+        while !over_budget && self.submitted < self.len {
             let k0 = self.submitted;
-            // The pass's first chunk is one block, alone in the window: the first sample waits
-            // for these 16 reads only.
-            let size = if k0 == 0 {
-                self.chunk.min(CLAIM_BLOCK as u64)
+            let advising = self.planner.as_ref().is_some_and(ReadPlanner::advising);
+            let mut size = if advising {
+                self.chunk.min(self.plan_chunk)
             } else {
                 self.chunk
             };
-            let k1 = (k0 + size).min(self.len);
-            let chunk = if self.dataset.may_decompress {
+            // The pass's first chunk is one block, alone in the window: the first sample waits
+            // for these 16 reads only.
+            if k0 == 0 {
+                size = size.min(CLAIM_BLOCK as u64);
+            }
+            if self.submitted - self.taken + size > self.prefetch.max(self.chunk) {
+                break;
+            }
+            let mut k1 = (k0 + size).min(self.len);
+            if advising {
+                // Nothing is read before it is planned: a read past the plan would wait for
+                // the device alone.
+                k1 = k1.min(k0 + self.ahead.len() as u64);
+                if k1 == k0 {
+                    break;
+                }
+            } else if self.ahead.is_empty() {
+                // A resting planner probes one sample now and then (the pass's first one before
+                // anything is read): a miss wakes it, and this chunk is then planned.
+                if let Some(planner) = self.planner.as_mut() {
+                    if let Some(k) = planner.probe_due(k0, k1) {
+                        planner.probe(k, self.dataset.record_range(self.pass.global(k)));
+                        if planner.advising() {
+                            self.plan_ahead();
+                            continue;
+                        }
+                    }
+                }
+            }
+            let planned = !self.ahead.is_empty();
+            let mut chunk = if planned || self.dataset.may_decompress {
                 let mut globals = Vec::with_capacity((k1 - k0) as usize);
                 for k in k0..k1 {
-                    let g = self.pass.global(k);
+                    let g = if planned {
+                        match self.ahead.front() {
+                            Some(&g) => g,
+                            None => break, // the rest of the chunk was not planned
+                        }
+                    } else {
+                        self.pass.global(k)
+                    };
                     let cost = self.dataset.decoded_bytes(g);
                     let nothing_ahead = self.submitted == self.taken && globals.is_empty();
                     if !nothing_ahead
@@ -546,8 +665,13 @@ impl EpochReader {
                         over_budget = true;
                         break;
                     }
-                    self.bytes_in_flight += cost;
-                    self.costs.push_back(cost);
+                    if planned {
+                        self.ahead.pop_front();
+                    }
+                    if self.dataset.may_decompress {
+                        self.bytes_in_flight += cost;
+                        self.costs.push_back(cost);
+                    }
                     globals.push(g);
                 }
                 if globals.is_empty() {
@@ -564,6 +688,7 @@ impl EpochReader {
                 Chunk::new(samples, (k1 - k0) as usize, self.result_blocks())
             };
             let k1 = k0 + chunk.len as u64;
+            chunk.end = k1;
             let chunk = Arc::new(chunk);
             let job = chunk.clone();
             let dataset = self.dataset.clone();
@@ -646,6 +771,9 @@ impl EpochReader {
             chunk.work(&self.dataset, self.on_fetched.as_ref());
         }
         chunk.take_into(&mut self.ready);
+        if let Some(planner) = self.planner.as_mut() {
+            planner.release_through(chunk.end);
+        }
         self.spent.push_back(chunk);
         recheck_mapped(&self.dataset, &mut self.ready);
         self.checked_at = coarse_now_ns();

@@ -8,7 +8,17 @@ use crate::sampler::{RankPolicy, RankSplit, MAX_EPOCH_LEN};
 
 pub const STATE_VERSION: u32 = 1;
 
-/// Reading options that decide the order and the split.
+/// The default of [`ReadOptions::io_depth`]: as many reads in flight as the 64 threads of
+/// `pread` that measure a disk's random-read ceiling (bench/bench_cold.py).
+pub const DEFAULT_IO_DEPTH: usize = 64;
+
+/// The default of [`ReadOptions::read_ahead_bytes`].
+pub const DEFAULT_READ_AHEAD_BYTES: u64 = 64 << 20;
+
+/// The largest [`ReadOptions::io_depth`]: more reads than a device queue takes only pin memory.
+pub const MAX_IO_DEPTH: usize = 1 << 16;
+
+/// Reading options: what decides the order and the split, and how deep the reads go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReadOptions {
     pub seed: u64,
@@ -19,10 +29,48 @@ pub struct ReadOptions {
     pub rank: u64,
     pub world_size: u64,
     pub policy: RankPolicy,
+    /// Records the read planner keeps in flight ahead of the reading threads while reads miss
+    /// the page cache ([`DEFAULT_IO_DEPTH`]); it decides nothing about the order.
+    pub io_depth: usize,
+    /// Bound on the stored bytes of those records ([`DEFAULT_READ_AHEAD_BYTES`]); one record is
+    /// always let through, however large.
+    pub read_ahead_bytes: u64,
 }
 
 impl ReadOptions {
+    /// Options with these order-deciding fields and the defaults for the rest: a prefetch of
+    /// 64 samples, the whole dataset per epoch, one rank, [`DEFAULT_IO_DEPTH`] and
+    /// [`DEFAULT_READ_AHEAD_BYTES`].
+    pub fn new(seed: u64, shuffle: bool) -> Self {
+        ReadOptions {
+            seed,
+            shuffle,
+            prefetch_size: 64,
+            epoch_len: None,
+            rank: 0,
+            world_size: 1,
+            policy: RankPolicy::Pad,
+            io_depth: DEFAULT_IO_DEPTH,
+            read_ahead_bytes: DEFAULT_READ_AHEAD_BYTES,
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
+        if self.io_depth == 0 || self.io_depth > MAX_IO_DEPTH {
+            return Err(Error::config(
+                "ReaderConfig.io_depth",
+                format!(
+                    "{} is not between 1 and {MAX_IO_DEPTH} (reads in flight)",
+                    self.io_depth
+                ),
+            ));
+        }
+        if self.read_ahead_bytes == 0 {
+            return Err(Error::config(
+                "ReaderConfig.read_ahead_bytes",
+                "must be at least 1",
+            ));
+        }
         if self.prefetch_size == 0 {
             return Err(Error::config(
                 "ReaderConfig.prefetch_size",
