@@ -129,6 +129,11 @@ class ReaderConfig:
     - ``samples_per_epoch``: epoch length before the rank split; ``None`` = number of samples.
       At most ``2**40``. The epoch order costs 8 bytes per sample: one larger than the machine's
       memory raises ``MemoryError`` when a pass starts, and the dataset stays usable.
+    - ``io_depth``: records whose reads the read planner keeps in flight ahead of the reading
+      threads while reads miss the page cache (1 to 65,536; default 64). It adds no thread and
+      changes nothing about the order (docs/runtime-model.md).
+    - ``read_ahead_bytes``: bound on the stored bytes of those records (1 to 2**40; default
+      64 MiB); one record is always let through, however large.
     """
 
     seed: int = 0
@@ -140,6 +145,8 @@ class ReaderConfig:
     world_size: int | None = None
     drop_last: bool = False
     samples_per_epoch: int | None = None
+    io_depth: int = 64
+    read_ahead_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         _native.check_reader_config(self)

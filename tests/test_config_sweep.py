@@ -305,6 +305,8 @@ READER_FIELDS = [
     "samples_per_epoch",
     "rank",
     "world_size",
+    "io_depth",
+    "read_ahead_bytes",
 ]
 WRITER_FIELDS = ["prefetch_size", "show_progress", "validate_cache", "shard_size_bytes"]
 

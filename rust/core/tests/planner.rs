@@ -666,6 +666,10 @@ fn bad_io_options_are_config_errors_naming_the_field() {
         (options(true, 64, 0, 1), "ReaderConfig.io_depth"),
         (options(true, 64, 1 << 20, 1), "ReaderConfig.io_depth"),
         (options(true, 64, 4, 0), "ReaderConfig.read_ahead_bytes"),
+        (
+            options(true, 64, 4, (1 << 40) + 1),
+            "ReaderConfig.read_ahead_bytes",
+        ),
     ] {
         match opts.validate() {
             Err(Error::InvalidConfig { what, .. }) => assert_eq!(what, field),
@@ -673,6 +677,7 @@ fn bad_io_options_are_config_errors_naming_the_field() {
         }
     }
     assert!(options(true, 64, 64, 64 << 20).validate().is_ok());
+    assert!(options(true, 64, 1 << 16, 1 << 40).validate().is_ok());
     let defaults = ReadOptions::new(0, true);
     assert_eq!(
         defaults.io_depth,

@@ -175,6 +175,8 @@ impl Plan {
             shuffle: opts.shuffle,
             epoch_len: opts.epoch_len,
             prefetch_size: opts.prefetch_size,
+            io_depth: opts.io_depth,
+            read_ahead_bytes: opts.read_ahead_bytes,
             verify: ds.verify_policy(),
             verified: SharedVerified::of(ds),
             threads: self.producer_threads,

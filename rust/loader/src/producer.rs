@@ -51,6 +51,12 @@ pub struct ProducerSpec {
     pub epoch_len: Option<u64>,
     /// Samples read ahead of the slot being filled (`ReaderConfig.prefetch_size`).
     pub prefetch_size: usize,
+    /// Records the read planner keeps in flight (`ReaderConfig.io_depth`).
+    #[serde(default = "default_io_depth")]
+    pub io_depth: usize,
+    /// Bound on the stored bytes of those records (`ReaderConfig.read_ahead_bytes`).
+    #[serde(default = "default_read_ahead_bytes")]
+    pub read_ahead_bytes: u64,
     /// When records are hashed (`ReaderConfig.verify`). Under `Once` the producer uses the
     /// training process's set of verified samples (`verified`) when it is shared, else keeps
     /// its own, which lives as long as this process.
@@ -64,6 +70,14 @@ pub struct ProducerSpec {
     /// (`DataLoader(persistent_workers=True)`).
     #[serde(default)]
     pub persistent: bool,
+}
+
+fn default_io_depth() -> usize {
+    dataset_rt_core::dataset::DEFAULT_IO_DEPTH
+}
+
+fn default_read_ahead_bytes() -> u64 {
+    dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES
 }
 
 /// The training process's set of verified samples, passed down to the producer: descriptor
@@ -333,8 +347,8 @@ fn prepare(
         rank: pass.rank,
         world_size: pass.world_size,
         policy: crate::pass::split_of(&pass).policy,
-        io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
-        read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
+        io_depth: spec.io_depth,
+        read_ahead_bytes: spec.read_ahead_bytes,
     };
     opts.validate()?;
     if spec.threads == 0 {

@@ -109,6 +109,8 @@ fn setup_sized(raw: u64, lz4: u64) -> Setup {
         shuffle: true,
         epoch_len: None,
         prefetch_size: 1,
+        io_depth: 4,
+        read_ahead_bytes: 1 << 20,
         verify: VerifyPolicy::Once,
         verified: None,
         threads: 1,

@@ -239,3 +239,31 @@ fn attach_refuses_a_pass_whose_rank_samples_are_not_the_split() {
         "{refused}"
     );
 }
+
+#[test]
+fn the_producer_spec_carries_the_readers_io_depth_and_read_ahead_bytes() {
+    let s = setup();
+    let plan = Plan::new(4, false, 1);
+    let read = ReadOptions {
+        io_depth: 3,
+        read_ahead_bytes: 5000,
+        ..opts(0, 1, RankPolicy::Pad)
+    };
+    let spec = plan
+        .spec(&s.ds, &read, &WeightTable::uniform(), false)
+        .unwrap();
+    assert_eq!((spec.io_depth, spec.read_ahead_bytes), (3, 5000));
+    // A spec written without them (an older training process) reads with the defaults.
+    let mut json: serde_json::Value = serde_json::to_value(&spec).unwrap();
+    let fields = json.as_object_mut().unwrap();
+    fields.remove("io_depth").unwrap();
+    fields.remove("read_ahead_bytes").unwrap();
+    let back: dataset_rt_loader::producer::ProducerSpec = serde_json::from_value(json).unwrap();
+    assert_eq!(
+        (back.io_depth, back.read_ahead_bytes),
+        (
+            dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
+            dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES
+        )
+    );
+}

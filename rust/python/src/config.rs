@@ -85,6 +85,10 @@ pub struct ReaderFields<'py> {
     drop_last: Bound<'py, PyAny>,
     #[pyo3(attribute)]
     samples_per_epoch: Option<Bound<'py, PyAny>>,
+    #[pyo3(attribute)]
+    io_depth: Bound<'py, PyAny>,
+    #[pyo3(attribute)]
+    read_ahead_bytes: Bound<'py, PyAny>,
 }
 
 /// The reader settings of a call, checked.
@@ -111,6 +115,9 @@ impl ReaderFields<'_> {
             })?;
         let verify = VerifyPolicy::parse(&verify_name).py_err()?;
         let drop_last = boolean("ReaderConfig.drop_last", &self.drop_last)?;
+        let io_depth = unsigned("ReaderConfig.io_depth", &self.io_depth, 1)?;
+        let read_ahead_bytes =
+            unsigned("ReaderConfig.read_ahead_bytes", &self.read_ahead_bytes, 1)?;
         let world_size = optional("ReaderConfig.world_size", self.world_size.as_ref(), 1)?;
         let rank = optional("ReaderConfig.rank", self.rank.as_ref(), 0)?;
         let epoch_len = optional(
@@ -136,8 +143,8 @@ impl ReaderFields<'_> {
             } else {
                 RankPolicy::Pad
             },
-            io_depth: dataset_rt_core::dataset::DEFAULT_IO_DEPTH,
-            read_ahead_bytes: dataset_rt_core::dataset::DEFAULT_READ_AHEAD_BYTES,
+            io_depth: usize::try_from(io_depth).unwrap_or(usize::MAX),
+            read_ahead_bytes,
         };
         read.validate().py_err()?;
         Ok(Reading {

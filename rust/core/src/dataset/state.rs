@@ -18,6 +18,9 @@ pub const DEFAULT_READ_AHEAD_BYTES: u64 = 64 << 20;
 /// The largest [`ReadOptions::io_depth`]: more reads than a device queue takes only pin memory.
 pub const MAX_IO_DEPTH: usize = 1 << 16;
 
+/// The largest [`ReadOptions::read_ahead_bytes`]: 1 TiB.
+pub const MAX_READ_AHEAD_BYTES: u64 = 1 << 40;
+
 /// Reading options: what decides the order and the split, and how deep the reads go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReadOptions {
@@ -65,10 +68,13 @@ impl ReadOptions {
                 ),
             ));
         }
-        if self.read_ahead_bytes == 0 {
+        if self.read_ahead_bytes == 0 || self.read_ahead_bytes > MAX_READ_AHEAD_BYTES {
             return Err(Error::config(
                 "ReaderConfig.read_ahead_bytes",
-                "must be at least 1",
+                format!(
+                    "{} is not between 1 and 2**40 = {MAX_READ_AHEAD_BYTES} (bytes)",
+                    self.read_ahead_bytes
+                ),
             ));
         }
         if self.prefetch_size == 0 {
