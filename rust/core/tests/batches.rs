@@ -14,12 +14,11 @@ use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::samples;
-use dataset_rt_testkit::{flip_byte, numbered, write_cache, writer_options};
+use dataset_rt_testkit::{flip_byte, numbered, process_dir, write_cache, writer_options};
 
 const N: u64 = 29;
 
 struct Fixture {
-    _dir: tempfile::TempDir,
     pool: Arc<Pool>,
     dataset: Arc<Dataset>,
 }
@@ -28,16 +27,14 @@ struct Fixture {
 fn fixture() -> &'static Fixture {
     static FIXTURE: OnceLock<Fixture> = OnceLock::new();
     FIXTURE.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = process_dir();
         let pool = Pool::new(2).unwrap();
-        write(&pool, dir.path(), "a", N, true);
-        write(&pool, dir.path(), "b", 5, false);
-        let open =
-            |name: &str| Arc::new(Cache::open(&dir.path().join(name), Validation::Full).unwrap());
+        write(&pool, dir, "a", N, true);
+        write(&pool, dir, "b", 5, false);
+        let open = |name: &str| Arc::new(Cache::open(&dir.join(name), Validation::Full).unwrap());
         Fixture {
             dataset: Arc::new(Dataset::new(vec![open("a"), open("b")])),
             pool,
-            _dir: dir,
         }
     })
 }

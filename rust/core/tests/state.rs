@@ -12,13 +12,12 @@ use dataset_rt_core::dataset::{
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::sampler::{RankPolicy, SAMPLER_VERSION};
 use dataset_rt_core::Error;
-use dataset_rt_testkit::{numbered, write_cache, writer_options};
+use dataset_rt_testkit::{numbered, process_dir, write_cache, writer_options};
 use proptest::prelude::*;
 
 const N: u64 = 23;
 
 struct Fixture {
-    _dir: tempfile::TempDir,
     pool: Arc<Pool>,
     dataset: Arc<Dataset>,
 }
@@ -27,14 +26,13 @@ struct Fixture {
 fn fixture() -> &'static Fixture {
     static FIXTURE: OnceLock<Fixture> = OnceLock::new();
     FIXTURE.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = process_dir();
         let pool = Pool::new(2).unwrap();
-        write(&pool, dir.path(), "c");
-        let cache = Cache::open(&dir.path().join("c"), Validation::Full).unwrap();
+        write(&pool, dir, "c");
+        let cache = Cache::open(&dir.join("c"), Validation::Full).unwrap();
         Fixture {
             dataset: Arc::new(Dataset::new(vec![Arc::new(cache)])),
             pool,
-            _dir: dir,
         }
     })
 }

@@ -10,7 +10,8 @@
 //!   and checksums, the fingerprint, so that the damage reaches the checks behind the checksums;
 //! - [`alloc`]: an allocator that records the largest allocation, for tests that a forged size
 //!   reserves nothing;
-//! - [`process`]: a pid that belongs to no running process.
+//! - [`process`]: a pid that belongs to no running process, and a directory removed when the
+//!   test process exits (for fixtures kept in a `static`).
 //!
 //! Every function panics on a failure of its own (an I/O error, a cache that is not what it
 //! expects): it is only ever called by a test or a fuzz target, where that is the right report.
@@ -31,7 +32,7 @@ pub use alloc::LargestAlloc;
 pub use edit::{flip_byte, make_writable, set_len, write_at};
 pub use files::CacheFiles;
 pub use golden::{golden_copy, golden_copy_of, golden_dir};
-pub use process::dead_pid;
+pub use process::{dead_pid, process_dir};
 pub use resign::{edit_manifest, forge_entry, forge_record, manifest_of, resign};
 pub use write::{
     cache_writer, lz4, numbered, sample, try_write_cache, write_cache, writer_options,
