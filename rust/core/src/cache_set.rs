@@ -18,6 +18,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+mod ledger;
+pub use ledger::{PartOutcome, PartResult, SetConclusion, SetLedger};
+
 use crate::cache::{dir_cache_name, Cache, Validation};
 use crate::error::{Error, IoContext, Result};
 pub use crate::format::combined_fingerprint;

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use dataset_rt_core::cache::Validation;
 use dataset_rt_core::cache_set::{
-    combined_fingerprint, is_set_dir, part_name, staging_dir, CacheSet, Opened, PartState,
-    SetBuild, SetStart, SET_MANIFEST_FILE,
+    combined_fingerprint, is_set_dir, part_name, staging_dir, CacheSet, Opened, PartResult,
+    PartState, SetBuild, SetLedger, SetStart, SET_MANIFEST_FILE,
 };
 use dataset_rt_core::dataset::Dataset;
 use dataset_rt_core::metadata::MetaValue;
@@ -326,4 +326,110 @@ fn a_dead_builds_manifest_in_staging_is_rewritten_at_publication() {
     let set = build.publish(Validation::Structure).unwrap();
     assert_eq!(set.len(), 5);
     CacheSet::open(&tmp.path().join("s"), Validation::Full).unwrap();
+}
+
+#[test]
+fn the_ledger_keeps_published_parts_and_publishes_once_every_part_is_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    let build = building(tmp.path(), "s", 3);
+    write_part(&pool, &build, 1);
+    let mut ledger = SetLedger::new(&build, Validation::Structure).unwrap();
+    assert_eq!((ledger.len(), ledger.published()), (3, 1));
+    assert_eq!(ledger.missing(), vec![0, 2], "the published part 1 is kept");
+    for i in [0, 2] {
+        write_part(&pool, &build, i);
+        ledger.record(i, PartResult::from_report("written", None, 5 + i as u64));
+    }
+    ledger.record(7, PartResult::Failed("beyond the set".into()));
+    assert!(ledger.missing().is_empty());
+    assert_eq!(ledger.published(), 3);
+    let end = ledger.conclude(build, Validation::Structure);
+    let set = match end.set {
+        Ok(set) => set,
+        Err(msg) => panic!("not published: {msg}"),
+    };
+    assert_eq!(set.len(), 5 + 6 + 7);
+    let results: Vec<_> = end.parts.iter().map(|p| p.result.clone()).collect();
+    assert_eq!(
+        results,
+        vec![
+            PartResult::Written(5),
+            PartResult::Loaded(6),
+            PartResult::Written(7)
+        ]
+    );
+    for (i, part) in end.parts.iter().enumerate() {
+        assert_eq!(part.name, part_name("s", i));
+        assert_eq!(part.path, tmp.path().join("s").join(&part.name));
+        assert!(part.path.is_dir(), "{}", part.path.display());
+    }
+}
+
+#[test]
+fn a_failed_or_unreported_part_keeps_the_set_unpublished_and_the_others_staged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    let build = building(tmp.path(), "s", 3);
+    let staging = build.staging().to_owned();
+    write_part(&pool, &build, 0);
+    let mut ledger = SetLedger::new(&build, Validation::Structure).unwrap();
+    ledger.record(
+        1,
+        PartResult::from_report("write_error", Some("disk full".into()), 0),
+    );
+    ledger.record(2, PartResult::from_report("write_error", None, 0));
+    let end = ledger.conclude(build, Validation::Structure);
+    let msg = match end.set {
+        Ok(_) => panic!("published with failed parts"),
+        Err(msg) => msg,
+    };
+    assert!(
+        msg.contains("part(s) 1, 2 of 3 failed") && msg.contains("the 1 published part(s)"),
+        "{msg}"
+    );
+    assert_eq!(end.parts[0].result, PartResult::Loaded(5));
+    assert_eq!(end.parts[1].result, PartResult::Failed("disk full".into()));
+    assert_eq!(
+        end.parts[2].result,
+        PartResult::Failed("the part failed".into())
+    );
+    assert_eq!(end.parts[0].path, staging.join(part_name("s", 0)));
+    assert!(end.parts[0].path.is_dir() && !tmp.path().join("s").exists());
+    // The lock is released: the next build begins at once and finds part 0 kept.
+    let again = building(tmp.path(), "s", 3);
+    let ledger = SetLedger::new(&again, Validation::Structure).unwrap();
+    assert_eq!(ledger.missing(), vec![1, 2]);
+    // A part nobody reported is a failure too.
+    let end = ledger.conclude(again, Validation::Structure);
+    assert_eq!(
+        end.parts[1].result,
+        PartResult::Failed("the part was not written".into())
+    );
+}
+
+#[test]
+fn a_malformed_part_is_an_outcome_that_says_how_to_rewrite_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    let build = building(tmp.path(), "s", 2);
+    write_part(&pool, &build, 0);
+    write_part(&pool, &build, 1);
+    let part = build.staging().join(part_name("s", 1));
+    std::fs::remove_file(part.join("manifest.json")).unwrap();
+    let ledger = SetLedger::new(&build, Validation::Structure).unwrap();
+    assert!(
+        ledger.missing().is_empty(),
+        "a malformed part is not written over"
+    );
+    assert_eq!(ledger.published(), 1);
+    let end = ledger.conclude(build, Validation::Structure);
+    assert!(end.set.is_err());
+    match &end.parts[1].result {
+        PartResult::Malformed(msg) => assert!(
+            msg.contains("manifest.json") && msg.contains(&format!("remove {}", part.display())),
+            "{msg}"
+        ),
+        other => panic!("expected a malformed part, got {other:?}"),
+    }
 }

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::cache_set::{
-    validate_part_count, validate_set_name, PartState, SetBuild, SetStart,
+    validate_part_count, validate_set_name, PartOutcome, PartResult, SetBuild, SetConclusion,
+    SetLedger, SetStart,
 };
 use dataset_rt_core::os;
 use dataset_rt_core::progress::{SourceProgress, WriteProgress};
@@ -90,139 +91,39 @@ type SetResult = (
     Vec<Cache>,
 );
 
-/// What became of one part in this call.
-enum Part {
-    /// Published before (kept) or by another writer meanwhile.
-    Loaded(u64),
-    Written(u64),
-    Failed(String),
-    Malformed(String),
-}
-
-impl Part {
-    fn ok(&self) -> bool {
-        matches!(self, Part::Loaded(_) | Part::Written(_))
-    }
-
-    /// A part's result as the worker processes report it: (kind, message, samples).
-    fn from_report(kind: &str, message: Option<String>, samples: u64) -> Part {
-        match kind {
-            "written" => Part::Written(samples),
-            "loaded" => Part::Loaded(samples),
-            _ => Part::Failed(message.unwrap_or_else(|| "the part failed".into())),
-        }
-    }
-}
-
-/// What became of each part of a set being built: found in the staging directory, or reported
-/// by whoever wrote it. It decides whether the set is published, and the outcomes.
-struct Ledger {
-    parts: Vec<Option<Part>>,
-}
-
-impl Ledger {
-    /// The parts as the staging directory holds them now.
-    fn new(py: Python<'_>, build: &SetBuild, validation: Validation) -> PyResult<Ledger> {
-        let states = py.detach(|| build.part_states(validation)).map_err(to_py)?;
-        Ok(Ledger {
-            parts: states
-                .into_iter()
-                .map(|state| match state {
-                    PartState::Published(cache) => Some(Part::Loaded(cache.len())),
-                    PartState::Missing => None,
-                    PartState::Malformed(reason) => Some(Part::Malformed(reason)),
-                })
-                .collect(),
+/// The bindings' form of a build's end: each part's outcome, the set's own (kind, message,
+/// samples), and the caches loaded (its parts, once published).
+fn outcomes_of(conclusion: SetConclusion) -> SetResult {
+    let parts = conclusion
+        .parts
+        .into_iter()
+        .map(|PartOutcome { name, path, result }| match result {
+            PartResult::Loaded(n) => ("loaded", name, path, None, Some(n)),
+            PartResult::Written(n) => ("written", name, path, None, Some(n)),
+            PartResult::Failed(msg) => ("write_error", name, path, Some(msg), None),
+            PartResult::Malformed(msg) => ("malformed", name, path, Some(msg), None),
         })
+        .collect();
+    match conclusion.set {
+        Ok(set) => (parts, ("written", None, Some(set.len())), set.parts),
+        Err(msg) => (parts, ("write_error", Some(msg), None), Vec::new()),
     }
+}
 
-    /// The parts still to be written, in order.
-    fn missing(&self) -> Vec<usize> {
-        (0..self.parts.len())
-            .filter(|&i| self.parts[i].is_none())
-            .collect()
-    }
+/// Reads the staging directory of a build, with the GIL released.
+fn ledger_of(py: Python<'_>, build: &SetBuild, validation: Validation) -> PyResult<SetLedger> {
+    py.detach(|| SetLedger::new(build, validation))
+        .map_err(to_py)
+}
 
-    /// The parts published so far.
-    fn kept(&self) -> usize {
-        self.parts
-            .iter()
-            .filter(|p| p.as_ref().is_some_and(Part::ok))
-            .count()
-    }
-
-    fn record(&mut self, index: usize, part: Part) {
-        if let Some(slot) = self.parts.get_mut(index) {
-            *slot = Some(part);
-        }
-    }
-
-    /// Publishes the set when every part is published, else releases it: each part's outcome
-    /// (named and placed where the part now is), the set's own, and the set's caches.
-    fn conclude(self, py: Python<'_>, build: SetBuild, validation: Validation) -> SetResult {
-        let parts: Vec<Part> = self
-            .parts
-            .into_iter()
-            .map(|p| p.unwrap_or_else(|| Part::Failed("the part was not written".into())))
-            .collect();
-        let staging = build.staging().to_owned();
-        let final_dir = build.final_dir();
-        let set_name = build.name().to_owned();
-        let part_names: Vec<String> = (0..parts.len()).map(|i| build.part_name(i)).collect();
-        let (set_outcome, caches) = if parts.iter().all(Part::ok) {
-            match py.detach(|| build.publish(validation)) {
-                Ok(published) => {
-                    let n = published.len();
-                    (("written", None, Some(n)), published.parts)
-                }
-                Err(e) => (("write_error", Some(e.to_string()), None), Vec::new()),
-            }
-        } else {
-            drop(build);
-            let failed: Vec<String> = parts
-                .iter()
-                .enumerate()
-                .filter(|(_, p)| !p.ok())
-                .map(|(i, _)| i.to_string())
-                .collect();
-            let kept = parts.iter().filter(|p| p.ok()).count();
-            let message = format!(
-                "cache set {set_name:?} was not published: part(s) {} of {} failed (see their \
-                 results); the {kept} published part(s) are kept in {} and the next build \
-                 writes only the missing ones",
-                failed.join(", "),
-                parts.len(),
-                staging.display()
-            );
-            (("write_error", Some(message), None), Vec::new())
-        };
-        let where_parts = if set_outcome.0 == "written" {
-            &final_dir
-        } else {
-            &staging
-        };
-        let outcomes = parts
-            .into_iter()
-            .zip(part_names)
-            .map(|(part, name)| {
-                let path = where_parts.join(&name);
-                match part {
-                    Part::Loaded(n) => ("loaded", name, path, None, Some(n)),
-                    Part::Written(n) => ("written", name, path, None, Some(n)),
-                    Part::Failed(msg) => ("write_error", name, path, Some(msg), None),
-                    Part::Malformed(msg) => {
-                        let message = format!(
-                            "{msg}; a published part is never overwritten: remove {} and build \
-                             the set again to write it",
-                            path.display()
-                        );
-                        ("malformed", name, path, Some(message), None)
-                    }
-                }
-            })
-            .collect();
-        (outcomes, set_outcome, caches)
-    }
+/// Ends a build (publishing the set when every part is), with the GIL released.
+fn conclude(
+    py: Python<'_>,
+    ledger: SetLedger,
+    build: SetBuild,
+    validation: Validation,
+) -> SetResult {
+    outcomes_of(py.detach(|| ledger.conclude(build, validation)))
 }
 
 impl Runtime {
@@ -268,7 +169,7 @@ impl Runtime {
             }
         };
         let validation = settings.validation;
-        let mut ledger = Ledger::new(py, &build, validation)?;
+        let mut ledger = ledger_of(py, &build, validation)?;
         let missing = ledger.missing();
         let line = match progress {
             Some(p) => Some(Py::new(
@@ -277,8 +178,8 @@ impl Runtime {
                     Arc::new(PyStderr::new(py)),
                     index,
                     &set.name,
-                    ledger.parts.len(),
-                    ledger.kept(),
+                    ledger.len(),
+                    ledger.published(),
                 )),
             )?),
             None => None,
@@ -303,7 +204,7 @@ impl Runtime {
                 }
             }
         }
-        let (outcomes, set_outcome, caches) = ledger.conclude(py, build, validation);
+        let (outcomes, set_outcome, caches) = conclude(py, ledger, build, validation);
         if let Some(l) = line {
             let published = set_outcome.0 == "written";
             l.finish_line(if published { "written" } else { "failed" });
@@ -321,7 +222,7 @@ impl Runtime {
         missing: &[usize],
         write: &WriterOptions,
         line: Option<&SetProgress>,
-    ) -> PyResult<Vec<(usize, Part)>> {
+    ) -> PyResult<Vec<(usize, PartResult)>> {
         let mut done = Vec::with_capacity(missing.len());
         let mut totals = (0u64, 0u64);
         for &i in missing {
@@ -343,7 +244,7 @@ impl Runtime {
                 &mut report,
             )?;
             totals = (totals.0 + samples, totals.1 + bytes);
-            done.push((i, Part::from_report(kind, message, samples)));
+            done.push((i, PartResult::from_report(kind, message, samples)));
             if let Some(l) = line {
                 l.update_line(totals.0, totals.1, done.len());
             }
@@ -363,7 +264,7 @@ impl Runtime {
         settings: &SetSettings<'_, '_>,
         workers: usize,
         line: Option<&SetProgress>,
-    ) -> PyResult<Vec<(usize, Part)>> {
+    ) -> PyResult<Vec<(usize, PartResult)>> {
         let names: Vec<String> = missing.iter().map(|&i| build.part_name(i)).collect();
         let threads = (self.pool.num_workers() / workers).max(1);
         let report = match line {
@@ -389,7 +290,9 @@ impl Runtime {
         let results: Vec<(usize, String, Option<String>, u64, u64)> = results.extract()?;
         Ok(results
             .into_iter()
-            .map(|(i, kind, message, samples, _)| (i, Part::from_report(&kind, message, samples)))
+            .map(|(i, kind, message, samples, _)| {
+                (i, PartResult::from_report(&kind, message, samples))
+            })
             .collect())
     }
 
@@ -550,7 +453,7 @@ pub fn bind_to_parent(owner_pid: u64) -> PyResult<bool> {
 /// every part is published, exactly as `from_cache_sources` does.
 #[pyclass(module = "dataset_rt._native", frozen)]
 pub struct SetBuilder {
-    build: Mutex<Option<(SetBuild, Option<Ledger>)>>,
+    build: Mutex<Option<(SetBuild, Option<SetLedger>)>>,
     /// `base/NAME` when the set was found published: nothing is held then.
     published: Option<PathBuf>,
     final_dir: PathBuf,
@@ -619,7 +522,7 @@ impl SetBuilder {
     fn missing_parts(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
         let mut guard = self.build.lock().unwrap();
         let (build, ledger) = guard.as_mut().ok_or_else(build_over)?;
-        let found = Ledger::new(py, build, Validation::Structure)?;
+        let found = ledger_of(py, build, Validation::Structure)?;
         let missing = found.missing();
         *ledger = Some(found);
         Ok(missing)
@@ -629,7 +532,7 @@ impl SetBuilder {
     fn published_parts(&self) -> PyResult<usize> {
         let guard = self.build.lock().unwrap();
         let (_, ledger) = guard.as_ref().ok_or_else(build_over)?;
-        Ok(ledger.as_ref().map_or(0, Ledger::kept))
+        Ok(ledger.as_ref().map_or(0, SetLedger::published))
     }
 
     /// Takes the reports `(index, kind, message, samples)` of the parts written (kind as
@@ -644,13 +547,13 @@ impl SetBuilder {
         let (build, ledger) = self.build.lock().unwrap().take().ok_or_else(build_over)?;
         let mut ledger = match ledger {
             Some(l) => l,
-            None => Ledger::new(py, &build, Validation::Structure)?,
+            None => ledger_of(py, &build, Validation::Structure)?,
         };
         for (index, kind, message, samples) in reports {
-            ledger.record(index, Part::from_report(&kind, message, samples));
+            ledger.record(index, PartResult::from_report(&kind, message, samples));
         }
         let set_name = build.name().to_owned();
-        let (mut outcomes, set_outcome, _) = ledger.conclude(py, build, Validation::Structure);
+        let (mut outcomes, set_outcome, _) = conclude(py, ledger, build, Validation::Structure);
         outcomes.push((
             set_outcome.0,
             set_name,
