@@ -110,18 +110,23 @@ impl std::fmt::Debug for NodeCache {
     }
 }
 
+/// Opens (creating it when missing, never truncating it) a file that exists only to be locked.
+fn open_lock_file(path: &Path) -> Result<File> {
+    OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(|e| io_err("open lock file", path, e))
+}
+
 /// The exclusive lock on `<local_dir>/.lock`, held while the budget changes.
 struct DirLock(File);
 
 impl DirLock {
     fn take(root: &Path) -> Result<DirLock> {
         let path = root.join(".lock");
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|e| io_err("open lock file", &path, e))?;
+        let file = open_lock_file(&path)?;
         flock(&file, libc::LOCK_EX).map_err(|e| io_err("lock", &path, e))?;
         Ok(DirLock(file))
     }
@@ -690,12 +695,7 @@ impl NodeCache {
         let deadline = Instant::now() + patience;
         let mut pause = Duration::from_millis(1);
         loop {
-            let file = OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&path)
-                .map_err(|e| io_err("open lock file", &path, e))?;
+            let file = open_lock_file(&path)?;
             match flock(&file, libc::LOCK_EX | libc::LOCK_NB) {
                 Ok(()) => {
                     // The holder before us may have removed the file after we opened it.
