@@ -113,9 +113,11 @@ CONTENDERS = {
     ],
     "io": [
         "drt_w0",
+        "drt_w0_plain",
         "torch_cache_w2",
         "torch_cache_w0",
         "drt_w2",
+        "drt_w2_plain",
         "drt_w2_len",
         "torch_files_w2",
         "streaming_w2",
@@ -139,6 +141,8 @@ LABELS = {
     "drt_w1": "DatasetRT loader, 1 worker",
     "drt_w2": "DatasetRT loader, 2 workers",
     "drt_w2_len": "DatasetRT loader, 2 workers, ints back (bytes stay in workers)",
+    "drt_w0_plain": "DatasetRT loader, 0 workers, read planner off (DATASET_RT_IO=plain)",
+    "drt_w2_plain": "DatasetRT loader, 2 workers, read planner off (DATASET_RT_IO=plain)",
     "drt_lz4_w0": "DatasetRT loader, LZ4 cache, 0 workers",
     "drt_lz4_w0_t1": "DatasetRT loader, LZ4 cache, 0 workers, 1 producer thread",
     "drt_lz4_w2": "DatasetRT loader, LZ4 cache, 2 workers",
@@ -220,6 +224,8 @@ COPIES_ARRAYS = {
         "the stacked array -> its result memory; trainer: a view of it, 0 copies",
     ),
 }
+# The suffix of the DatasetRT contenders whose producer reads with the read planner off.
+PLAIN = "_plain"
 CHILD_TIMEOUT_S = 300
 CHART = common.REPO_ROOT / "docs" / "benchmarks-loader.png"
 STAMP_VERSION = 1
@@ -727,6 +733,11 @@ def child(
     arrays = lay.workload == "arrays"
     if decoding:
         from PIL import PngImagePlugin  # noqa: F401
+    if name.endswith(PLAIN):
+        # The same loader with the read planner off (the producer inherits the variable):
+        # what the planner costs on warm data.
+        os.environ["DATASET_RT_IO"] = "plain"
+        name = name.removesuffix(PLAIN)
 
     loader, payload = open_loader(name, lay, producer_threads)
     epochs = []
@@ -845,6 +856,7 @@ def warm_page_cache(root: Path) -> int:
 
 
 def copies_of(workload: str, name: str) -> tuple[int | None, str | None]:
+    name = name.removesuffix(PLAIN)
     if workload == "decode":
         return None, None
     if workload == "arrays":
@@ -914,6 +926,11 @@ def summarise(
             # The same ratio taken in each round (neighbours in time), then the median.
             pairs = zip(r["per_round_samples_per_s"], base_rounds, strict=False)
             r["x_torch_w2_paired"] = common.median(a / b for a, b in pairs)
+        plain = by.get(r["contender"] + PLAIN, {}).get("per_round_samples_per_s")
+        if "samples_per_s" in r and plain:
+            # Warm data: the planner's cost, against the same loader with it off, per round.
+            pairs = zip(r["per_round_samples_per_s"], plain, strict=False)
+            r["vs_planner_off"] = common.median(a / b for a, b in pairs)
     out: dict[str, Any] = {
         "workload": workload,
         "samples": count,
@@ -991,6 +1008,12 @@ def print_tables(tables: list[dict[str, Any]]) -> None:
                 f"\nRaw bytes to the training loop: DatasetRT num_workers=0 is "
                 f"{t['target_raw_bytes_x']:.2f}x torch's DataLoader with 2 workers (target >= 5x)."
             )
+        for r in t["rows"]:
+            if r.get("vs_planner_off"):
+                print(
+                    f"\n{r['label']}: {r['vs_planner_off']:.3f}x the same loader with the read "
+                    "planner off (median of per-round ratios)"
+                )
 
 
 def draw_chart(data: dict[str, Any], path: Path) -> None:

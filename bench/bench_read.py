@@ -71,6 +71,8 @@ CONTENDERS = [
     "dataset_rt",
     "dataset_rt_batches",
     "dataset_rt_spans",
+    "dataset_rt_plain",
+    "dataset_rt_batches_plain",
     "flat_view",
     "flat_bytes",
     "flat_meta",
@@ -86,6 +88,8 @@ LABELS = {
     "dataset_rt": "DatasetRT",
     "dataset_rt_batches": "DatasetRT iter_batches",
     "dataset_rt_spans": "DatasetRT iter_batches, spans",
+    "dataset_rt_plain": "DatasetRT, read planner off (DATASET_RT_IO=plain)",
+    "dataset_rt_batches_plain": "DatasetRT iter_batches, read planner off",
     "flat_view": "flat mmap, memoryview",
     "flat_bytes": "flat mmap, bytes copy",
     "flat_meta": "flat mmap, memoryview + metadata dict",
@@ -101,11 +105,15 @@ STORES = {
     "dataset_rt": "drt",
     "dataset_rt_batches": "drt",
     "dataset_rt_spans": "drt",
+    "dataset_rt_plain": "drt",
+    "dataset_rt_batches_plain": "drt",
     "torch_files": "files",
     "streaming": "mds",
     "streaming_pd": "mds",
     "litdata": "litdata",
 }
+# The suffix of the DatasetRT contenders that read with the read planner off.
+PLAIN = "_plain"
 # Samples per pass of the contenders too slow for a whole pass (a shuffled prefix of the epoch).
 PASS_CAP = {"streaming": 4096, "streaming_pd": 16384}
 STAMP_VERSION = 1
@@ -252,6 +260,11 @@ def contender(name: str, lay: Layout, args: argparse.Namespace) -> tuple[Callabl
         mm.close()
         return (lambda: data), "bytes"
     holder: dict[str, Any] = {}
+    if name.endswith(PLAIN):
+        # The same reader with the read planner turned off: what the planner costs on warm
+        # data. The variable is read once, when this fresh process first reads.
+        os.environ["DATASET_RT_IO"] = "plain"
+        name = name.removesuffix(PLAIN)
     if name in ("dataset_rt", "dataset_rt_batches", "dataset_rt_spans"):
         drt = common.import_dataset_rt()
         runtime = drt.DatasetRuntime(num_workers=args.workers)
@@ -555,6 +568,8 @@ def summarise(
         r["dataset_rt_speedup"] = 1 / r["vs_dataset_rt"] if r["vs_dataset_rt"] else None
         speedups = [1 / x for x in per_round(r, "dataset_rt")]
         r["dataset_rt_speedup_rounds"] = speedups
+        # Warm data: the planner's cost, against the same reader with it off, round by round.
+        r["vs_planner_off"] = ratio(r, r["contender"] + PLAIN)
     return {"size": lay.label, "samples": lay.count, "bytes": lay.count * lay.size, "rows": rows}
 
 
@@ -620,6 +635,12 @@ def print_table(res: dict[str, Any]) -> None:
                 rows,
             )
         )
+        for r in table["rows"]:
+            if r.get("vs_planner_off"):
+                print(
+                    f"\n{r['label']}: {r['vs_planner_off']:.3f}x the same reader with the read "
+                    "planner off (median of per-round ratios)"
+                )
 
 
 def first_sample(n: int, data_dir: Path, repeats: int, workers: int) -> dict[str, Any]:
