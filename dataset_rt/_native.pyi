@@ -159,6 +159,14 @@ class Runtime:
         reader: ReaderConfig,
         split: tuple[int, int],
     ) -> tuple[Dataset | None, list[tuple[str, str, str, str | None, int | None]]]: ...
+    def open_remote_caches(
+        self,
+        names: Any,
+        base_url: str,
+        reader: ReaderConfig,
+        split: tuple[int, int],
+        remote: RemoteConfig,
+    ) -> tuple[Dataset | None, list[tuple[str, str, str, str | None, int | None]]]: ...
 
 def epoch_order(
     seed: int,

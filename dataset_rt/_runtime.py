@@ -9,7 +9,7 @@ from pathlib import Path
 from types import TracebackType
 
 from dataset_rt import _native
-from dataset_rt._config import ReaderConfig, WriterConfig, check_int
+from dataset_rt._config import ReaderConfig, RemoteConfig, WriterConfig, check_int
 from dataset_rt._dataset import Dataset
 from dataset_rt._results import (
     CacheLoaded,
@@ -156,6 +156,7 @@ class DatasetRuntime:
         base_cache_dir: str | os.PathLike[str],
         *,
         reader_config: ReaderConfig | None = None,
+        remote: RemoteConfig | None = None,
     ) -> CacheSourcesDatasetSuccess | CacheSourcesDatasetError:
         """Loads the existing caches ``base_cache_dir / name`` for each of ``names`` (one
         ``str`` or a list or tuple of them) and returns the dataset over those that loaded, with
@@ -166,13 +167,41 @@ class DatasetRuntime:
         no leftover of a dead writer is removed, so it works on read-only storage. Errors are
         those of :meth:`from_cache_sources` (``ConfigError`` for a bad or repeated name or a
         base that is not a directory, ``OSError`` for an unreadable cache).
+
+        ``base_cache_dir`` may be a URL (``s3://bucket/prefix``, ``file:///dir``): each cache is
+        then the one published at ``URL/name`` (``dataset-rt push``), read in place through a
+        bounded local cache that ``remote`` (a :class:`RemoteConfig`) configures. Such a
+        dataset reads like a local one, sample for sample, in process and through the
+        shared-memory ``DataLoader``.
         """
         reader = reader_config if reader_config is not None else ReaderConfig()
+        if isinstance(base_cache_dir, str) and _is_url(base_cache_dir):
+            config = remote if remote is not None else RemoteConfig()
+            if not isinstance(config, RemoteConfig):
+                raise _native.ConfigError(
+                    f"invalid remote: expected a RemoteConfig or None, got {type(config).__name__}"
+                )
+            return _outcome(
+                *self._native.open_remote_caches(
+                    names, base_cache_dir, reader, _resolve_rank(reader), config
+                )
+            )
+        if remote is not None:
+            raise _native.ConfigError(
+                "remote= configures caches on object storage, but base_cache_dir "
+                f"{os.fspath(base_cache_dir)!r} is not a URL (s3://..., file://...)"
+            )
         return _outcome(
             *self._native.open_caches(
                 names, os.fspath(base_cache_dir), reader, _resolve_rank(reader)
             )
         )
+
+
+def _is_url(base: str) -> bool:
+    """Whether ``base`` names a location on object storage rather than a directory."""
+    scheme, sep, _ = base.partition("://")
+    return bool(sep) and scheme.isidentifier()
 
 
 def _outcome(

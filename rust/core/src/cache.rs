@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use memmap2::Mmap;
 
+use crate::dataset::{Range, RecordSource};
 use crate::error::{Error, IoContext, Result};
 use crate::format::*;
 use crate::metadata::{FieldType, MetadataTable};
@@ -24,7 +25,11 @@ pub struct Cache {
     index: Mmap,
     /// Bytes of one entry of `index`, by the cache's format version.
     entry_len: u64,
+    /// The shard maps; empty when the records come from `records` instead.
     shards: Vec<Mmap>,
+    /// Where the records come from when the shards are not local files (a cache on object
+    /// storage): every read asks it for the record's bytes. `None` for a local cache.
+    records: Option<Arc<dyn RecordSource>>,
     /// The files `shards` map, kept open: whoever maps a shard again (the bindings' zero-copy
     /// views) must map this file, whose bytes were validated, not whatever the path names now.
     shard_files: Vec<File>,
@@ -304,7 +309,7 @@ impl Cache {
     /// panics: a panic in a parser is caught as a last line of defence and reported as a
     /// malformed cache.
     pub fn open_as(dir: &Path, name: &str, validation: Validation) -> Result<Cache> {
-        Self::open_catching(dir, name, validation, false)
+        Self::open_catching(dir, name, validation, false, None)
     }
 
     /// Opens a cache that another process of this dataset opened and validated, and that may
@@ -313,7 +318,15 @@ impl Cache {
     /// its records is refused as it comes, naming the shard and the sample
     /// ([`Cache::check_shard_size`]), as in the process that opened it first.
     pub fn open_in_use(dir: &Path) -> Result<Cache> {
-        Self::open_catching(dir, &dir_cache_name(dir), Validation::Structure, true)
+        Self::open_catching(dir, &dir_cache_name(dir), Validation::Structure, true, None)
+    }
+
+    /// Opens a cache whose shards are not local files: `dir` holds its manifest, `index.bin` and
+    /// `metadata.arrow` (a downloaded copy, fully validated here, checksums included), and every
+    /// record is read through `records` (object storage), then checked as a mapped record is.
+    /// Only format v3 and later: a record's extent must be known from its index entry alone.
+    pub fn open_fetched(dir: &Path, name: &str, records: Arc<dyn RecordSource>) -> Result<Cache> {
+        Self::open_catching(dir, name, Validation::Full, false, Some(records))
     }
 
     fn open_catching(
@@ -321,8 +334,13 @@ impl Cache {
         name: &str,
         validation: Validation,
         short_shards_ok: bool,
+        records: Option<Arc<dyn RecordSource>>,
     ) -> Result<Cache> {
-        let open = || Self::open_checked(dir, name, validation, short_shards_ok);
+        // Unwind safety: a panic while opening leaves only values dropped with the unwind (the
+        // record source is not used before the cache is returned).
+        let open = AssertUnwindSafe(|| {
+            Self::open_checked(dir, name, validation, short_shards_ok, records.clone())
+        });
         std::panic::catch_unwind(open).unwrap_or_else(|panic| {
             Err(Error::malformed(
                 name,
@@ -340,9 +358,20 @@ impl Cache {
         name: &str,
         validation: Validation,
         short_shards_ok: bool,
+        records: Option<Arc<dyn RecordSource>>,
     ) -> Result<Cache> {
         let manifest = read_manifest(dir, name)?;
         let name = manifest.name.clone();
+        if records.is_some() && manifest.format_version < 3 {
+            return Err(Error::malformed(
+                &name,
+                dir.join(MANIFEST_FILE),
+                format!(
+                    "format v{} cannot be read from object storage (its index entries lack the                      records' extents): write the cache again with this version, then push it",
+                    manifest.format_version
+                ),
+            ));
+        }
 
         // 1. Sizes the manifest implies, with checked arithmetic.
         let index_path = dir.join(INDEX_FILE);
@@ -386,7 +415,7 @@ impl Cache {
         let (index_file, _) = open_sized(&name, dir, INDEX_FILE, index_len, false)?;
         let (meta_file, _) = open_sized(&name, dir, METADATA_FILE, manifest.metadata.bytes, false)?;
         let mut shard_files = Vec::with_capacity(manifest.shards.len());
-        for s in &manifest.shards {
+        for s in manifest.shards.iter().filter(|_| records.is_none()) {
             shard_files.push(open_sized(&name, dir, &s.file, s.bytes, short_shards_ok)?);
         }
 
@@ -435,6 +464,7 @@ impl Cache {
             index,
             entry_len,
             shards,
+            records,
             shard_files,
             metadata_map,
             index_identity,
@@ -554,12 +584,28 @@ impl Cache {
         prefetch(header);
     }
 
+    /// Where shard `shard` is: its file, or its URL when the records come from object storage.
     pub fn shard_path(&self, shard: u32) -> PathBuf {
-        self.dir.join(shard_file_name(shard))
+        match &self.records {
+            Some(records) => PathBuf::from(records.shard_location(shard)),
+            None => self.dir.join(shard_file_name(shard)),
+        }
+    }
+
+    /// Whether the records are read through a [`RecordSource`] (object storage), not from maps
+    /// of local shard files: such a cache has no shard files, maps or views, and every read
+    /// copies its record ([`crate::dataset::Payload::Owned`]).
+    pub fn is_fetched(&self) -> bool {
+        self.records.is_some()
+    }
+
+    /// The source of the records of a cache that [`Cache::is_fetched`].
+    pub fn records(&self) -> Option<&Arc<dyn RecordSource>> {
+        self.records.as_ref()
     }
 
     /// The open file of shard `shard`: the one validated and read here, even if the cache's
-    /// directory has been replaced since it was opened.
+    /// directory has been replaced since it was opened. A fetched cache has none (panics).
     pub fn shard_file(&self, shard: u32) -> &File {
         &self.shard_files[shard as usize]
     }
@@ -574,14 +620,14 @@ impl Cache {
         self.metadata_identity
     }
 
-    /// The validated size of shard `shard` in bytes: the length of its map. Whoever maps the
-    /// shard again maps exactly this many bytes.
+    /// The validated size of shard `shard` in bytes: the manifest's, which is the length of its
+    /// map. Whoever maps the shard again maps exactly this many bytes.
     pub fn shard_len(&self, shard: u32) -> u64 {
-        self.shards[shard as usize].len() as u64
+        self.manifest.shards[shard as usize].bytes
     }
 
     pub fn num_shards(&self) -> usize {
-        self.shards.len()
+        self.manifest.shards.len()
     }
 
     /// Checks with one `fstat` that shard `shard`'s file is not shorter than its validated size,
@@ -591,6 +637,9 @@ impl Cache {
     /// are touched. The error is a [`Error::CorruptRecord`] naming `record` (sample and offset)
     /// when a record is being read, else a [`Error::Malformed`] naming the shard.
     pub fn check_shard_size(&self, shard: u32, record: Option<(u64, u64)>) -> Result<()> {
+        if self.records.is_some() {
+            return Ok(()); // nothing is mapped: every read checks the bytes it got
+        }
         let want = self.shard_len(shard);
         let now = match self.shard_files[shard as usize].metadata() {
             Ok(meta) => meta.len(),
@@ -638,8 +687,41 @@ impl Cache {
     ) -> Result<(IndexEntry, RecordHeader, u64)> {
         debug_assert!(sample < self.len());
         let e = self.entry(sample);
+        let Some(shard) = self.shards.get(e.shard as usize) else {
+            return Err(self.missing_shard(sample, &e));
+        };
+        self.check_catching(sample, e, shard, 0, checksum)
+    }
+
+    /// [`Cache::check_record`] on bytes read from elsewhere (a fetched cache's record source):
+    /// `bytes` are bytes `base .. base + bytes.len()` of the record's shard, which must hold
+    /// the whole record. The payload's offset returned is in the shard, as for a mapped record.
+    pub fn check_fetched(
+        &self,
+        sample: u64,
+        bytes: &[u8],
+        base: u64,
+        checksum: bool,
+    ) -> Result<(IndexEntry, RecordHeader, u64)> {
+        debug_assert!(sample < self.len());
+        let e = self.entry(sample);
+        if e.shard as usize >= self.num_shards() {
+            return Err(self.missing_shard(sample, &e));
+        }
+        self.check_catching(sample, e, bytes, base, checksum)
+    }
+
+    fn check_catching(
+        &self,
+        sample: u64,
+        e: IndexEntry,
+        bytes: &[u8],
+        base: u64,
+        checksum: bool,
+    ) -> Result<(IndexEntry, RecordHeader, u64)> {
         // Unwind safety: the checks only read the cache, so a panic leaves nothing half-changed.
-        let checked = AssertUnwindSafe(|| self.check_record_unwinding(sample, e, checksum));
+        let checked =
+            AssertUnwindSafe(|| self.check_record_unwinding(sample, e, bytes, base, checksum));
         std::panic::catch_unwind(checked).unwrap_or_else(|panic| {
             Err(self.corrupt(
                 e.shard,
@@ -653,31 +735,47 @@ impl Cache {
         })
     }
 
+    /// The checks of [`Cache::check_record`] on `shard`, bytes `base ..` of the record's shard
+    /// (the whole map, or the bytes fetched for the record).
     fn check_record_unwinding(
         &self,
         sample: u64,
         e: IndexEntry,
+        shard: &[u8],
+        base: u64,
         checksum: bool,
     ) -> Result<(IndexEntry, RecordHeader, u64)> {
         // The index entry is unchecked until here: every field of it is bounded before use.
-        let shard = self
-            .shards
-            .get(e.shard as usize)
-            .ok_or_else(|| self.missing_shard(sample, &e))?;
-        let start = usize::try_from(e.offset).unwrap_or(usize::MAX);
-        let header_end = start.saturating_add(RECORD_HEADER_LEN as usize);
-        if header_end > shard.len() {
+        let shard_len = self.shard_len(e.shard);
+        let header_end = e.offset.saturating_add(RECORD_HEADER_LEN);
+        if header_end > shard_len {
             return Err(self.corrupt(
                 e.shard,
                 e.offset,
                 sample,
                 format!(
-                    "record lies past the end of its shard ({} bytes) at the offset {INDEX_FILE} \
-                     gives",
-                    shard.len()
+                    "record lies past the end of its shard ({shard_len} bytes) at the offset \
+                     {INDEX_FILE} gives"
                 ),
             ));
         }
+        // Where the record starts in `shard`: what was fetched must hold it from its header on.
+        let fetched_short = |what: &str| {
+            self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!(
+                    "{what} lies outside the {} bytes read from offset {base}",
+                    shard.len()
+                ),
+            )
+        };
+        let start = match e.offset.checked_sub(base) {
+            Some(start) if start + RECORD_HEADER_LEN <= shard.len() as u64 => start as usize,
+            _ => return Err(fetched_short("the record header")),
+        };
+        let header_end = start + RECORD_HEADER_LEN as usize;
         let version = self.manifest.format_version;
         let h = RecordHeader::decode_as(version, &shard[start..header_end])
             .map_err(|r| self.corrupt(e.shard, e.offset, sample, r))?;
@@ -699,18 +797,25 @@ impl Cache {
             ));
         }
         // The header and the entry agree: the rules below read the entry.
-        let payload_start = self.check_layout(sample, &e, h.meta_len, shard)?;
+        let payload_start = self.check_layout(sample, &e, h.meta_len, shard_len)?;
+        let payload_end = payload_start + u64::from(h.stored_len);
+        if payload_end - base > shard.len() as u64 {
+            return Err(fetched_short("the payload"));
+        }
         if !checksum {
             return Ok((e, h, payload_start));
         }
-        let payload_end = payload_start + u64::from(h.stored_len);
+        let (payload_start_here, payload_end_here) = (
+            (payload_start - base) as usize,
+            (payload_end - base) as usize,
+        );
         let actual = if version == 1 {
             let meta = &shard[header_end..header_end + h.meta_len as usize];
-            let payload = &shard[payload_start as usize..payload_end as usize];
+            let payload = &shard[payload_start_here..payload_end_here];
             h.checksum_as(1, meta, payload)
         } else {
             // One shot over one contiguous range: the fields, metadata, padding and payload.
-            hash_bytes(&shard[start + RECORD_V2_HASHED_FROM as usize..payload_end as usize])
+            hash_bytes(&shard[start + RECORD_V2_HASHED_FROM as usize..payload_end_here])
         };
         if actual != h.checksum {
             return Err(self.corrupt(
@@ -735,7 +840,7 @@ impl Cache {
             format!(
                 "{INDEX_FILE} names shard {}, which does not exist (the cache has {})",
                 e.shard,
-                self.shards.len()
+                self.num_shards()
             ),
         )
     }
@@ -748,31 +853,39 @@ impl Cache {
     pub fn trusted_record(&self, sample: u64) -> Option<Result<(IndexEntry, RecordHeader, u64)>> {
         let e = self.entry(sample);
         let meta_len = e.meta_len?;
-        let Some(shard) = self.shards.get(e.shard as usize) else {
+        if self.records.is_some() {
+            return None; // served from the bytes of each read, never from the entry alone
+        }
+        if e.shard as usize >= self.num_shards() {
             return Some(Err(self.missing_shard(sample, &e)));
-        };
-        Some(self.check_layout(sample, &e, meta_len, shard).map(|start| {
-            let h = RecordHeader {
-                flags: e.flags,
-                meta_len,
-                stored_len: e.stored_len,
-                raw_len: e.raw_len,
-                sample,
-                checksum: e.checksum,
-            };
-            (e, h, start)
-        }))
+        }
+        let shard_len = self.shard_len(e.shard);
+        Some(
+            self.check_layout(sample, &e, meta_len, shard_len)
+                .map(|start| {
+                    let h = RecordHeader {
+                        flags: e.flags,
+                        meta_len,
+                        stored_len: e.stored_len,
+                        raw_len: e.raw_len,
+                        sample,
+                        checksum: e.checksum,
+                    };
+                    (e, h, start)
+                }),
+        )
     }
 
     /// The rules of a record's layout that keep reading and decoding in bounds, checked on
     /// index entry `e` (which a full read has found equal to the record's header): known flags,
-    /// possible lengths, and a payload inside `shard`. Returns where the payload starts.
+    /// possible lengths, and a payload inside a shard of `shard_len` bytes. Returns where the
+    /// payload starts.
     fn check_layout(
         &self,
         sample: u64,
         e: &IndexEntry,
         meta_len: u32,
-        shard: &Mmap,
+        shard_len: u64,
     ) -> Result<u64> {
         if e.flags & !KNOWN_FLAGS != 0 {
             return Err(self.corrupt(
@@ -822,7 +935,7 @@ impl Cache {
         let payload_start = e.offset.checked_add(payload_offset(meta_len));
         let payload_end = payload_start.and_then(|p| p.checked_add(u64::from(e.stored_len)));
         match (payload_start, payload_end) {
-            (Some(start), Some(end)) if end <= shard.len() as u64 => Ok(start),
+            (Some(start), Some(end)) if end <= shard_len => Ok(start),
             _ => Err(self.corrupt(
                 e.shard,
                 e.offset,
@@ -834,13 +947,57 @@ impl Cache {
 
     /// The verified, decompressed payload of `sample`: borrowed from the map when stored raw.
     pub fn payload(&self, sample: u64) -> Result<Cow<'_, [u8]>> {
+        if let Some((bytes, base)) = self.fetch_record(sample)? {
+            let (e, h, start) = self.check_fetched(sample, (*bytes).as_ref(), base, true)?;
+            let from = (start - base) as usize;
+            let stored = &(*bytes).as_ref()[from..from + h.stored_len as usize];
+            return Ok(Cow::Owned(
+                self.decode_stored(sample, &e, &h, stored)?.into_owned(),
+            ));
+        }
         let (e, h, start) = self.verify_record(sample)?;
         self.decode_payload(sample, &e, &h, start)
     }
 
-    /// The whole map of shard `shard` (its validated size), for whoever serves views of it.
+    /// The bytes of record `sample` from the record source of a fetched cache, with the offset
+    /// in its shard where they start; `None` for a local cache. The extent comes from the index
+    /// entry (unchecked): a bad one is refused by the checks of the bytes.
+    pub fn fetch_record(&self, sample: u64) -> Result<Option<(crate::dataset::RecordBytes, u64)>> {
+        let Some(records) = &self.records else {
+            return Ok(None);
+        };
+        let e = self.entry(sample);
+        if e.shard as usize >= self.num_shards() {
+            return Err(self.missing_shard(sample, &e));
+        }
+        let shard_len = self.shard_len(e.shard);
+        let len = payload_offset(e.meta_len.unwrap_or(0))
+            .saturating_add(u64::from(e.stored_len))
+            .min(shard_len.saturating_sub(e.offset));
+        if e.offset >= shard_len || len < RECORD_HEADER_LEN {
+            return Err(self.corrupt(
+                e.shard,
+                e.offset,
+                sample,
+                format!(
+                    "record lies past the end of its shard ({shard_len} bytes) at the offset \
+                     {INDEX_FILE} gives"
+                ),
+            ));
+        }
+        let range = Range {
+            cache: 0,
+            shard: e.shard,
+            offset: e.offset,
+            len,
+        };
+        Ok(Some((records.read(&range, sample)?, e.offset)))
+    }
+
+    /// The whole map of shard `shard` (its validated size), for whoever serves views of it;
+    /// empty for a fetched cache, which maps nothing.
     pub fn shard_bytes(&self, shard: u32) -> &[u8] {
-        &self.shards[shard as usize]
+        self.shards.get(shard as usize).map_or(&[], |m| &m[..])
     }
 
     /// The stored bytes `offset..offset + len` of shard `shard`: a payload that `verify_record`
@@ -859,6 +1016,17 @@ impl Cache {
     ) -> Result<Cow<'_, [u8]>> {
         let stored = &self.shards[e.shard as usize]
             [start as usize..(start + u64::from(h.stored_len)) as usize];
+        self.decode_stored(sample, e, h, stored)
+    }
+
+    /// A record's stored payload `stored`, decompressed when it is compressed.
+    pub fn decode_stored<'a>(
+        &self,
+        sample: u64,
+        e: &IndexEntry,
+        h: &RecordHeader,
+        stored: &'a [u8],
+    ) -> Result<Cow<'a, [u8]>> {
         if h.flags & FLAG_LZ4 == 0 {
             return Ok(Cow::Borrowed(stored));
         }
@@ -883,9 +1051,24 @@ impl Cache {
 
     /// The metadata JSON embedded in record `sample` (verified).
     pub fn embedded_metadata(&self, sample: u64) -> Result<serde_json::Value> {
-        let (e, h, _) = self.verify_record(sample)?;
-        let start = (e.offset + RECORD_HEADER_LEN) as usize;
-        let bytes = &self.shards[e.shard as usize][start..start + h.meta_len as usize];
+        let fetched = self.fetch_record(sample)?;
+        let (e, h, start, shard) = match &fetched {
+            Some((bytes, base)) => {
+                let (e, h, _) = self.check_fetched(sample, (**bytes).as_ref(), *base, true)?;
+                (
+                    e,
+                    h,
+                    (e.offset - base + RECORD_HEADER_LEN) as usize,
+                    (**bytes).as_ref(),
+                )
+            }
+            None => {
+                let (e, h, _) = self.verify_record(sample)?;
+                let start = (e.offset + RECORD_HEADER_LEN) as usize;
+                (e, h, start, &self.shards[e.shard as usize][..])
+            }
+        };
+        let bytes = &shard[start..start + h.meta_len as usize];
         serde_json::from_slice(bytes).map_err(|err| {
             self.corrupt(
                 e.shard,
@@ -911,7 +1094,14 @@ impl Cache {
         for sample in 0..self.len() {
             self.payload(sample)?;
         }
-        for (i, s) in self.manifest.shards.iter().enumerate() {
+        // A fetched cache's shards are not here: each record was verified as it was fetched.
+        for (i, s) in self
+            .manifest
+            .shards
+            .iter()
+            .enumerate()
+            .take(self.shards.len())
+        {
             check_sum(
                 self.name(),
                 &self.shard_path(i as u32),

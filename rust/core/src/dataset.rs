@@ -15,16 +15,18 @@ use crate::format::{combined_fingerprint, payload_offset, SampleIdSource, FLAG_L
 use crate::metadata::MetaRef;
 use crate::sampler::{EpochOrder, EpochParams, Weights, SAMPLER_VERSION};
 use crate::verify::{VerifiedSet, VerifyPolicy};
+use per_cache::PerCache;
 
 mod local_files;
+mod per_cache;
 mod planner;
 mod reader;
 mod state;
 
 pub use local_files::{io_path, IoPath, LocalFiles, WillNeed, DEFAULT_IO_PATH, IO_ENV};
 pub use planner::{
-    PlannerStats, Range, RangeSource, ReadPlanner, FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL,
-    REST_AFTER,
+    PlannerStats, Range, RangeSource, ReadPlanner, RecordBytes, RecordSource, FIRST_PROBE_INTERVAL,
+    MAX_PROBE_INTERVAL, REST_AFTER,
 };
 pub use reader::{
     CheckedShards, EpochReader, FetchHook, DEFAULT_PREFETCH_BYTES, MAPPED_READ_AHEAD,
@@ -122,7 +124,10 @@ impl Dataset {
         let fingerprint =
             combined_fingerprint(caches.iter().map(|c| c.manifest.fingerprint.as_str()));
         let id_indexes = caches.iter().map(|_| OnceLock::new()).collect();
-        let may_decompress = caches.iter().any(|c| c.may_hold_compressed());
+        // A fetched cache's payloads are copies too: they count like decompressed ones.
+        let may_decompress = caches
+            .iter()
+            .any(|c| c.may_hold_compressed() || c.is_fetched());
         Dataset {
             caches,
             starts,
@@ -400,6 +405,9 @@ impl Dataset {
         }
         let (c, row) = self.locate(global);
         let e = self.caches[c].entry(row);
+        if self.caches[c].is_fetched() {
+            return u64::from(e.raw_len); // copied out of the fetched record, compressed or not
+        }
         if e.flags & FLAG_LZ4 != 0 {
             u64::from(e.raw_len)
         } else {
@@ -445,13 +453,22 @@ impl Dataset {
 
     /// The read planner for a pass over this dataset under `opts`, on the path [`io_path`]
     /// chose: `None` on the plain path.
+    /// A dataset with a fetched cache (object storage) always has one: its records are fetched
+    /// ahead whatever the local path is.
     pub fn planner(&self, opts: &ReadOptions) -> Option<ReadPlanner> {
-        let IoPath::Advise { how, random } = io_path() else {
-            return None;
+        let local = match io_path() {
+            IoPath::Advise { how, random } => {
+                Some(LocalFiles::new(self.caches.clone(), how, random))
+            }
+            IoPath::Plain => None,
         };
-        let local = LocalFiles::new(self.caches.clone(), how, random);
+        let source: Arc<dyn RangeSource> = if self.caches.iter().any(|c| c.is_fetched()) {
+            Arc::new(PerCache::new(&self.caches, local))
+        } else {
+            Arc::new(local?)
+        };
         Some(ReadPlanner::new(
-            Arc::new(local),
+            source,
             opts.io_depth,
             opts.read_ahead_bytes,
         ))
@@ -476,6 +493,41 @@ impl Dataset {
         matches!(&self.verify, Verifier::Once(verified) if verified.contains(global))
     }
 
+    /// [`Dataset::fetch`] of a sample of a fetched cache (object storage): its record's bytes
+    /// come from the cache's record source (which verified their checksum as they arrived),
+    /// are checked against the index entry (and the checksum again under the policy), and its
+    /// payload is copied out. Bytes that fail are discarded from the source.
+    fn fetch_copied(&self, global: u64, c: usize, row: u64, checksum: bool) -> Result<Fetched> {
+        let cache = &self.caches[c];
+        let Some((bytes, base)) = cache.fetch_record(row)? else {
+            unreachable!("a fetched cache has a record source");
+        };
+        let bytes = (*bytes).as_ref();
+        let checked = cache.check_fetched(row, bytes, base, checksum);
+        let (entry, header, start) = match checked {
+            Ok(checked) => checked,
+            Err(e) => {
+                if let (Some(records), Some(range)) = (cache.records(), self.record_range(global)) {
+                    records.discard(&range);
+                }
+                return Err(e);
+            }
+        };
+        if let (true, Verifier::Once(verified)) = (checksum, &self.verify) {
+            verified.mark(global);
+        }
+        let from = (start - base) as usize;
+        let stored = &bytes[from..from + header.stored_len as usize];
+        let payload = cache
+            .decode_stored(row, &entry, &header, stored)?
+            .into_owned();
+        Ok(Fetched {
+            cache: c as u32,
+            row,
+            payload: Payload::Owned(payload),
+        })
+    }
+
     /// Checks (under the verification policy) and, when compressed, decompresses one sample.
     /// Under `Once`, a record verified before is served from its index entry when the cache's
     /// format allows it ([`Cache::trusted_record`]): its header was checked against that entry
@@ -489,6 +541,9 @@ impl Dataset {
             Verifier::Once(_) => !trusted,
             Verifier::Never => false,
         };
+        if cache.is_fetched() {
+            return self.fetch_copied(global, c, row, checksum);
+        }
         let from_index = if trusted {
             cache.trusted_record(row)
         } else {

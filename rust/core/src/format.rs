@@ -95,6 +95,35 @@ pub fn index_header_of(version: u32) -> [u8; INDEX_HEADER_LEN as usize] {
 
 /// Offset of the payload relative to the start of a record with `meta_len` bytes of metadata:
 /// after the header and the metadata, on the next [`ALIGN`] boundary.
+/// Checks a record on its own bytes, with no index at hand (a record arriving from object
+/// storage): `bytes` start at the record's header and hold at least the whole record, whose
+/// checksum must match (format v2 and later, where it covers one contiguous range). The index
+/// entry is checked against the header later, by the read that serves it.
+pub fn check_record_bytes(version: u32, bytes: &[u8]) -> Result<RecordHeader, String> {
+    if version < 2 {
+        return Err(format!(
+            "format v{version} records cannot be checked on their own"
+        ));
+    }
+    let h = RecordHeader::decode_as(version, bytes)?;
+    let end = h.payload_offset() + u64::from(h.stored_len);
+    if (bytes.len() as u64) < end {
+        return Err(format!(
+            "the record needs {end} bytes, {} arrived",
+            bytes.len()
+        ));
+    }
+    let actual = hash_bytes(&bytes[RECORD_V2_HASHED_FROM as usize..end as usize]);
+    if actual != h.checksum {
+        return Err(format!(
+            "checksum mismatch: computed {}, stored {}",
+            checksum_hex(actual),
+            checksum_hex(h.checksum)
+        ));
+    }
+    Ok(h)
+}
+
 pub fn payload_offset(meta_len: u32) -> u64 {
     align_up(RECORD_HEADER_LEN + u64::from(meta_len))
 }

@@ -167,6 +167,11 @@ impl Plan {
         Ok(ProducerSpec {
             ctl_name: String::new(),
             cache_dirs: ds.caches.iter().map(|c| c.dir.clone()).collect(),
+            remote: ds
+                .caches
+                .iter()
+                .map(|c| c.records().map(|r| r.locator()))
+                .collect(),
             shards: ShardTable::of(ds)?,
             fingerprint: ds.fingerprint().to_owned(),
             weights_fingerprint: weights.fingerprint.clone(),

@@ -38,6 +38,10 @@ use crate::{protocol, Error, Result};
 pub struct ProducerSpec {
     pub ctl_name: String,
     pub cache_dirs: Vec<PathBuf>,
+    /// By cache: for one read from object storage, what opens its record source again here
+    /// (`RecordSource::locator`); `None` for a local cache.
+    #[serde(default)]
+    pub remote: Vec<Option<String>>,
     /// The shard files the training process validated: the producer reads exactly these
     /// (references in the slots point into them), else refuses to start.
     pub shards: ShardTable,
@@ -373,7 +377,13 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
     let caches = spec
         .cache_dirs
         .iter()
-        .map(|d| Cache::open_in_use(d).map(Arc::new))
+        .enumerate()
+        .map(|(c, dir)| match spec.remote.get(c) {
+            Some(Some(locator)) => dataset_rt_remote::open_located(locator)
+                .map(|opened| opened.cache)
+                .map_err(CoreError::from),
+            _ => Cache::open_in_use(dir).map(Arc::new),
+        })
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let ds = Dataset::new(caches);
     if ds.fingerprint() != spec.fingerprint {

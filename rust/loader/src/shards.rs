@@ -84,6 +84,15 @@ impl ShardTable {
             .map(|cache| {
                 let shards = (0..cache.num_shards() as u32)
                     .map(|s| {
+                        if cache.is_fetched() {
+                            // No file: its records travel as bytes, and a reference into it
+                            // (a length of 0 here) is refused.
+                            return Ok(ShardFile {
+                                len: 0,
+                                dev: 0,
+                                ino: 0,
+                            });
+                        }
                         let (dev, ino, _) = identity(cache.shard_file(s), &cache.shard_path(s))?;
                         Ok(ShardFile {
                             len: cache.shard_len(s),
@@ -216,7 +225,7 @@ impl ShardTable {
                     .into());
                 }
             }
-            for s in 0..cache.num_shards() as u32 {
+            for s in (0..cache.num_shards() as u32).filter(|_| !cache.is_fetched()) {
                 // A shard truncated since is still the same file: its records are refused as
                 // they are read, naming each sample (`Cache::check_shard_size`).
                 self.check_file(c as u32, s, cache.shard_file(s), false)?;

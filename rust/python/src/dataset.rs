@@ -718,6 +718,9 @@ impl SampleMaker {
         (shard, offset, len): (u32, u64, u64),
     ) -> Option<PyResult<Bound<'py, PyAny>>> {
         let c = self.dataset.caches.get(cache as usize)?;
+        if c.is_fetched() {
+            return None; // its records are copied into the slots, never referenced
+        }
         if c.len() <= row
             || shard as usize >= c.num_shards()
             || offset.checked_add(len)? > c.shard_len(shard)
@@ -742,6 +745,9 @@ impl SampleMaker {
         (shard, offset, len): (u32, u64, u64),
     ) -> Option<PyResult<Bound<'py, PyAny>>> {
         let c = self.dataset.caches.get(cache as usize)?;
+        if c.is_fetched() {
+            return None; // its records are copied into the slots, never referenced
+        }
         if shard as usize >= c.num_shards() || offset.checked_add(len)? > c.shard_len(shard) {
             return None;
         }

@@ -140,7 +140,7 @@ const SIGNAL_POLL: Duration = Duration::from_millis(100);
 /// the process, which is what the command line does next: an interrupted push stays invisible
 /// and is resumed by the next one, and an interrupted pull leaves only a temporary directory,
 /// removed by the next pull.
-fn wait_interruptibly<T: Send + 'static>(
+pub(crate) fn wait_interruptibly<T: Send + 'static>(
     py: Python<'_>,
     work: impl FnOnce() -> dataset_rt_remote::Result<T> + Send + 'static,
 ) -> PyResult<T> {

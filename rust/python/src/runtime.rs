@@ -31,6 +31,8 @@ use crate::config::{ReaderFields, WriterFields};
 use crate::dataset::Dataset;
 use crate::errors::{to_py, ConfigError, IntoPyResult};
 use crate::progress::PyStderr;
+use crate::remote::RemoteFields;
+use dataset_rt_remote::open_cache;
 
 #[pyclass(module = "dataset_rt._native", frozen)]
 pub struct Runtime {
@@ -198,6 +200,70 @@ impl Runtime {
             };
             outcomes.push((outcome.0, name.clone(), path, outcome.1, outcome.2));
             caches.extend(cache.into_iter().map(Arc::new));
+        }
+        self.dataset(py, caches, outcomes, reading.read, reading.verify)
+    }
+
+    /// `open_caches` on a URL (`s3://bucket/prefix`, `file:///dir`): each name's cache is the
+    /// one published at `base_url/name`, read in place through the node's local cache that
+    /// `remote` configures. Its index and metadata table are downloaded (and validated) here;
+    /// its records are fetched as the read planner asks for them. Nothing is written remotely.
+    #[pyo3(signature = (names, base_url, reader, split, remote))]
+    fn open_remote_caches(
+        &self,
+        py: Python<'_>,
+        names: &Bound<'_, PyAny>,
+        base_url: String,
+        reader: ReaderFields<'_>,
+        split: (u64, u64),
+        remote: RemoteFields<'_>,
+    ) -> PyResult<(Option<Dataset>, Vec<Outcome>)> {
+        self.pool.check_usable().py_err()?;
+        let reading = reader.reading(Some(split))?;
+        let names = cache_names(names)?;
+        check_names(
+            &names,
+            "cache",
+            "a dataset holds each cache once; nothing was opened",
+        )?;
+        let options = remote.options()?;
+        let base = base_url.trim_end_matches('/');
+        let mut outcomes = Vec::with_capacity(names.len());
+        let mut caches = Vec::new();
+        for name in &names {
+            let url = format!("{base}/{name}");
+            let opened = {
+                let (url, options) = (url.clone(), options.clone());
+                crate::remote::wait_interruptibly(py, move || open_cache(&url, &options))
+            };
+            let (kind, message, len) = match opened {
+                Ok(opened) => {
+                    let n = opened.cache.len();
+                    caches.push(opened.cache);
+                    ("loaded", None, Some(n))
+                }
+                Err(e)
+                    if e.value(py)
+                        .is_instance_of::<pyo3::exceptions::PyFileNotFoundError>() =>
+                {
+                    (
+                        "missing",
+                        Some(format!(
+                            "{}; open_caches only opens published caches",
+                            e.value(py)
+                        )),
+                        None,
+                    )
+                }
+                Err(e)
+                    if e.value(py)
+                        .is_instance_of::<crate::errors::CacheMalformedError>() =>
+                {
+                    ("malformed", Some(e.value(py).to_string()), None)
+                }
+                Err(e) => return Err(e),
+            };
+            outcomes.push((kind, name.clone(), PathBuf::from(url), message, len));
         }
         self.dataset(py, caches, outcomes, reading.read, reading.verify)
     }

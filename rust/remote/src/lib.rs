@@ -8,7 +8,8 @@
 //! - `store`: a URL's object store, built from the environment, per process;
 //! - `fetch`: `RangeFetcher` (coalescing, depth, retries, verification);
 //! - `publish`: the remote layout, `push`, `pull`, `ls`, opening a published cache's manifest;
-//! - `local`: the node's local cache directory (`NodeCache`) and `CachedFetcher` over it.
+//! - `local`: the node's local cache directory (`NodeCache`) and `CachedFetcher` over it;
+//! - `records`: reading a published cache in place (`open_cache`, `RemoteRecords`).
 
 pub mod error;
 pub mod fetch;
@@ -16,6 +17,7 @@ pub mod local;
 pub mod location;
 pub mod options;
 pub mod publish;
+pub mod records;
 pub mod runtime;
 pub mod store;
 
@@ -27,4 +29,5 @@ pub use options::RemoteOptions;
 pub use publish::{
     ls, pull, push, CacheListing, PublishedCache, PullReport, PushOptions, PushReport,
 };
+pub use records::{open_cache, open_located, open_remote_cache, OpenedCache, RemoteRecords};
 pub use store::Remote;

@@ -295,6 +295,11 @@ impl NodeCache {
         }
     }
 
+    /// Whether range `key` is stored (a probe: its bytes are checked when they are read).
+    pub fn contains(&self, key: &RangeKey) -> bool {
+        Self::check_key(key).is_ok() && self.range_path(key).is_file()
+    }
+
     /// The stored bytes of `key`, verified; `None` when absent (or damaged: then removed).
     pub fn get(&self, key: &RangeKey) -> Result<Option<Bytes>> {
         self.check_process()?;

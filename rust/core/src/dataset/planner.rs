@@ -73,6 +73,31 @@ pub trait RangeSource: Send + Sync {
     fn release(&self, ranges: &[Range]);
 }
 
+/// The bytes of one record from a [`RecordSource`].
+pub type RecordBytes = Box<dyn AsRef<[u8]> + Send + Sync>;
+
+/// A backend that holds the records themselves, for a cache whose shards are not local files
+/// (object storage): the cache reads every record through it ([`crate::cache::Cache::open_fetched`]),
+/// and the planner fetches ahead through it. One source serves one cache: the `cache` field of
+/// the ranges it gets is the cache's place in a dataset, which it ignores.
+pub trait RecordSource: RangeSource {
+    /// The bytes of `range` (the whole record of sample `sample`, from its index entry),
+    /// waiting for them if they are not here yet. The caller checks them against the index and
+    /// the record's checksum before it serves anything.
+    fn read(&self, range: &Range, sample: u64) -> crate::error::Result<RecordBytes>;
+
+    /// The record of `range` failed the caller's checks: whatever copy of it the source keeps
+    /// is dropped, so that the next `read` fetches it again.
+    fn discard(&self, range: &Range);
+
+    /// Where shard `shard` lives (a URL), for errors and logs.
+    fn shard_location(&self, shard: u32) -> String;
+
+    /// What another process of this node gives the backend to open this same source again
+    /// (the loader's producer): opaque to the core.
+    fn locator(&self) -> String;
+}
+
 /// Planned records in a row found resident before the planner rests.
 pub const REST_AFTER: u32 = 64;
 

@@ -1,0 +1,213 @@
+"""Reading caches in place on object storage: ``open_caches`` on a URL, over ``file://`` and
+moto's S3 server (the fixtures of ``test_remote_publish``). A published cache must read exactly
+as its local copy (fingerprint, shuffled epochs, rank splits, batches, checkpoints both ways),
+through a local cache directory that a second pass reads without the store; damage on the server
+is an error naming the object, never bytes served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_remote_publish import (  # noqa: F401 (fixtures, used by name)
+    Store,
+    s3_endpoint,
+    s3_env,
+    store,
+    write_cache,
+)
+
+from dataset_rt import (
+    CacheLoaded,
+    CacheMissing,
+    CacheSourcesDatasetError,
+    CacheSourcesDatasetSuccess,
+    ConfigError,
+    CorruptRecordError,
+    DatasetRuntime,
+    ReaderConfig,
+    RemoteConfig,
+    _native,
+)
+from dataset_rt.torch import DataLoader
+
+
+@pytest.fixture(scope="module")
+def runtime() -> Iterator[DatasetRuntime]:
+    with DatasetRuntime(num_workers=2) as runtime:
+        yield runtime
+
+
+def open_dataset(
+    runtime: DatasetRuntime, base: str | Path, tmp_path: Path, remote: bool, **reader: Any
+) -> CacheSourcesDatasetSuccess:
+    config = ReaderConfig(seed=11, **reader)
+    if remote:
+        node = RemoteConfig(local_dir=tmp_path / "node")
+        result = runtime.open_caches("train", str(base), reader_config=config, remote=node)
+    else:
+        result = runtime.open_caches("train", base, reader_config=config)
+    assert isinstance(result, CacheSourcesDatasetSuccess), result
+    return result
+
+
+def read_epochs(result: CacheSourcesDatasetSuccess, epochs: int = 2) -> list[list[Any]]:
+    dataset = result.dataset
+    out = []
+    for epoch in range(epochs):
+        dataset.set_epoch(epoch)
+        out.append([(bytes(s.data), s.metadata) for s in dataset])
+    return out
+
+
+@pytest.fixture
+def published(store: Store, tmp_path: Path) -> tuple[Path, str]:  # noqa: F811
+    """A small cache of several shards, written locally and pushed: (local base, remote base)."""
+    original = write_cache(tmp_path / "src", n=40)
+    _native.push_cache(original, store.url("train"), RemoteConfig())
+    return original.parent, store.url("train")[: -len("/train")]
+
+
+@pytest.mark.parametrize("split", [(None, None), (0, 2), (1, 2)])
+def test_a_published_cache_reads_exactly_as_its_local_copy(
+    runtime: DatasetRuntime,
+    published: tuple[Path, str],
+    tmp_path: Path,
+    split: tuple[int | None, int | None],
+) -> None:
+    local_base, url = published
+    rank, world_size = split
+    local = open_dataset(runtime, local_base, tmp_path, False, rank=rank, world_size=world_size)
+    remote = open_dataset(runtime, url, tmp_path, True, rank=rank, world_size=world_size)
+    assert [type(r) for r in remote.results] == [CacheLoaded]
+    assert remote.results[0].num_samples == 40
+    assert remote.dataset.fingerprint == local.dataset.fingerprint
+    assert remote.dataset.num_samples == local.dataset.num_samples
+    local_epochs, remote_epochs = read_epochs(local), read_epochs(remote)
+    assert remote_epochs == local_epochs
+    assert local_epochs[0] != local_epochs[1]  # shuffled anew: the comparison means something
+
+    local.dataset.set_epoch(3)
+    remote.dataset.set_epoch(3)
+    batches = [
+        [bytes(b) for batch in r.dataset.iter_batches(7) for b in batch.data]
+        for r in (local, remote)
+    ]
+    assert batches[0] == batches[1]
+
+
+def test_a_checkpoint_resumes_across_local_and_remote(
+    runtime: DatasetRuntime, published: tuple[Path, str], tmp_path: Path
+) -> None:
+    local_base, url = published
+    for first, second in ((False, True), (True, False)):
+        a = open_dataset(runtime, url if first else local_base, tmp_path, first)
+        b = open_dataset(runtime, url if second else local_base, tmp_path, second)
+        a.dataset.set_epoch(1)
+        it = iter(a.dataset)
+        head = [bytes(next(it).data) for _ in range(13)]
+        state = a.dataset.state_dict()
+        rest_a = [bytes(s.data) for s in it]
+        b.dataset.load_state_dict(state)
+        rest_b = [bytes(s.data) for s in b.dataset]
+        assert rest_b == rest_a and len(head) + len(rest_b) == 40
+
+
+def test_a_second_pass_reads_from_the_local_cache_without_the_store(
+    runtime: DatasetRuntime,
+    published: tuple[Path, str],
+    store: Store,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    local_base, url = published
+    local = read_epochs(open_dataset(runtime, local_base, tmp_path, False), epochs=1)
+    remote = open_dataset(runtime, url, tmp_path, True)
+    assert read_epochs(remote, epochs=1) == local
+    assert any((tmp_path / "node").rglob("ranges/*/*"))
+    # Every shard object gone: what the first pass fetched is served from the node's cache.
+    for key in store.objects():
+        if "/shards/" in key:
+            store.delete(key)
+    assert read_epochs(remote, epochs=1) == local
+    # A new process-level open finds the same build, index and records locally.
+    assert read_epochs(open_dataset(runtime, url, tmp_path, True), epochs=1) == local
+
+
+def test_a_record_damaged_on_the_server_is_an_error_naming_the_object(
+    runtime: DatasetRuntime,
+    published: tuple[Path, str],
+    store: Store,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    _, url = published
+    [shard] = [k for k in store.objects() if k.endswith("shards/000001.bin")]
+    data = bytearray(store.read(shard))
+    flipped = len(data) // 2
+    data[flipped] ^= 0xFF  # inside a record of the second shard
+    store.write(shard, bytes(data))
+    remote = open_dataset(runtime, url, tmp_path, True, shuffle=False)
+    with pytest.raises(CorruptRecordError) as caught:
+        for _ in remote.dataset:
+            pass
+    message = str(caught.value)
+    assert "000001.bin" in message and "checksum" in message
+    # Nothing damaged was kept: no range of that shard in the node's cache covers the byte,
+    # and a second pass fails again instead of serving it.
+    for kept in (tmp_path / "node").rglob("ranges/shards/000001.bin/*"):
+        start, end = map(int, kept.name.split("-"))
+        assert not start <= flipped < end, kept
+    with pytest.raises(CorruptRecordError):
+        for _ in remote.dataset:
+            pass
+
+
+def test_a_missing_cache_and_a_bad_remote_argument(
+    runtime: DatasetRuntime, published: tuple[Path, str], tmp_path: Path
+) -> None:
+    local_base, url = published
+    node = RemoteConfig(local_dir=tmp_path / "node")
+    result = runtime.open_caches(["train", "absent"], url, remote=node)
+    assert isinstance(result, CacheSourcesDatasetSuccess)
+    assert [type(r) for r in result.results] == [CacheLoaded, CacheMissing]
+    alone = runtime.open_caches("absent", url, remote=node)
+    assert isinstance(alone, CacheSourcesDatasetError)
+    with pytest.raises(ConfigError, match="not a URL"):
+        runtime.open_caches("train", local_base, remote=node)
+    with pytest.raises(ConfigError, match="RemoteConfig"):
+        runtime.open_caches("train", url, remote={"local_dir": "x"})  # type: ignore[arg-type]
+
+
+def record(sample: Any) -> tuple[bytes, Any]:
+    """The loader's transform (module level, so that ``spawn`` workers can import it)."""
+    return bytes(sample.data), sample.metadata
+
+
+@pytest.mark.parametrize(
+    ("workers", "start"), [(0, None), (2, "fork"), (2, "spawn")], ids=["w0", "fork", "spawn"]
+)
+def test_the_shared_memory_loader_reads_a_remote_dataset_as_a_local_one(
+    runtime: DatasetRuntime,
+    published: tuple[Path, str],
+    tmp_path: Path,
+    workers: int,
+    start: str | None,
+) -> None:
+    local_base, url = published
+    expected = read_epochs(open_dataset(runtime, local_base, tmp_path, False))
+    remote = open_dataset(runtime, url, tmp_path, True)
+    loader = DataLoader(
+        remote.dataset,
+        batch_size=6,
+        num_workers=workers,
+        transform=record,
+        collate_fn=list,
+        multiprocessing_context=start,
+        persistent_workers=workers > 0,
+    )
+    with loader:
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            assert [x for batch in loader for x in batch] == expected[epoch]
