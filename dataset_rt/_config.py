@@ -184,6 +184,13 @@ class WriterConfig:
         _native.check_writer_config(self)
 
 
+def is_url(text: str) -> bool:
+    """Whether ``text`` names a location on object storage (``s3://...``, ``file://...``) rather
+    than a local path: what ``open_caches`` and the command line take a URL by."""
+    scheme, sep, _ = text.partition("://")
+    return bool(sep) and scheme.isidentifier()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RemoteConfig:
     """How caches on object storage (``s3://`` and ``file://`` URLs) are reached.

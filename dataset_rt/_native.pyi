@@ -46,15 +46,18 @@ __all__ = [
     "epoch_order",
     "head_records",
     "inspect_cache",
+    "inspect_remote_cache",
     "list_caches",
     "payload_spans",
     "pull_cache",
     "push_cache",
     "reap_shm_leftovers",
+    "remote_local_dir",
     "retain_worker_heap",
     "run_producer",
     "set_parent_death_signal",
     "verify_cache",
+    "verify_remote_cache",
     "write_part",
 ]
 __version__: str
@@ -223,6 +226,9 @@ def push_cache(
 ) -> _PushReport: ...
 def pull_cache(url: str, dir: str | PathLike[str], remote_config: RemoteConfig) -> _PullReport: ...
 def list_caches(url: str, remote_config: RemoteConfig) -> list[_CacheListing]: ...
+def inspect_remote_cache(url: str, remote_config: RemoteConfig) -> str: ...
+def remote_local_dir(remote_config: RemoteConfig) -> Path: ...
+def verify_remote_cache(url: str, remote_config: RemoteConfig) -> tuple[int, int]: ...
 
 # ---- cache sets (rust/python/src/cache_set.rs) ----
 @final

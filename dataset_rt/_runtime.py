@@ -3,13 +3,16 @@ caches."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 
 from dataset_rt import _native
-from dataset_rt._config import ReaderConfig, RemoteConfig, WriterConfig, check_int
+from dataset_rt._config import ReaderConfig, RemoteConfig, WriterConfig, check_int, is_url
 from dataset_rt._dataset import Dataset
 from dataset_rt._results import (
     CacheLoaded,
@@ -121,9 +124,15 @@ class DatasetRuntime:
         *,
         reader_config: ReaderConfig | None = None,
         writer_config: WriterConfig | None = None,
+        remote: RemoteConfig | None = None,
     ) -> CacheSourcesDatasetSuccess | CacheSourcesDatasetError:
         """Loads each source's cache from ``base_cache_dir / source.name``, writing the missing
         ones from their sources, and returns the dataset over every cache that loaded.
+
+        ``base_cache_dir`` may be a URL, as for :meth:`open_caches`: a source whose cache is not
+        published at ``URL/name`` is written in a staging directory under the node's local
+        cache directory, published there (``dataset-rt push``), and read in place like the
+        others; its result is ``CacheWritten``.
 
         ``sources`` is one source or a list of them; a source has a ``name`` and, to be
         writable, iterates :class:`CacheInput`. Two sources with one name are refused before
@@ -140,6 +149,12 @@ class DatasetRuntime:
         writer = writer_config if writer_config is not None else WriterConfig()
         if not isinstance(sources, (list, tuple)):
             sources = [sources]
+        if isinstance(base_cache_dir, str) and is_url(base_cache_dir):
+            return self._from_published_sources(
+                list(sources), base_cache_dir, reader, writer, _remote(remote)
+            )
+        if remote is not None:
+            raise _native.ConfigError(_NOT_A_URL.format(os.fspath(base_cache_dir)))
         return _outcome(
             *self._native.from_cache_sources(
                 list(sources),
@@ -149,6 +164,55 @@ class DatasetRuntime:
                 writer,
             )
         )
+
+    def _from_published_sources(
+        self,
+        sources: list[object],
+        base_url: str,
+        reader: ReaderConfig,
+        writer: WriterConfig,
+        remote: RemoteConfig,
+    ) -> CacheSourcesDatasetSuccess | CacheSourcesDatasetError:
+        """``from_cache_sources`` on a URL: opens what is published, writes the missing caches
+        in a staging directory, publishes each one written, then opens them all in place."""
+        names = [getattr(source, "name", None) for source in sources]
+        first = self.open_caches(names, base_url, reader_config=reader, remote=remote)  # type: ignore[arg-type]
+        missing = [
+            source
+            for source, result in zip(sources, first.results, strict=True)
+            if isinstance(result, CacheMissing)
+        ]
+        if not missing:
+            return first
+        staging_root = Path(_native.remote_local_dir(remote)) / ".publish"
+        staging_root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix="staging-", dir=staging_root))
+        try:
+            written = self.from_cache_sources(
+                missing, staging, reader_config=reader, writer_config=writer
+            )
+            outcomes = {r.name: r for r in written.results}
+            del written
+            for name, result in outcomes.items():
+                if isinstance(result, CacheWritten):
+                    # Another process may have published it meanwhile: that one is read.
+                    with contextlib.suppress(FileExistsError):
+                        _native.push_cache(staging / name, f"{base_url}/{name}", remote, False)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        final = self.open_caches(names, base_url, reader_config=reader, remote=remote)  # type: ignore[arg-type]
+        results: list[CacheSourceResult] = []
+        for result in final.results:
+            made = outcomes.get(result.name)
+            if isinstance(made, CacheWritten) and isinstance(result, CacheLoaded):
+                results.append(CacheWritten(result.name, result.path, result.num_samples))
+            elif made is not None and not isinstance(made, CacheWritten):
+                results.append(made)
+            else:
+                results.append(result)
+        if isinstance(final, CacheSourcesDatasetSuccess):
+            return CacheSourcesDatasetSuccess(final.dataset, results)
+        return CacheSourcesDatasetError(results, _summary(results))
 
     def open_caches(
         self,
@@ -175,22 +239,14 @@ class DatasetRuntime:
         shared-memory ``DataLoader``.
         """
         reader = reader_config if reader_config is not None else ReaderConfig()
-        if isinstance(base_cache_dir, str) and _is_url(base_cache_dir):
-            config = remote if remote is not None else RemoteConfig()
-            if not isinstance(config, RemoteConfig):
-                raise _native.ConfigError(
-                    f"invalid remote: expected a RemoteConfig or None, got {type(config).__name__}"
-                )
+        if isinstance(base_cache_dir, str) and is_url(base_cache_dir):
             return _outcome(
                 *self._native.open_remote_caches(
-                    names, base_cache_dir, reader, _resolve_rank(reader), config
+                    names, base_cache_dir, reader, _resolve_rank(reader), _remote(remote)
                 )
             )
         if remote is not None:
-            raise _native.ConfigError(
-                "remote= configures caches on object storage, but base_cache_dir "
-                f"{os.fspath(base_cache_dir)!r} is not a URL (s3://..., file://...)"
-            )
+            raise _native.ConfigError(_NOT_A_URL.format(os.fspath(base_cache_dir)))
         return _outcome(
             *self._native.open_caches(
                 names, os.fspath(base_cache_dir), reader, _resolve_rank(reader)
@@ -198,10 +254,19 @@ class DatasetRuntime:
         )
 
 
-def _is_url(base: str) -> bool:
-    """Whether ``base`` names a location on object storage rather than a directory."""
-    scheme, sep, _ = base.partition("://")
-    return bool(sep) and scheme.isidentifier()
+_NOT_A_URL = (
+    "remote= configures caches on object storage, but base_cache_dir {!r} is not a URL "
+    "(s3://..., file://...)"
+)
+
+
+def _remote(remote: RemoteConfig | None) -> RemoteConfig:
+    config = remote if remote is not None else RemoteConfig()
+    if not isinstance(config, RemoteConfig):
+        raise _native.ConfigError(
+            f"invalid remote: expected a RemoteConfig or None, got {type(config).__name__}"
+        )
+    return config
 
 
 def _outcome(

@@ -23,7 +23,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from dataset_rt import _native
-from dataset_rt._config import ReaderConfig, RemoteConfig, ShardCompression, WriterConfig
+from dataset_rt._config import (
+    ReaderConfig,
+    RemoteConfig,
+    ShardCompression,
+    WriterConfig,
+    is_url,
+)
 from dataset_rt._native import ConfigError, DatasetRTError
 from dataset_rt._results import (
     CacheInput,
@@ -80,7 +86,11 @@ def _non_negative_int(text: str) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    text = _native.inspect_cache(args.cache)
+    remote = is_url(args.cache)
+    if remote:
+        text = _native.inspect_remote_cache(args.cache, _remote_config(args))
+    else:
+        text = _native.inspect_cache(args.cache)
     if args.json:
         print(text.rstrip("\n"))
         return EXIT_OK
@@ -97,7 +107,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     raw, stored = manifest["raw_payload_bytes"], manifest["stored_payload_bytes"]
     stored_share = f"stored/raw = {stored / raw:.3f}" if raw else "stored/raw = n/a"
     rows = [
-        ("cache", str(Path(args.cache).resolve())),
+        ("cache", args.cache if remote else str(Path(args.cache).resolve())),
         ("name", manifest["name"]),
         ("format", f"{manifest['format']} v{manifest['format_version']}"),
         ("writer", manifest["writer_version"]),
@@ -148,7 +158,10 @@ def _print_set(path: str, manifest: dict[str, Any]) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     try:
-        samples, shards = _native.verify_cache(args.cache)
+        if is_url(args.cache):
+            samples, shards = _native.verify_remote_cache(args.cache, _remote_config(args))
+        else:
+            samples, shards = _native.verify_cache(args.cache)
     except DatasetRTError as error:
         print(f"FAILED: {args.cache}", file=sys.stderr)
         _error(str(error))
@@ -497,9 +510,36 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dataset-rt {_native.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    remote_help = (
+        "URL is s3://BUCKET/PREFIX/NAME (any S3-compatible store) or file:///PATH/NAME. "
+        "Credentials come from the environment only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_SESSION_TOKEN); the endpoint, region and plain-HTTP permission too (AWS_ENDPOINT_URL, "
+        "AWS_REGION, AWS_ALLOW_HTTP) unless the flags below give them."
+    )
+
+    def remote_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--endpoint",
+            metavar="URL",
+            default=None,
+            help="the store's http(s):// address (default: AWS_ENDPOINT_URL, else AWS)",
+        )
+        p.add_argument(
+            "--region", metavar="NAME", default=None, help="default: AWS_REGION, else us-east-1"
+        )
+        p.add_argument(
+            "--allow-http",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="allow (or refuse) a plain http:// endpoint (default: AWS_ALLOW_HTTP, else no)",
+        )
+
     p = commands.add_parser("inspect", help="summarise a cache's manifest")
-    p.add_argument("cache", metavar="CACHE", help="cache directory (base/name)")
+    p.add_argument(
+        "cache", metavar="CACHE", help="cache directory (base/name), or the URL of a published one"
+    )
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    remote_flags(p)
     p.set_defaults(handler=_cmd_inspect)
 
     p = commands.add_parser(
@@ -507,7 +547,13 @@ def _parser() -> argparse.ArgumentParser:
         help="check the index, the metadata and every record and shard checksum "
         "(exit 1 naming what is corrupt)",
     )
-    p.add_argument("cache", metavar="CACHE", help="cache directory (base/name)")
+    p.add_argument(
+        "cache",
+        metavar="CACHE",
+        help="cache directory (base/name), or the URL of a published one (its index, metadata "
+        "and every record are checked, fetched through the node's local cache)",
+    )
+    remote_flags(p)
     p.set_defaults(handler=_cmd_verify)
 
     p = commands.add_parser("head", help="show the first records with their embedded metadata")
@@ -587,30 +633,6 @@ def _parser() -> argparse.ArgumentParser:
         "protection); without it such links are refused",
     )
     p.set_defaults(handler=_cmd_pack)
-
-    remote_help = (
-        "URL is s3://BUCKET/PREFIX/NAME (any S3-compatible store) or file:///PATH/NAME. "
-        "Credentials come from the environment only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-        "AWS_SESSION_TOKEN); the endpoint, region and plain-HTTP permission too (AWS_ENDPOINT_URL, "
-        "AWS_REGION, AWS_ALLOW_HTTP) unless the flags below give them."
-    )
-
-    def remote_flags(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--endpoint",
-            metavar="URL",
-            default=None,
-            help="the store's http(s):// address (default: AWS_ENDPOINT_URL, else AWS)",
-        )
-        p.add_argument(
-            "--region", metavar="NAME", default=None, help="default: AWS_REGION, else us-east-1"
-        )
-        p.add_argument(
-            "--allow-http",
-            action=argparse.BooleanOptionalAction,
-            default=None,
-            help="allow (or refuse) a plain http:// endpoint (default: AWS_ALLOW_HTTP, else no)",
-        )
 
     p = commands.add_parser(
         "push",

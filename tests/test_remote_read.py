@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from test_remote_publish import (  # noqa: F401 (fixtures, used by name)
+    Source,
     Store,
     s3_endpoint,
     s3_env,
@@ -25,13 +26,16 @@ from dataset_rt import (
     CacheMissing,
     CacheSourcesDatasetError,
     CacheSourcesDatasetSuccess,
+    CacheWritten,
     ConfigError,
     CorruptRecordError,
     DatasetRuntime,
     ReaderConfig,
     RemoteConfig,
+    WriterConfig,
     _native,
 )
+from dataset_rt.cli import EXIT_FAILED, EXIT_OK, main
 from dataset_rt.torch import DataLoader
 
 
@@ -211,3 +215,68 @@ def test_the_shared_memory_loader_reads_a_remote_dataset_as_a_local_one(
         for epoch in (0, 1):
             loader.set_epoch(epoch)
             assert [x for batch in loader for x in batch] == expected[epoch]
+
+
+def test_inspect_and_verify_take_a_url(
+    published: tuple[Path, str],
+    store: Store,  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    local_base, url = published
+    monkeypatch.setenv("DATASET_RT_REMOTE_DIR", str(tmp_path / "node"))
+    assert main(["inspect", "--json", f"{url}/train"]) == EXIT_OK
+    manifest = (local_base / "train" / "manifest.json").read_text()
+    assert capsys.readouterr().out.strip() == manifest.strip()
+    assert main(["inspect", f"{url}/train"]) == EXIT_OK
+    assert "cache:" in capsys.readouterr().out
+    assert main(["verify", f"{url}/train"]) == EXIT_OK
+    assert "OK: 40 samples" in capsys.readouterr().out
+    # One byte flipped inside a record on the server: verify names the object and fails.
+    [shard] = [k for k in store.objects() if k.endswith("shards/000001.bin")]
+    data = bytearray(store.read(shard))
+    data[len(data) // 2] ^= 0xFF
+    store.write(shard, bytes(data))
+    monkeypatch.setenv("DATASET_RT_REMOTE_DIR", str(tmp_path / "other-node"))
+    assert main(["verify", f"{url}/train"]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "FAILED" in err and "000001.bin" in err
+
+
+def test_from_cache_sources_on_a_url_writes_publishes_and_reads_in_place(
+    runtime: DatasetRuntime,
+    store: Store,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    node = RemoteConfig(local_dir=tmp_path / "node")
+    base = store.url("train")[: -len("/train")]
+    local = open_dataset(runtime, write_cache(tmp_path / "src", n=40).parent, tmp_path, False)
+    writer = WriterConfig(show_progress=False, shard_size_bytes=512)  # as write_cache's
+    first = runtime.from_cache_sources(
+        Source("train", 40),
+        base,
+        reader_config=ReaderConfig(seed=11),
+        writer_config=writer,
+        remote=node,
+    )
+    assert isinstance(first, CacheSourcesDatasetSuccess), first
+    assert [type(r) for r in first.results] == [CacheWritten]
+    assert first.results[0].num_samples == 40
+    assert "train/manifest.json" in store.objects()
+    assert first.dataset.fingerprint == local.dataset.fingerprint
+    # Nothing is left of the staging copy; the second call loads what is published.
+    assert not any((tmp_path / "node" / ".publish").iterdir())
+    again = runtime.from_cache_sources(
+        Source("train", 40),
+        base,
+        reader_config=ReaderConfig(seed=11),
+        writer_config=writer,
+        remote=node,
+    )
+    assert isinstance(again, CacheSourcesDatasetSuccess)
+    assert [type(r) for r in again.results] == [CacheLoaded]
+    dataset = again.dataset
+    dataset.set_epoch(0)
+    local.dataset.set_epoch(0)
+    assert [bytes(s.data) for s in dataset] == [bytes(s.data) for s in local.dataset]

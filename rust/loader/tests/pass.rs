@@ -101,6 +101,7 @@ fn setup_sized(raw: u64, lz4: u64) -> Setup {
     let spec = ProducerSpec {
         ctl_name: String::new(),
         cache_dirs: dirs,
+        remote: Vec::new(),
         shards: ShardTable::of(&ds).unwrap(),
         fingerprint: ds.fingerprint().to_owned(),
         weights_fingerprint: WeightTable::uniform().fingerprint,

@@ -43,6 +43,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(remote::push_cache, m)?)?;
     m.add_function(wrap_pyfunction!(remote::pull_cache, m)?)?;
     m.add_function(wrap_pyfunction!(remote::list_caches, m)?)?;
+    m.add_function(wrap_pyfunction!(remote::inspect_remote_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(remote::remote_local_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(remote::verify_remote_cache, m)?)?;
     loader::register(m)?;
     Ok(())
 }

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use dataset_rt_remote::options::{MAX_MAX_REQUESTS, MIN_LOCAL_BYTES};
 use dataset_rt_remote::{
-    ls, pull, push, CacheListing, FetchPolicy, PullReport, PushOptions, PushReport, Remote,
-    RemoteOptions,
+    ls, open_cache, pull, push, verify_records, CacheListing, FetchPolicy, PullReport, PushOptions,
+    PushReport, Remote, RemoteOptions,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -260,6 +260,52 @@ pub fn pull_cache<'py>(
         pull(&remote, &dir, &policy)
     })?;
     pull_report(py, report)
+}
+
+/// The node's local cache directory that `remote_config` names (the field, else the
+/// environment, else the user's cache directory).
+#[pyfunction]
+pub fn remote_local_dir(remote_config: RemoteFields<'_>) -> PyResult<PathBuf> {
+    remote_config
+        .options()?
+        .resolved_local_dir()
+        .map_err(crate::errors::remote_to_py)
+}
+
+/// The manifest of the cache published at `url` as JSON text, after the checks of opening it in
+/// place (its index and metadata table downloaded into the node's local cache and checked
+/// against the manifest).
+#[pyfunction]
+pub fn inspect_remote_cache(
+    py: Python<'_>,
+    url: String,
+    remote_config: RemoteFields<'_>,
+) -> PyResult<String> {
+    let options = remote_config.options()?;
+    let opened = wait_interruptibly(py, move || open_cache(&url, &options))?;
+    let manifest = opened
+        .cache
+        .dir
+        .join(dataset_rt_core::format::MANIFEST_FILE);
+    std::fs::read_to_string(&manifest)
+        .map_err(|e| crate::errors::to_py(dataset_rt_core::Error::io("read", &manifest, e)))
+}
+
+/// Verifies the cache published at `url` in place: its index and metadata table against the
+/// manifest, then every record (header, checksum, decoding), fetched ahead through the node's
+/// local cache. Returns `(samples, shards)`.
+#[pyfunction]
+pub fn verify_remote_cache(
+    py: Python<'_>,
+    url: String,
+    remote_config: RemoteFields<'_>,
+) -> PyResult<(u64, usize)> {
+    let options = remote_config.options()?;
+    wait_interruptibly(py, move || {
+        let opened = open_cache(&url, &options)?;
+        verify_records(&opened)?;
+        Ok((opened.cache.len(), opened.cache.num_shards()))
+    })
 }
 
 /// The caches published at `url` and directly under it, each a dict (`_CacheListing` in the

@@ -29,5 +29,7 @@ pub use options::RemoteOptions;
 pub use publish::{
     ls, pull, push, CacheListing, PublishedCache, PullReport, PushOptions, PushReport,
 };
-pub use records::{open_cache, open_located, open_remote_cache, OpenedCache, RemoteRecords};
+pub use records::{
+    open_cache, open_located, open_remote_cache, verify_records, OpenedCache, RemoteRecords,
+};
 pub use store::Remote;

@@ -1,0 +1,144 @@
+//! Reading a published cache in place: byte-identical epochs against the local copy, many
+//! requests in flight, a second epoch served by the node's cache, the budget held, and damage on
+//! the server named (over an in-memory store with injected faults and delays).
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{write_cache, Fault, FaultStore};
+use dataset_rt_core::cache::{Cache, Validation};
+use dataset_rt_core::dataset::{Dataset, EpochReader, ReadOptions, WeightTable};
+use dataset_rt_core::pool::Pool;
+use dataset_rt_core::verify::VerifyPolicy;
+use dataset_rt_core::Error as CoreError;
+use dataset_rt_remote::{open_remote_cache, push, OpenedCache, PushOptions, Remote, RemoteOptions};
+use object_store::memory::InMemory;
+
+const URL: &str = "s3://bucket/data/train";
+const SAMPLES: usize = 300;
+const PAYLOAD: usize = 3000;
+
+struct Setup {
+    _tmp: tempfile::TempDir,
+    local: Arc<Dataset>,
+    store: Arc<FaultStore>,
+    remote: Remote,
+    node: std::path::PathBuf,
+}
+
+fn setup() -> Setup {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = write_cache(
+        &tmp.path().join("src"),
+        "train",
+        SAMPLES,
+        PAYLOAD,
+        64 * 1024,
+        3,
+    );
+    let store = FaultStore::new(Arc::new(InMemory::new()));
+    let remote = Remote::with_store(URL, store.clone(), &RemoteOptions::default()).unwrap();
+    push(&dir, &remote, &PushOptions::default()).unwrap();
+    let local = Cache::open(&dir, Validation::Structure).unwrap();
+    Setup {
+        local: Arc::new(Dataset::new(vec![Arc::new(local)])),
+        node: tmp.path().join("node"),
+        _tmp: tmp,
+        store,
+        remote,
+    }
+}
+
+fn open(s: &Setup, budget: Option<u64>) -> (OpenedCache, Arc<Dataset>) {
+    let options = RemoteOptions {
+        local_dir: Some(s.node.clone()),
+        max_local_bytes: budget,
+        ..RemoteOptions::default()
+    };
+    let opened = open_remote_cache(&s.remote, &options).unwrap();
+    let ds = Dataset::new(vec![opened.cache.clone()]).with_verify(VerifyPolicy::Once);
+    (opened, Arc::new(ds))
+}
+
+/// The bytes of every sample of epoch `epoch`, in pass order, or the first error.
+fn epoch(ds: &Arc<Dataset>, epoch: u64) -> Result<Vec<Vec<u8>>, CoreError> {
+    let pool = Pool::new(2).unwrap();
+    let opts = ReadOptions::new(5, true);
+    let order = ds.try_order(&opts, &WeightTable::uniform(), epoch).unwrap();
+    let mut reader = EpochReader::new(pool, ds.clone(), Arc::new(order), &opts, epoch, 0);
+    let mut out = Vec::new();
+    while let Some(chunk) = reader.next_chunk() {
+        for fetched in chunk? {
+            out.push(ds.fetched_data(fetched).into_owned());
+        }
+    }
+    Ok(out)
+}
+
+#[test]
+fn epochs_are_byte_identical_with_requests_in_flight_and_the_second_is_served_locally() {
+    let s = setup();
+    *s.store.every_get.lock().unwrap() = Some(Fault::Delay(Duration::from_millis(15)));
+    let (opened, remote) = open(&s, None);
+    assert_eq!(remote.fingerprint(), s.local.fingerprint());
+    let gets_at_open = s.store.gets.load(Ordering::Relaxed);
+    let first = epoch(&remote, 0).unwrap();
+    assert_eq!(first, epoch(&s.local, 0).unwrap());
+    assert_eq!(first.len(), SAMPLES);
+    // The planner kept many requests in flight against a slow store.
+    let most = s.store.max_in_flight.load(Ordering::Relaxed);
+    assert!(most >= 4, "at most {most} requests in flight");
+    let after_first = s.store.gets.load(Ordering::Relaxed);
+    assert!(after_first > gets_at_open);
+    // Another epoch (another order) of the same records: every one is in the node's cache.
+    assert_eq!(epoch(&remote, 1).unwrap(), epoch(&s.local, 1).unwrap());
+    assert_eq!(s.store.gets.load(Ordering::Relaxed), after_first);
+    let stats = opened.records.fetch_stats();
+    assert!(stats.bytes as usize >= SAMPLES * PAYLOAD, "{stats:?}");
+}
+
+#[test]
+fn the_local_budget_holds_and_the_epochs_stay_exact() {
+    let s = setup();
+    let budget = (SAMPLES * PAYLOAD / 4) as u64; // a quarter of the dataset
+    let (opened, remote) = open(&s, Some(budget));
+    for e in 0..2 {
+        assert_eq!(epoch(&remote, e).unwrap(), epoch(&s.local, e).unwrap());
+        let used = opened.records.node_cache().usage().unwrap();
+        assert!(used <= budget, "{used} bytes in a budget of {budget}");
+    }
+}
+
+#[test]
+fn transient_faults_recover_and_damage_on_the_server_is_named() {
+    let s = setup();
+    let (_, remote) = open(&s, None);
+    s.store
+        .get_faults
+        .lock()
+        .unwrap()
+        .extend([Fault::Transient, Fault::Truncate, Fault::Corrupt]);
+    assert_eq!(epoch(&remote, 0).unwrap(), epoch(&s.local, 0).unwrap());
+
+    // A cache opened in another node directory, against a store that damages every body.
+    let s2 = setup();
+    let (_, remote) = open(&s2, None);
+    *s2.store.every_get.lock().unwrap() = Some(Fault::Corrupt);
+    match epoch(&remote, 0) {
+        Err(CoreError::CorruptRecord { shard, reason, .. }) => {
+            let shard = shard.display().to_string();
+            assert!(
+                shard.starts_with(URL) && shard.contains("shards/"),
+                "{shard}"
+            );
+            assert!(reason.contains("fetched"), "{reason}");
+        }
+        other => panic!(
+            "expected a corrupt record, got {:?}",
+            other.map(|e| e.len())
+        ),
+    }
+}
