@@ -7,16 +7,25 @@ is an error naming the object, never bytes served.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import pytest
 from test_remote_publish import (  # noqa: F401 (fixtures, used by name)
+    QUICK_SECONDS,
     Source,
     Store,
+    free_port,
+    moto_auth,
     s3_endpoint,
     s3_env,
+    s3_store,
     store,
     write_cache,
 )
@@ -280,3 +289,81 @@ def test_from_cache_sources_on_a_url_writes_publishes_and_reads_in_place(
     dataset.set_epoch(0)
     local.dataset.set_epoch(0)
     assert [bytes(s.data) for s in dataset] == [bytes(s.data) for s in local.dataset]
+
+
+def test_weighted_epochs_are_the_local_ones(
+    runtime: DatasetRuntime, published: tuple[Path, str], tmp_path: Path
+) -> None:
+    local_base, url = published
+    datasets = [
+        open_dataset(runtime, local_base, tmp_path, False),
+        open_dataset(runtime, url, tmp_path, True),
+    ]
+    for result in datasets:
+        table = result.dataset.samples_metadata()
+        weights = [float(1 + i % 4) for i in range(table.height)]
+        result.dataset.set_samples_metadata(table.with_columns(weight=pl.Series(weights)))
+    assert read_epochs(datasets[1]) == read_epochs(datasets[0])
+
+
+def test_refused_credentials_and_an_unreachable_endpoint_are_quick_clear_errors(
+    runtime: DatasetRuntime,
+    s3_env: str,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bucket = s3_store(s3_env)
+    original = write_cache(tmp_path / "src")
+    _native.push_cache(original, bucket.url("train"), RemoteConfig())
+    base = bucket.url("train")[: -len("/train")]
+    node = RemoteConfig(local_dir=tmp_path / "node")
+    moto_auth(s3_env, "0")  # the dummy key is in no account of the server: every request fails
+    try:
+        started = time.monotonic()
+        with pytest.raises(PermissionError, match="AWS_ACCESS_KEY_ID"):
+            runtime.open_caches("train", base, remote=node)
+        assert time.monotonic() - started < QUICK_SECONDS
+    finally:
+        moto_auth(s3_env, "inf")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    with pytest.raises(ConnectionRefusedError, match="check the endpoint"):
+        runtime.open_caches("train", base, remote=node)
+    assert time.monotonic() - started < QUICK_SECONDS
+
+
+KILLED_READER = """
+import sys
+from dataset_rt import DatasetRuntime, ReaderConfig, RemoteConfig
+with DatasetRuntime(num_workers=2) as runtime:
+    result = runtime.open_caches(
+        "train", sys.argv[1], reader_config=ReaderConfig(seed=11),
+        remote=RemoteConfig(local_dir=sys.argv[2]),
+    )
+    it = iter(result.dataset)
+    for _ in range(5):
+        next(it)
+    print("reading", flush=True)
+    sys.stdin.read()  # killed here, with records fetched ahead and pinned
+"""
+
+
+def test_a_reader_killed_while_reading_leaves_nothing_that_breaks_the_next(
+    runtime: DatasetRuntime, published: tuple[Path, str], tmp_path: Path
+) -> None:
+    local_base, url = published
+    with subprocess.Popen(
+        [sys.executable, "-c", KILLED_READER, url, str(tmp_path / "node")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "reading"
+        finally:
+            child.kill()
+            child.wait()
+    assert child.returncode == -signal.SIGKILL
+    expected = read_epochs(open_dataset(runtime, local_base, tmp_path, False))
+    assert read_epochs(open_dataset(runtime, url, tmp_path, True)) == expected
