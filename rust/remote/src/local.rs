@@ -487,6 +487,18 @@ impl NodeCache {
         let mut reserved = 0;
         for build in self.builds()? {
             let dir = self.root.join(&build);
+            // Reservations first, then the range files: a write renames its temporary file into
+            // `ranges/` without the lock, so a scan in the other order could miss a range that
+            // moved in between (and admit more than the budget); in this order a move in between
+            // is counted twice, which only evicts a little early.
+            if let Ok(entries) = fs::read_dir(dir.join("tmp")) {
+                for entry in entries.flatten() {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    if let Some(len) = name.rsplit('-').next().and_then(|n| n.parse::<u64>().ok()) {
+                        reserved += len;
+                    }
+                }
+            }
             let ranges = dir.join("ranges");
             walk(&ranges, &mut |path, size| {
                 let rel = path.strip_prefix(&ranges).ok()?;
@@ -500,14 +512,6 @@ impl NodeCache {
                 });
                 Some(())
             });
-            if let Ok(entries) = fs::read_dir(dir.join("tmp")) {
-                for entry in entries.flatten() {
-                    let name = entry.file_name().to_string_lossy().into_owned();
-                    if let Some(len) = name.rsplit('-').next().and_then(|n| n.parse::<u64>().ok()) {
-                        reserved += len;
-                    }
-                }
-            }
         }
         Ok((found, reserved))
     }
