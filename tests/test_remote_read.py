@@ -76,6 +76,17 @@ def read_epochs(result: CacheSourcesDatasetSuccess, epochs: int = 2) -> list[lis
     return out
 
 
+def damage_the_second_shard(store: Store) -> int:  # noqa: F811
+    """Flips one byte in the middle of shard 1 on the server (inside one of its records) and
+    returns that byte's offset in the shard."""
+    [shard] = [k for k in store.objects() if k.endswith("shards/000001.bin")]
+    data = bytearray(store.read(shard))
+    flipped = len(data) // 2
+    data[flipped] ^= 0xFF
+    store.write(shard, bytes(data))
+    return flipped
+
+
 @pytest.fixture
 def published(store: Store, tmp_path: Path) -> tuple[Path, str]:  # noqa: F811
     """A small cache of several shards, written locally and pushed: (local base, remote base)."""
@@ -156,11 +167,7 @@ def test_a_record_damaged_on_the_server_is_an_error_naming_the_object(
     tmp_path: Path,
 ) -> None:
     _, url = published
-    [shard] = [k for k in store.objects() if k.endswith("shards/000001.bin")]
-    data = bytearray(store.read(shard))
-    flipped = len(data) // 2
-    data[flipped] ^= 0xFF  # inside a record of the second shard
-    store.write(shard, bytes(data))
+    flipped = damage_the_second_shard(store)
     remote = open_dataset(runtime, url, tmp_path, True, shuffle=False)
     with pytest.raises(CorruptRecordError) as caught:
         for _ in remote.dataset:
@@ -243,10 +250,7 @@ def test_inspect_and_verify_take_a_url(
     assert main(["verify", f"{url}/train"]) == EXIT_OK
     assert "OK: 40 samples" in capsys.readouterr().out
     # One byte flipped inside a record on the server: verify names the object and fails.
-    [shard] = [k for k in store.objects() if k.endswith("shards/000001.bin")]
-    data = bytearray(store.read(shard))
-    data[len(data) // 2] ^= 0xFF
-    store.write(shard, bytes(data))
+    damage_the_second_shard(store)
     monkeypatch.setenv("DATASET_RT_REMOTE_DIR", str(tmp_path / "other-node"))
     assert main(["verify", f"{url}/train"]) == EXIT_FAILED
     err = capsys.readouterr().err
