@@ -971,10 +971,8 @@ impl Cache {
             return Err(self.missing_shard(sample, &e));
         }
         let shard_len = self.shard_len(e.shard);
-        let len = payload_offset(e.meta_len.unwrap_or(0))
-            .saturating_add(u64::from(e.stored_len))
-            .min(shard_len.saturating_sub(e.offset));
-        if e.offset >= shard_len || len < RECORD_HEADER_LEN {
+        let extent = self.record_extent(sample);
+        let Some((_, offset, len)) = extent.filter(|&(_, _, len)| len >= RECORD_HEADER_LEN) else {
             return Err(self.corrupt(
                 e.shard,
                 e.offset,
@@ -984,14 +982,33 @@ impl Cache {
                      {INDEX_FILE} gives"
                 ),
             ));
-        }
+        };
         let range = Range {
             cache: 0,
             shard: e.shard,
-            offset: e.offset,
+            offset,
             len,
         };
-        Ok(Some((records.read(&range, sample)?, e.offset)))
+        Ok(Some((records.read(&range, sample)?, offset)))
+    }
+
+    /// Where record `sample` lies, from its index entry: its shard, its offset and its length
+    /// (header, metadata and stored payload), cut at the shard's validated end. `None` when the
+    /// entry names no shard of the cache or an offset past its end. The extent is not checked:
+    /// the bytes read there are checked against the entry. A format v2 entry does not give the
+    /// metadata's length: 4 KiB of it are assumed, which covers what a read-ahead needs.
+    pub fn record_extent(&self, sample: u64) -> Option<(u32, u64, u64)> {
+        let e = self.entry(sample);
+        if e.shard as usize >= self.num_shards() {
+            return None;
+        }
+        let shard_len = self.shard_len(e.shard);
+        if e.offset >= shard_len {
+            return None;
+        }
+        let len =
+            payload_offset(e.meta_len.unwrap_or(4096)).saturating_add(u64::from(e.stored_len));
+        Some((e.shard, e.offset, len.min(shard_len - e.offset)))
     }
 
     /// The whole map of shard `shard` (its validated size), for whoever serves views of it;

@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::cache::Cache;
 use crate::error::{Error, Result};
-use crate::format::{combined_fingerprint, payload_offset, SampleIdSource, FLAG_LZ4};
+use crate::format::{combined_fingerprint, SampleIdSource, FLAG_LZ4};
 use crate::metadata::MetaRef;
 use crate::sampler::{EpochOrder, EpochParams, Weights, SAMPLER_VERSION};
 use crate::verify::{VerifiedSet, VerifyPolicy};
@@ -432,22 +432,12 @@ impl Dataset {
     /// page is assumed for it.
     pub fn record_range(&self, global: u64) -> Option<Range> {
         let (c, row) = self.locate(global);
-        let cache = &self.caches[c];
-        let e = cache.entry(row);
-        if e.shard as usize >= cache.num_shards() {
-            return None;
-        }
-        let shard_len = cache.shard_len(e.shard);
-        if e.offset >= shard_len {
-            return None;
-        }
-        let meta_len = e.meta_len.unwrap_or(4096);
-        let len = payload_offset(meta_len).saturating_add(u64::from(e.stored_len));
+        let (shard, offset, len) = self.caches[c].record_extent(row)?;
         Some(Range {
             cache: c as u32,
-            shard: e.shard,
-            offset: e.offset,
-            len: len.min(shard_len - e.offset),
+            shard,
+            offset,
+            len,
         })
     }
 
