@@ -324,6 +324,9 @@ def run_size(
     local = write_local(drt, reset_dir(work / label), "train", count, size)
     url = f"s3://{BUCKET}/{label}"
     drt._native.push_cache(local, f"{url}/train", drt.RemoteConfig())
+    # A budget is a share of the cache as it is stored (headers and alignment included), so
+    # that a share of 1.0 holds all of it.
+    cache_bytes = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
     counter.take()
     rows = []
     with drt.DatasetRuntime(num_workers=2) as runtime:
@@ -333,7 +336,7 @@ def run_size(
         local_epochs = [read_epoch(local_ds, e) for e in range(args.epochs)]  # warm
         for budget_share in (args.budget, 1.0):
             node = reset_dir(work / f"node-{label}")
-            budget = max(64 * MIB, int(dataset_bytes * budget_share))
+            budget = max(64 * MIB, int(cache_bytes * budget_share))
             remote = drt.RemoteConfig(
                 local_dir=node, max_local_bytes=budget, max_requests=args.max_requests
             )
@@ -366,7 +369,7 @@ def run_size(
             del result
             shutil.rmtree(node, ignore_errors=True)
     if not args.no_peers:
-        budget = max(64 * MIB, int(dataset_bytes * args.budget))
+        budget = max(64 * MIB, int(cache_bytes * args.budget))
         rows += peer_rows(label, size, count, budget, work, counter, args.epochs)
     return rows
 

@@ -39,7 +39,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -56,7 +56,8 @@ use crate::fetch::{RangeFetcher, RangeRequest, Verify};
 pub type RangeKey = RangeRequest;
 
 const RANGE_MAGIC: &[u8; 8] = b"DRTRANGE";
-const RANGE_HEADER_LEN: u64 = 16;
+/// The bytes a stored range takes beyond its own: a magic and its checksum.
+pub const RANGE_HEADER_LEN: u64 = 16;
 
 fn io_err(op: &'static str, path: &Path, e: std::io::Error) -> Error {
     Error::Core(dataset_rt_core::Error::io(op, path, e))
@@ -326,6 +327,58 @@ impl NodeCache {
         self.counters.hits.fetch_add(1, Ordering::Relaxed);
         let mut bytes = Bytes::from(data);
         Ok(Some(bytes.split_off(RANGE_HEADER_LEN as usize)))
+    }
+
+    /// `len` bytes at `from` within the stored range `key`, read in place (one `pread`, not the
+    /// whole range); `None` when the range is not stored. The range's own checksum covers all of
+    /// it and is not checked here: the caller checks what it reads (a record, against its own
+    /// checksum) and [`NodeCache::remove`]s the range when that fails.
+    pub fn get_slice(&self, key: &RangeKey, from: u64, len: u64) -> Result<Option<Bytes>> {
+        self.check_process()?;
+        Self::check_key(key)?;
+        if from.checked_add(len).is_none_or(|end| end > key.len()) {
+            return Err(Error::config(
+                "range",
+                format!(
+                    "{len} bytes at {from} lie outside {:?} {:?}",
+                    key.file, key.range
+                ),
+            ));
+        }
+        let path = self.range_path(key);
+        let file = match File::open(&path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+            Err(e) => return Err(io_err("open", &path, e)),
+        };
+        let mut magic = [0u8; 8];
+        let mut data = vec![0u8; len as usize];
+        let read = file
+            .metadata()
+            .and_then(|m| {
+                if m.len() != RANGE_HEADER_LEN + key.len() {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                file.read_exact_at(&mut magic, 0)?;
+                file.read_exact_at(&mut data, RANGE_HEADER_LEN + from)
+            })
+            .map_err(|e| (e.kind(), e));
+        match read {
+            Ok(()) if &magic == RANGE_MAGIC => {}
+            Ok(()) | Err((std::io::ErrorKind::UnexpectedEof, _)) => {
+                // Cut short or not a range file: a crash or damage. Drop it, fetch again.
+                self.counters.damaged.fetch_add(1, Ordering::Relaxed);
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                self.remove(key)?;
+                return Ok(None);
+            }
+            Err((_, e)) => return Err(io_err("read", &path, e)),
+        }
+        self.counters.hits.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(Bytes::from(data)))
     }
 
     /// Removes the stored range `key` (bytes that did not verify), returning its bytes to the
@@ -763,7 +816,7 @@ impl CachedFetcher {
 
     /// How long to wait for another process's download before downloading the range here: as
     /// long as that download may take with every attempt and backoff.
-    fn patience(&self) -> Duration {
+    pub fn patience(&self) -> Duration {
         let p = self.fetcher.policy();
         (p.timeout + p.max_backoff) * p.attempts * p.verify_attempts
     }

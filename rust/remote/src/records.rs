@@ -16,9 +16,13 @@
 //! They appear by rename, so a crash leaves a temporary file at most, which the next open
 //! replaces; a file that fails validation is downloaded again once.
 
+use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
 
 use dataset_rt_core::cache::Cache;
 use dataset_rt_core::dataset::{Dataset, Range, RangeSource, RecordBytes, RecordSource};
@@ -28,7 +32,7 @@ use dataset_rt_core::format::{
 
 use crate::error::{Error, Result};
 use crate::fetch::{FetchPolicy, RangeFetcher, RangeRequest, Verify};
-use crate::local::{CachedFetcher, NodeCache, RangeKey};
+use crate::local::{CachedFetcher, NodeCache, RangeKey, RANGE_HEADER_LEN};
 use crate::options::RemoteOptions;
 use crate::publish::PublishedCache;
 use crate::store::Remote;
@@ -36,10 +40,30 @@ use crate::store::Remote;
 /// The largest gap between two records that one request spans (see `open_remote_cache`).
 pub const RECORD_GAP: u64 = 4 << 10;
 
+/// The stretch of a shard that one download covers when the local budget holds the whole
+/// dataset (see [`Blocks`]).
+pub const BLOCK_BYTES: u64 = 8 << 20;
+
 /// The records of one published cache, fetched through the node's local cache.
+///
+/// What one download holds depends on the budget:
+/// - When the local budget holds every shard, a download is a **block**: the records of a
+///   shard whose offsets lie in one [`BLOCK_BYTES`]-aligned stretch of it, fetched with one
+///   request, checked record by record on arrival and kept as one range. Every block is needed
+///   in the pass and none is evicted, so a first epoch costs about one request per 8 MiB,
+///   whatever the order. Records are read from the stored block in place.
+/// - Otherwise a download is a **record** (neighbours within [`RECORD_GAP`] joined into one
+///   request): a global shuffle scatters a pass over every shard, and a block would be fetched
+///   again for each of its records that the budget cannot keep until it is read.
 pub struct RemoteRecords {
     fetcher: Arc<CachedFetcher>,
     verify: Arc<Verify>,
+    /// `Some` when downloads are blocks.
+    blocks: Option<Arc<Blocks>>,
+    version: u32,
+    /// Downloads started by this process and not finished (so that a read waits for them rather
+    /// than downloading the same range again).
+    in_flight: Arc<(Mutex<HashSet<RangeKey>>, Condvar)>,
     /// The cache's name (for errors).
     name: String,
     /// The URL of the cache and the options it was opened with (its [`RecordSource::locator`]).
@@ -50,14 +74,144 @@ pub struct RemoteRecords {
     urls: Vec<String>,
 }
 
+/// The blocks of a cache: block `k` of a shard holds the records whose offsets lie in
+/// `[k * BLOCK_BYTES, (k + 1) * BLOCK_BYTES)`, found in the index (the rows of a shard are its
+/// records in storage order), and spans from the first one's start to the last one's end. Every
+/// process computes the same blocks, so the processes of a node share their downloads.
+struct Blocks {
+    size: u64,
+    version: u32,
+    /// The first row of each shard, then the number of rows.
+    first_row: Vec<u64>,
+    /// The shard of each shard key.
+    shard_of: HashMap<String, u32>,
+    /// The cache these records belong to (set once it is opened; it owns this source).
+    cache: OnceLock<Weak<Cache>>,
+    /// Blocks found so far, by shard and number; `None` where the index does not give one.
+    found: Mutex<HashMap<(u32, u64), Option<Block>>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Block {
+    /// Its rows, `first..end`.
+    first: u64,
+    end_row: u64,
+    /// Its extent in the shard.
+    start: u64,
+    end: u64,
+}
+
+impl Block {
+    fn holds(&self, range: &Range) -> bool {
+        range.offset >= self.start && range.end() <= self.end
+    }
+}
+
+impl Blocks {
+    fn cache(&self) -> Option<Arc<Cache>> {
+        self.cache.get().and_then(Weak::upgrade)
+    }
+
+    /// The block that holds `range` (a record's extent), if the index gives one.
+    fn of(&self, range: &Range) -> Option<Block> {
+        let at = (range.shard, range.offset / self.size);
+        let known = self.lock().get(&at).copied();
+        let block = match known {
+            Some(block) => block,
+            None => {
+                let block = self.cache().and_then(|c| self.find(&c, at.0, at.1));
+                self.lock().insert(at, block);
+                block
+            }
+        };
+        block.filter(|b| b.holds(range))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(u32, u64), Option<Block>>> {
+        self.found.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Block `k` of `shard` from the index: two binary searches over the shard's rows. An index
+    /// whose rows do not lie in order gives none (its records are then downloaded one by one,
+    /// and checked as ever).
+    fn find(&self, cache: &Cache, shard: u32, k: u64) -> Option<Block> {
+        let rows = *self.first_row.get(shard as usize)?..*self.first_row.get(shard as usize + 1)?;
+        let offset = |row: u64| {
+            cache
+                .record_extent(row)
+                .filter(|&(s, _, _)| s == shard)
+                .map(|(_, offset, _)| offset)
+        };
+        // The first row of the shard whose record starts at `bound` or later.
+        let first_at = |bound: u64| -> Option<u64> {
+            let (mut lo, mut hi) = (rows.start, rows.end);
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                if offset(mid)? < bound {
+                    lo = mid + 1;
+                } else {
+                    hi = mid;
+                }
+            }
+            Some(lo)
+        };
+        let first = first_at(k.checked_mul(self.size)?)?;
+        let end_row = first_at(k.checked_add(1)?.checked_mul(self.size)?)?;
+        if first >= end_row {
+            return None;
+        }
+        let (_, start, _) = cache.record_extent(first)?;
+        let (_, last, len) = cache.record_extent(end_row - 1)?;
+        let block = Block {
+            first,
+            end_row,
+            start,
+            end: last + len,
+        };
+        (block.end > block.start).then_some(block)
+    }
+
+    /// The block `key` names, if it is one.
+    fn named(&self, key: &RangeKey) -> Option<Block> {
+        let shard = *self.shard_of.get(&key.file)?;
+        let block = self
+            .lock()
+            .get(&(shard, key.range.start / self.size))
+            .copied()??;
+        (block.start == key.range.start && block.end == key.range.end).then_some(block)
+    }
+
+    /// Checks every record of `block` in its downloaded bytes, each against its own checksum
+    /// and the extent its index entry gives.
+    fn check(&self, block: &Block, bytes: &[u8]) -> std::result::Result<(), String> {
+        let cache = self.cache().ok_or("the cache was closed")?;
+        for row in block.first..block.end_row {
+            let (_, offset, len) = cache
+                .record_extent(row)
+                .ok_or_else(|| format!("row {row} has no record"))?;
+            let at = (offset - block.start) as usize;
+            let record = bytes
+                .get(at..at + len as usize)
+                .ok_or_else(|| format!("the record of row {row} lies outside its block"))?;
+            check_record_bytes(self.version, record)
+                .map_err(|e| format!("the record at offset {offset}: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
 impl RemoteRecords {
-    fn key(&self, range: &Range) -> RangeKey {
+    /// The download that holds `range`: its block, or the record itself.
+    fn key(&self, range: &Range) -> (RangeKey, Option<Block>) {
         let file = self
             .keys
             .get(range.shard as usize)
             .cloned()
             .unwrap_or_default();
-        RangeRequest::new(file, range.offset..range.end())
+        match self.blocks.as_ref().and_then(|b| b.of(range)) {
+            Some(block) => (RangeRequest::new(file, block.start..block.end), Some(block)),
+            None => (RangeRequest::new(file, range.offset..range.end()), None),
+        }
     }
 
     /// The node's local cache this source fetches through.
@@ -69,56 +223,24 @@ impl RemoteRecords {
     pub fn fetch_stats(&self) -> crate::fetch::FetchStats {
         self.fetcher.fetcher.stats()
     }
-}
 
-impl RangeSource for RemoteRecords {
-    fn name(&self) -> &'static str {
-        "object-store"
+    /// Whether this source downloads blocks (the budget holds every shard) rather than records.
+    pub fn fetches_blocks(&self) -> bool {
+        self.blocks.is_some()
     }
 
-    fn begin_pass(&self, _shuffled: bool) {}
-
-    fn resident(&self, range: &Range) -> bool {
-        self.fetcher.cache.contains(&self.key(range))
-    }
-
-    /// Pins the ranges (no process evicts them before they are released) and downloads them
-    /// on the runtime's blocking pool, coalesced into requests, without waiting. A failure here
-    /// is not reported: the read of the record fetches it again and reports it.
-    fn start(&self, ranges: &[Range]) {
-        let keys: Vec<RangeKey> = ranges.iter().map(|r| self.key(r)).collect();
-        if let Err(e) = self.fetcher.cache.pin(&keys) {
-            log::debug!("cannot pin ranges of {}: {e}", self.name);
-        }
-        let Ok(runtime) = crate::runtime::runtime() else {
-            return; // the read reports why the runtime could not start
-        };
-        let fetcher = Arc::clone(&self.fetcher);
-        let verify = Arc::clone(&self.verify);
-        let name = self.name.clone();
-        runtime.spawn_blocking(move || {
-            if let Err(e) = fetcher.fetch_blocking(&keys, Some(verify.as_ref())) {
-                log::debug!("prefetch of {} ranges of {name} failed: {e}", keys.len());
-            }
-        });
-    }
-
-    fn release(&self, ranges: &[Range]) {
-        let keys: Vec<RangeKey> = ranges.iter().map(|r| self.key(r)).collect();
-        if let Err(e) = self.fetcher.cache.unpin(&keys) {
-            log::debug!("cannot unpin ranges of {}: {e}", self.name);
-        }
-    }
-}
-
-impl RecordSource for RemoteRecords {
-    fn read(&self, range: &Range, sample: u64) -> dataset_rt_core::Result<RecordBytes> {
-        let key = self.key(range);
+    /// Downloads `key` through the node's cache (once per node), verified.
+    fn download(
+        &self,
+        key: &RangeKey,
+        range: &Range,
+        sample: u64,
+    ) -> dataset_rt_core::Result<Bytes> {
         match self
             .fetcher
-            .fetch_blocking(std::slice::from_ref(&key), Some(self.verify.as_ref()))
+            .fetch_blocking(std::slice::from_ref(key), Some(self.verify.as_ref()))
         {
-            Ok(mut got) => Ok(Box::new(got.pop().unwrap_or_default())),
+            Ok(mut got) => Ok(got.pop().unwrap_or_default()),
             Err(Error::Verify {
                 url,
                 attempts,
@@ -135,8 +257,113 @@ impl RecordSource for RemoteRecords {
         }
     }
 
+    /// Waits while this process downloads `key`, at most as long as a download may take.
+    fn wait_for_download(&self, key: &RangeKey) {
+        let (set, done) = &*self.in_flight;
+        let deadline = Instant::now() + self.fetcher.patience();
+        let mut set = set.lock().unwrap_or_else(|e| e.into_inner());
+        while set.contains(key) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            set = done
+                .wait_timeout(set, left.min(Duration::from_secs(1)))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+impl RangeSource for RemoteRecords {
+    fn name(&self) -> &'static str {
+        "object-store"
+    }
+
+    fn begin_pass(&self, _shuffled: bool) {}
+
+    fn resident(&self, range: &Range) -> bool {
+        self.fetcher.cache.contains(&self.key(range).0)
+    }
+
+    /// Pins the downloads that hold the ranges (no process evicts them before they are
+    /// released) and starts those not stored yet on the runtime's blocking pool, coalesced into
+    /// requests, without waiting. A failure here is not reported: the read of the record
+    /// downloads it again and reports it.
+    fn start(&self, ranges: &[Range]) {
+        let keys: Vec<RangeKey> = ranges.iter().map(|r| self.key(r).0).collect();
+        if let Err(e) = self.fetcher.cache.pin(&keys) {
+            log::debug!("cannot pin ranges of {}: {e}", self.name);
+        }
+        let missing: Vec<RangeKey> = {
+            let mut in_flight = self.in_flight.0.lock().unwrap_or_else(|e| e.into_inner());
+            let mut missing = Vec::new();
+            for key in keys {
+                if !in_flight.contains(&key) && !self.fetcher.cache.contains(&key) {
+                    in_flight.insert(key.clone());
+                    missing.push(key);
+                }
+            }
+            missing
+        };
+        if missing.is_empty() {
+            return;
+        }
+        let done = Arc::clone(&self.in_flight);
+        let finish = move |keys: &[RangeKey]| {
+            let mut set = done.0.lock().unwrap_or_else(|e| e.into_inner());
+            for key in keys {
+                set.remove(key);
+            }
+            done.1.notify_all();
+        };
+        let Ok(runtime) = crate::runtime::runtime() else {
+            finish(&missing);
+            return; // the read reports why the runtime could not start
+        };
+        let fetcher = Arc::clone(&self.fetcher);
+        let verify = Arc::clone(&self.verify);
+        let name = self.name.clone();
+        runtime.spawn_blocking(move || {
+            if let Err(e) = fetcher.fetch_blocking(&missing, Some(verify.as_ref())) {
+                log::debug!("prefetch of {} ranges of {name} failed: {e}", missing.len());
+            }
+            finish(&missing);
+        });
+    }
+
+    fn release(&self, ranges: &[Range]) {
+        let keys: Vec<RangeKey> = ranges.iter().map(|r| self.key(r).0).collect();
+        if let Err(e) = self.fetcher.cache.unpin(&keys) {
+            log::debug!("cannot unpin ranges of {}: {e}", self.name);
+        }
+    }
+}
+
+impl RecordSource for RemoteRecords {
+    fn read(&self, range: &Range, sample: u64) -> dataset_rt_core::Result<RecordBytes> {
+        let (key, block) = self.key(range);
+        let Some(block) = block else {
+            return Ok(Box::new(self.download(&key, range, sample)?));
+        };
+        // A record of a block: read in place from the stored block, once it is there.
+        self.wait_for_download(&key);
+        let from = range.offset - block.start;
+        if let Some(bytes) = self.node_cache().get_slice(&key, from, range.len)? {
+            if check_record_bytes(self.version, &bytes).is_ok() {
+                return Ok(Box::new(bytes));
+            }
+            // Damaged on the local disk: the block is downloaded again.
+            self.node_cache().remove(&key)?;
+        }
+        let bytes = self.download(&key, range, sample)?;
+        Ok(Box::new(
+            bytes.slice(from as usize..(from + range.len) as usize),
+        ))
+    }
+
     fn discard(&self, range: &Range) {
-        if let Err(e) = self.fetcher.cache.remove(&self.key(range)) {
+        if let Err(e) = self.fetcher.cache.remove(&self.key(range).0) {
             log::debug!("cannot discard a range of {}: {e}", self.name);
         }
     }
@@ -217,9 +444,6 @@ pub fn open_remote_cache(remote: &Remote, options: &RemoteOptions) -> Result<Ope
     };
     let fetcher = RangeFetcher::new(Arc::clone(&published.data), policy)?;
     let version = published.manifest.format_version;
-    let verify: Arc<Verify> = Arc::new(move |_: &RangeRequest, bytes: &[u8]| {
-        check_record_bytes(version, bytes).map(|_| ())
-    });
     let keys: Vec<String> = (0..published.manifest.shards.len() as u32)
         .map(shard_file_name)
         .collect();
@@ -227,10 +451,42 @@ pub fn open_remote_cache(remote: &Remote, options: &RemoteOptions) -> Result<Ope
         .iter()
         .map(|k| published.data.show(&published.data.key(k)))
         .collect();
+    // Blocks when the budget holds every shard, stored as blocks (each with a range header).
+    let stored: u64 = published.manifest.shards.iter().fold(0, |sum, s| {
+        let blocks = s.bytes / BLOCK_BYTES + 1;
+        sum.saturating_add(s.bytes)
+            .saturating_add(blocks.saturating_mul(RANGE_HEADER_LEN))
+    });
+    let blocks = (stored <= node.budget()).then(|| {
+        let mut first_row = vec![0u64];
+        for s in &published.manifest.shards {
+            first_row.push(first_row[first_row.len() - 1].saturating_add(s.records));
+        }
+        Arc::new(Blocks {
+            size: BLOCK_BYTES,
+            version,
+            first_row,
+            shard_of: keys.iter().cloned().zip(0u32..).collect(),
+            cache: OnceLock::new(),
+            found: Mutex::default(),
+        })
+    });
+    let verify: Arc<Verify> = {
+        let blocks = blocks.clone();
+        Arc::new(move |key: &RangeRequest, bytes: &[u8]| {
+            match blocks.as_ref().and_then(|b| Some((b, b.named(key)?))) {
+                Some((blocks, block)) => blocks.check(&block, bytes),
+                None => check_record_bytes(version, bytes).map(|_| ()),
+            }
+        })
+    };
     let name = published.manifest.name.clone();
     let records = Arc::new(RemoteRecords {
         fetcher: Arc::new(CachedFetcher::new(fetcher, Arc::clone(&node))),
         verify,
+        blocks: blocks.clone(),
+        version,
+        in_flight: Arc::default(),
         name: name.clone(),
         url: published.url.clone(),
         options: options.clone(),
@@ -250,8 +506,12 @@ pub fn open_remote_cache(remote: &Remote, options: &RemoteOptions) -> Result<Ope
         }
         Err(e) => return Err(e),
     };
+    let cache = Arc::new(cache);
+    if let Some(blocks) = &blocks {
+        let _ = blocks.cache.set(Arc::downgrade(&cache));
+    }
     Ok(OpenedCache {
-        cache: Arc::new(cache),
+        cache,
         records,
         build_id: published.build_id,
     })

@@ -160,3 +160,63 @@ fn transient_faults_recover_and_damage_on_the_server_is_named() {
         ),
     }
 }
+
+#[test]
+fn a_budget_that_holds_the_dataset_downloads_blocks_with_one_request_each() {
+    let s = setup();
+    let (opened, remote) = open(&s, None);
+    assert!(opened.records.fetches_blocks());
+    let shards = opened.cache.num_shards() as u64;
+    assert!(shards >= 10, "{shards} shards");
+    let before = s.store.gets.load(Ordering::Relaxed);
+    assert_eq!(epoch(&remote, 0).unwrap(), epoch(&s.local, 0).unwrap());
+    // Every shard (64 KiB) is one block: one request each, not one per record.
+    let requests = s.store.gets.load(Ordering::Relaxed) - before;
+    assert_eq!(requests, shards, "{requests} requests for {shards} blocks");
+    let stats = opened.records.node_cache().stats();
+    assert_eq!(stats.stored, shards, "{stats:?}");
+
+    // A stored block damaged on the local disk: the records read from it fail their checks,
+    // the block is downloaded again, and the epoch is still exact.
+    let ranges = opened.records.node_cache().dir().join("ranges");
+    let mut files = Vec::new();
+    collect_files(&ranges, &mut files);
+    assert_eq!(files.len() as u64, shards);
+    for file in &files {
+        let mut bytes = std::fs::read(file).unwrap();
+        let n = bytes.len();
+        bytes[n / 2..].fill(0xA5);
+        std::fs::write(file, bytes).unwrap();
+    }
+    let before = s.store.gets.load(Ordering::Relaxed);
+    assert_eq!(epoch(&remote, 1).unwrap(), epoch(&s.local, 1).unwrap());
+    let again = s.store.gets.load(Ordering::Relaxed) - before;
+    assert!(again >= 1 && again <= shards, "{again} requests");
+}
+
+#[test]
+fn a_budget_below_the_dataset_downloads_records() {
+    let s = setup();
+    let budget = (SAMPLES * PAYLOAD / 2) as u64;
+    let (opened, remote) = open(&s, Some(budget));
+    assert!(!opened.records.fetches_blocks());
+    let before = s.store.gets.load(Ordering::Relaxed);
+    assert_eq!(epoch(&remote, 0).unwrap(), epoch(&s.local, 0).unwrap());
+    // Records are joined only when they are neighbours in storage and in the pass's windows:
+    // far more requests than shards.
+    let requests = s.store.gets.load(Ordering::Relaxed) - before;
+    assert!(
+        requests > opened.cache.num_shards() as u64 * 2,
+        "{requests}"
+    );
+}
+
+fn collect_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        if e.file_type().unwrap().is_dir() {
+            collect_files(&e.path(), out);
+        } else {
+            out.push(e.path());
+        }
+    }
+}
