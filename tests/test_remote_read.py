@@ -7,9 +7,14 @@ is an error naming the object, never bytes served.
 
 from __future__ import annotations
 
+import hashlib
+import http.client
+import http.server
+import itertools
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -371,3 +376,124 @@ def test_a_reader_killed_while_reading_leaves_nothing_that_breaks_the_next(
     assert child.returncode == -signal.SIGKILL
     expected = read_epochs(open_dataset(runtime, local_base, tmp_path, False))
     assert read_epochs(open_dataset(runtime, url, tmp_path, True)) == expected
+
+
+class RangeLog:
+    """A proxy in front of the S3 server that logs each GET's path and ``Range`` header."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("http://").split(":")
+        log: list[tuple[str, str]] = []
+        lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if self.command == "GET":
+                    with lock:
+                        log.append((self.path.split("?")[0], self.headers.get("Range") or ""))
+                conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+                conn.close()
+                self.send_response(response.status)
+                for k, v in response.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
+
+        self.log = log
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+SHARING_READER = """
+import hashlib, sys
+from dataset_rt import DatasetRuntime, ReaderConfig, RemoteConfig
+with DatasetRuntime(num_workers=2) as runtime:
+    result = runtime.open_caches(
+        "train", sys.argv[1], reader_config=ReaderConfig(seed=11),
+        remote=RemoteConfig(local_dir=sys.argv[2]),
+    )
+    print("ready", flush=True)
+    sys.stdin.readline()
+    digest = hashlib.sha256()
+    for s in result.dataset:
+        digest.update(bytes(s.data) + repr(s.metadata).encode())
+    print(digest.hexdigest(), flush=True)
+"""
+
+
+def test_two_processes_sharing_a_local_directory_download_each_range_once(
+    runtime: DatasetRuntime,
+    s3_env: str,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = s3_store(s3_env).url("train")
+    original = write_cache(tmp_path / "src", n=160)
+    _native.push_cache(original, url, RemoteConfig())
+    expected = hashlib.sha256()
+    for s in open_dataset(runtime, original.parent, tmp_path, False).dataset:
+        expected.update(bytes(s.data) + repr(s.metadata).encode())
+
+    proxy = RangeLog(s3_env)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    base = url[: -len("/train")]
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", SHARING_READER, base, str(tmp_path / "node")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        for reader in readers:
+            assert reader.stdout is not None
+            assert reader.stdout.readline().strip() == "ready"
+        for reader in readers:  # both read the same epoch at the same time
+            assert reader.stdin is not None
+            reader.stdin.write("go\n")
+            reader.stdin.flush()
+        digests = [reader.communicate(timeout=120)[0].strip() for reader in readers]
+    finally:
+        for reader in readers:
+            reader.kill()
+            reader.wait()
+        proxy.close()
+    assert digests == [expected.hexdigest()] * 2
+    shard_gets = [(path, rng) for path, rng in proxy.log if "/shards/" in path]
+    shards = {path for path, _ in shard_gets}
+    assert len(shards) == len(list(original.glob("shards/*.bin"))) > 4
+    # No byte of a shard was downloaded twice: the ranges fetched from one object, by either
+    # process, never overlap.
+    for shard in shards:
+        spans = sorted(
+            tuple(int(x) for x in rng.removeprefix("bytes=").split("-"))
+            for path, rng in shard_gets
+            if path == shard
+        )
+        assert all(rng.startswith("bytes=") for path, rng in shard_gets if path == shard)
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert start > end, f"{shard}: {spans}"
