@@ -19,6 +19,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -60,6 +61,12 @@ pub struct RemoteRecords {
     verify: Arc<Verify>,
     /// `Some` when downloads are blocks.
     blocks: Option<Arc<Blocks>>,
+    /// Set when a block had to be downloaded again in this process (evicted: the budget, shared
+    /// with other caches or nodes' processes, does not hold the dataset after all). Downloads are
+    /// records from then on, so that no block is fetched again for each of its records.
+    records_only: AtomicBool,
+    /// The blocks this process started to download.
+    started_blocks: Mutex<HashSet<RangeKey>>,
     version: u32,
     /// Downloads started by this process and not finished (so that a read waits for them rather
     /// than downloading the same range again).
@@ -208,7 +215,11 @@ impl RemoteRecords {
             .get(range.shard as usize)
             .cloned()
             .unwrap_or_default();
-        match self.blocks.as_ref().and_then(|b| b.of(range)) {
+        let blocks = self
+            .blocks
+            .as_ref()
+            .filter(|_| !self.records_only.load(Ordering::Relaxed));
+        match blocks.and_then(|b| b.of(range)) {
             Some(block) => (RangeRequest::new(file, block.start..block.end), Some(block)),
             None => (RangeRequest::new(file, range.offset..range.end()), None),
         }
@@ -226,7 +237,7 @@ impl RemoteRecords {
 
     /// Whether this source downloads blocks (the budget holds every shard) rather than records.
     pub fn fetches_blocks(&self) -> bool {
-        self.blocks.is_some()
+        self.blocks.is_some() && !self.records_only.load(Ordering::Relaxed)
     }
 
     /// Downloads `key` through the node's cache (once per node), verified.
@@ -306,6 +317,20 @@ impl RangeSource for RemoteRecords {
             }
             missing
         };
+        if self.fetches_blocks() {
+            let mut started = self
+                .started_blocks
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let again = missing
+                .iter()
+                .filter(|k| self.blocks.as_ref().is_some_and(|b| b.named(k).is_some()))
+                .any(|k| !started.insert(k.clone()));
+            if again {
+                log::debug!("a block of {} was evicted: downloading records", self.name);
+                self.records_only.store(true, Ordering::Relaxed);
+            }
+        }
         if missing.is_empty() {
             return;
         }
@@ -333,7 +358,24 @@ impl RangeSource for RemoteRecords {
     }
 
     fn release(&self, ranges: &[Range]) {
-        let keys: Vec<RangeKey> = ranges.iter().map(|r| self.key(r).0).collect();
+        let mut keys: Vec<RangeKey> = ranges.iter().map(|r| self.key(r).0).collect();
+        if self.records_only.load(Ordering::Relaxed) {
+            // Ranges started before downloads turned to records pinned their blocks.
+            for (blocks, range) in self
+                .blocks
+                .iter()
+                .flat_map(|b| ranges.iter().map(move |r| (b, r)))
+            {
+                if let Some(block) = blocks.of(range) {
+                    let file = self
+                        .keys
+                        .get(range.shard as usize)
+                        .cloned()
+                        .unwrap_or_default();
+                    keys.push(RangeRequest::new(file, block.start..block.end));
+                }
+            }
+        }
         if let Err(e) = self.fetcher.cache.unpin(&keys) {
             log::debug!("cannot unpin ranges of {}: {e}", self.name);
         }
@@ -485,6 +527,8 @@ pub fn open_remote_cache(remote: &Remote, options: &RemoteOptions) -> Result<Ope
         fetcher: Arc::new(CachedFetcher::new(fetcher, Arc::clone(&node))),
         verify,
         blocks: blocks.clone(),
+        records_only: AtomicBool::new(false),
+        started_blocks: Mutex::default(),
         version,
         in_flight: Arc::default(),
         name: name.clone(),

@@ -220,3 +220,23 @@ fn collect_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
         }
     }
 }
+
+#[test]
+fn a_block_evicted_and_needed_again_turns_downloads_to_records() {
+    let s = setup();
+    let (opened, remote) = open(&s, None);
+    assert_eq!(epoch(&remote, 0).unwrap(), epoch(&s.local, 0).unwrap());
+    assert!(opened.records.fetches_blocks());
+    // Every stored block goes (as eviction for another cache sharing the directory would
+    // take them): the next pass needs them again, and downloads records instead.
+    let mut files = Vec::new();
+    collect_files(
+        &opened.records.node_cache().dir().join("ranges"),
+        &mut files,
+    );
+    for file in files {
+        std::fs::remove_file(file).unwrap();
+    }
+    assert_eq!(epoch(&remote, 1).unwrap(), epoch(&s.local, 1).unwrap());
+    assert!(!opened.records.fetches_blocks());
+}
