@@ -39,7 +39,7 @@ class CacheLoaded:
     """An existing cache was validated and reused; its source was not iterated."""
 
     name: str
-    path: Path
+    path: Path | str
     num_samples: int
 
 
@@ -48,7 +48,7 @@ class CacheWritten:
     """The source was written, published and loaded."""
 
     name: str
-    path: Path
+    path: Path | str
     num_samples: int
 
 
@@ -57,7 +57,7 @@ class CacheMissing:
     """No cache exists and the source cannot be iterated to write one."""
 
     name: str
-    path: Path
+    path: Path | str
     message: str
 
 
@@ -68,7 +68,7 @@ class CacheMalformed:
     (permission denied, an I/O error) is not malformed: that raises its ``OSError``."""
 
     name: str
-    path: Path
+    path: Path | str
     message: str
 
 
@@ -77,7 +77,7 @@ class CacheWriteError:
     """Writing failed; nothing was published for this source. The message names the sample."""
 
     name: str
-    path: Path
+    path: Path | str
     message: str
 
 

@@ -58,7 +58,8 @@ def _resolve_rank(config: ReaderConfig) -> tuple[int, int]:
 def _result(
     kind: str, name: str, path: str, message: str | None, num_samples: int | None
 ) -> CacheSourceResult:
-    where = Path(path)
+    text = os.fspath(path)
+    where: Path | str = text if is_url(text) else Path(text)
     if kind == "loaded":
         return CacheLoaded(name, where, num_samples or 0)
     if kind == "written":
@@ -240,11 +241,12 @@ class DatasetRuntime:
         """
         reader = reader_config if reader_config is not None else ReaderConfig()
         if isinstance(base_cache_dir, str) and is_url(base_cache_dir):
-            return _outcome(
-                *self._native.open_remote_caches(
-                    names, base_cache_dir, reader, _resolve_rank(reader), _remote(remote)
-                )
+            dataset, outcomes = self._native.open_remote_caches(
+                names, base_cache_dir, reader, _resolve_rank(reader), _remote(remote)
             )
+            # Each result names its cache by its URL, as given (a path would fold `s3://`).
+            base = base_cache_dir.rstrip("/")
+            return _outcome(dataset, [(k, n, f"{base}/{n}", m, c) for k, n, _, m, c in outcomes])
         if remote is not None:
             raise _native.ConfigError(_NOT_A_URL.format(os.fspath(base_cache_dir)))
         return _outcome(

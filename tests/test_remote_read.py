@@ -197,6 +197,8 @@ def test_a_missing_cache_and_a_bad_remote_argument(
     result = runtime.open_caches(["train", "absent"], url, remote=node)
     assert isinstance(result, CacheSourcesDatasetSuccess)
     assert [type(r) for r in result.results] == [CacheLoaded, CacheMissing]
+    # Each result names its cache by its URL, intact (a `Path` would fold `s3://` to `s3:/`).
+    assert [r.path for r in result.results] == [f"{url}/train", f"{url}/absent"]
     alone = runtime.open_caches("absent", url, remote=node)
     assert isinstance(alone, CacheSourcesDatasetError)
     with pytest.raises(ConfigError, match="not a URL"):
