@@ -210,11 +210,7 @@ impl Blocks {
 impl RemoteRecords {
     /// The download that holds `range`: its block, or the record itself.
     fn key(&self, range: &Range) -> (RangeKey, Option<Block>) {
-        let file = self
-            .keys
-            .get(range.shard as usize)
-            .cloned()
-            .unwrap_or_default();
+        let file = self.shard_key(range.shard);
         let blocks = self
             .blocks
             .as_ref()
@@ -223,6 +219,12 @@ impl RemoteRecords {
             Some(block) => (RangeRequest::new(file, block.start..block.end), Some(block)),
             None => (RangeRequest::new(file, range.offset..range.end()), None),
         }
+    }
+
+    /// The key of shard `shard` under the build's remote (empty for a shard the cache lacks:
+    /// ranges come from the index's extents, which never name one).
+    fn shard_key(&self, shard: u32) -> String {
+        self.keys.get(shard as usize).cloned().unwrap_or_default()
     }
 
     /// The node's local cache this source fetches through.
@@ -367,11 +369,7 @@ impl RangeSource for RemoteRecords {
                 .flat_map(|b| ranges.iter().map(move |r| (b, r)))
             {
                 if let Some(block) = blocks.of(range) {
-                    let file = self
-                        .keys
-                        .get(range.shard as usize)
-                        .cloned()
-                        .unwrap_or_default();
+                    let file = self.shard_key(range.shard);
                     keys.push(RangeRequest::new(file, block.start..block.end));
                 }
             }
