@@ -17,7 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dataset_rt._config import RemoteConfig
 
 __all__ = ["FilterError", "ViewSample", "parse_filters", "read_samples", "render_html"]
 
@@ -70,21 +73,41 @@ def parse_filters(expressions: Sequence[str]) -> list[Filter]:
     return filters
 
 
-def read_samples(cache: str | Path, filters: Sequence[Filter], limit: int) -> list[ViewSample]:
+def read_samples(
+    cache: str | Path,
+    filters: Sequence[Filter],
+    limit: int,
+    *,
+    remote: RemoteConfig | None = None,
+) -> list[ViewSample]:
     """The first ``limit`` samples of ``cache`` in storage order whose metadata matches every
-    filter, with their full ``samples_metadata`` row (weight included) and payload."""
+    filter, with their full ``samples_metadata`` row (weight included) and payload.
+
+    ``cache`` is a local cache directory (base/name) or the URL of a published cache
+    (``s3://bucket/prefix/NAME``, ``file:///dir/NAME``), read in place through the local cache
+    that ``remote`` configures (``None``: the defaults and the environment); ``remote`` is
+    unused for a local directory."""
     import polars as pl
 
-    from dataset_rt._config import ReaderConfig
+    from dataset_rt._config import ReaderConfig, is_url
     from dataset_rt._native import ConfigError
-    from dataset_rt._results import CacheSourcesDatasetSuccess
+    from dataset_rt._results import CacheSourcesDatasetError, CacheSourcesDatasetSuccess
     from dataset_rt._runtime import DatasetRuntime
 
-    path = Path(cache)
+    reader_config = ReaderConfig(shuffle=False)
     with DatasetRuntime(num_workers=2) as runtime:
-        result = runtime.open_caches(
-            path.name, path.parent, reader_config=ReaderConfig(shuffle=False)
-        )
+        result: CacheSourcesDatasetSuccess | CacheSourcesDatasetError
+        if isinstance(cache, str) and is_url(cache):
+            base_url, _, name = cache.rstrip("/").rpartition("/")
+            if not name or not is_url(base_url):
+                raise ConfigError(
+                    f"{cache}: expected the URL of a cache, s3://BUCKET/PREFIX/NAME or "
+                    "file:///DIR/NAME"
+                )
+            result = runtime.open_caches(name, base_url, reader_config=reader_config, remote=remote)
+        else:
+            path = Path(cache)
+            result = runtime.open_caches(path.name, path.parent, reader_config=reader_config)
         if not isinstance(result, CacheSourcesDatasetSuccess) or not result.dataset.num_samples:
             messages = [getattr(r, "message", "") for r in result.results]
             raise ConfigError(

@@ -133,7 +133,7 @@ def _print_set(path: str, manifest: dict[str, Any]) -> int:
     """A cache set's summary: the set, then one line per part."""
     parts: list[dict[str, Any]] = manifest["parts"]
     rows = [
-        ("cache set", str(Path(path).resolve())),
+        ("cache set", path if is_url(path) else str(Path(path).resolve())),
         ("name", manifest["name"]),
         ("format", f"{manifest['format']} v{manifest['format_version']}"),
         ("writer", manifest["writer_version"]),
@@ -211,7 +211,8 @@ def _cmd_view(args: argparse.Namespace) -> int:
 
     try:
         filters = parse_filters(args.filter)
-        samples = read_samples(args.cache, filters, args.limit)
+        remote = _remote_config(args) if is_url(args.cache) else None
+        samples = read_samples(args.cache, filters, args.limit, remote=remote)
     except FilterError as error:
         _error(str(error))
         return EXIT_USAGE
@@ -571,9 +572,15 @@ def _parser() -> argparse.ArgumentParser:
         "text preview), its metadata and its weight. Needs Pillow (the 'view' extra). "
         "--filter COLUMN=VALUE or COLUMN!=VALUE keeps the samples whose metadata column, in its "
         "text form (true/false for booleans), equals (or differs from) VALUE; repeat it to "
-        "combine filters with AND. Columns are those of samples_metadata().",
+        "combine filters with AND. Columns are those of samples_metadata(). CACHE may be the "
+        "URL of a published cache (s3://BUCKET/PREFIX/NAME or file:///PATH/NAME), read in place "
+        "through the node's local cache (DATASET_RT_REMOTE_DIR, else dataset-rt/remote in the "
+        "user's cache directory); credentials come from the environment only (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN).",
     )
-    p.add_argument("cache", metavar="CACHE", help="cache directory (base/name)")
+    p.add_argument(
+        "cache", metavar="CACHE", help="cache directory (base/name), or the URL of a published one"
+    )
     p.add_argument(
         "--out", type=Path, default=None, metavar="FILE", help="HTML page (default view.html)"
     )
@@ -594,6 +601,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--limit", type=_positive_int, default=100, metavar="N", help="samples shown (default 100)"
     )
+    remote_flags(p)
     p.set_defaults(handler=_cmd_view)
 
     p = commands.add_parser(
