@@ -49,6 +49,8 @@ __all__ = [
     "inspect_remote_cache",
     "list_caches",
     "payload_spans",
+    "publish_set",
+    "published_set_parts",
     "pull_cache",
     "push_cache",
     "reap_shm_leftovers",
@@ -229,6 +231,10 @@ def list_caches(url: str, remote_config: RemoteConfig) -> list[_CacheListing]: .
 def inspect_remote_cache(url: str, remote_config: RemoteConfig) -> str: ...
 def remote_local_dir(remote_config: RemoteConfig) -> Path: ...
 def verify_remote_cache(url: str, remote_config: RemoteConfig) -> tuple[int, int]: ...
+def published_set_parts(
+    url: str, parts: int, remote_config: RemoteConfig
+) -> list[tuple[str, int | None]]: ...
+def publish_set(url: str, parts: int, remote_config: RemoteConfig) -> _PushReport: ...
 
 # ---- cache sets (rust/python/src/cache_set.rs) ----
 @final

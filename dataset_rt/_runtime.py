@@ -192,7 +192,16 @@ class DatasetRuntime:
             written = self.from_cache_sources(
                 missing, staging, reader_config=reader, writer_config=writer
             )
-            outcomes = {r.name: r for r in written.results}
+            # A set's parts have results of their own: only the sources are published (a set
+            # with its parts). What failed is reported at its URL, with the failing parts'
+            # messages: the staging directory, and the parts it kept, go away below.
+            outcomes = {
+                r.name: r
+                if isinstance(r, CacheWritten)
+                else _failed_at_url(r, f"{base_url}/{r.name}", written.results)
+                for r in written.results
+                if r.name in names
+            }
             del written
             for name, result in outcomes.items():
                 if isinstance(result, CacheWritten):
@@ -260,6 +269,34 @@ _NOT_A_URL = (
     "remote= configures caches on object storage, but base_cache_dir {!r} is not a URL "
     "(s3://..., file://...)"
 )
+
+
+def _failed_at_url(
+    result: CacheSourceResult, url: str, all_results: Sequence[CacheSourceResult]
+) -> CacheSourceResult:
+    """A source that failed in the staging directory of ``from_cache_sources`` on a URL, named
+    by its URL; a set's result says which parts failed and why, since nothing of it is kept."""
+    parts = [
+        f"{r.name}: {r.message}"
+        for r in all_results
+        if r.name.startswith(f"{result.name}.part-") and isinstance(r, CacheWriteError)
+    ]
+    message = getattr(result, "message", "")
+    if not parts:
+        kind = "missing" if isinstance(result, CacheMissing) else "write_error"
+        return _result(
+            "malformed" if isinstance(result, CacheMalformed) else kind,
+            result.name,
+            url,
+            message,
+            None,
+        )
+    message = (
+        f"cache set {result.name!r} was not published at {url}: "
+        + "; ".join(parts)
+        + " (nothing of it was published: the next call writes every part again)"
+    )
+    return _result("write_error", result.name, url, message, None)
 
 
 def _remote(remote: RemoteConfig | None) -> RemoteConfig:

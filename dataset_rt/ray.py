@@ -1,5 +1,6 @@
 """Building a cache set with Ray Data: each block of a Ray dataset becomes one part, written by
-one Ray task into a base directory that every node of the cluster sees (a shared file system).
+one Ray task into a base directory that every node of the cluster sees (a shared file system),
+or published by that task at a URL (object storage: ``s3://bucket/prefix``, ``file:///dir``).
 
 ``import dataset_rt.ray`` imports Ray; ``dataset_rt`` alone never does. The set is published
 exactly as ``from_cache_sources`` publishes one (``dataset_rt.CacheSet``): by one rename once every
@@ -10,13 +11,21 @@ part is, and a rerun writes only the parts that are missing. Open it with
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dataset_rt import _native
-from dataset_rt._config import WriterConfig
-from dataset_rt._results import CacheInput, CacheSourceResult
-from dataset_rt._runtime import DatasetRuntime, _result
+from dataset_rt._config import RemoteConfig, WriterConfig, is_url
+from dataset_rt._results import (
+    CacheInput,
+    CacheLoaded,
+    CacheMissing,
+    CacheSourceResult,
+    CacheWritten,
+)
+from dataset_rt._runtime import DatasetRuntime, _remote, _result
 
 if TYPE_CHECKING:
     import ray.data
@@ -58,6 +67,29 @@ def _write_block(
         runtime.close()
 
 
+def _publish_block(
+    table: Any,  # a pyarrow.Table
+    url: str,
+    name: str,
+    to_input: Callable[[Mapping[str, Any]], CacheInput],
+    writer: WriterConfig,
+    threads: int,
+    remote: RemoteConfig,
+) -> tuple[str, str | None, int, int]:
+    """A Ray task: writes one block as the part ``name`` in a temporary directory of this node's
+    local cache directory, then publishes it at ``url/name``."""
+    staging_root = os.path.join(_native.remote_local_dir(remote), ".publish")
+    os.makedirs(staging_root, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix="part-", dir=staging_root)
+    try:
+        outcome = _write_block(table, staging, name, to_input, writer, threads)
+        if outcome[0] == "written":
+            _native.push_cache(os.path.join(staging, name), f"{url}/{name}", remote, False)
+        return outcome
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def write_cache_set(
     ray_dataset: ray.data.Dataset,
     name: str,
@@ -66,11 +98,17 @@ def write_cache_set(
     *,
     writer_config: WriterConfig | None = None,
     threads_per_task: int = 1,
+    remote: RemoteConfig | None = None,
 ) -> list[CacheSourceResult]:
     """Writes ``ray_dataset`` as the cache set ``base_cache_dir / name``, one part per block:
     part ``i`` holds block ``i``'s rows, in order, each turned into a ``CacheInput`` by
     ``to_input(row)`` in a Ray task (``to_input`` must be picklable by Ray: a function or a
-    lambda is). ``base_cache_dir`` must be a path every node of the cluster sees.
+    lambda is). ``base_cache_dir`` must be a path every node of the cluster sees, or a URL
+    (``s3://bucket/prefix``, ``file:///dir``): then each task writes its part in the local cache
+    directory of its node (``remote``, a :class:`RemoteConfig`, configures it and the store) and
+    publishes it at ``URL/name/part``, and the set appears at ``URL/name`` by one conditional
+    write of its set manifest once every part is published. Open it with
+    ``runtime.open_caches(name, URL, remote=remote)``.
 
     The dataset is executed first, with its block order preserved (its blocks wait in Ray's
     object store, which spills to disk), so the parts follow the dataset's order whatever the
@@ -95,16 +133,19 @@ def write_cache_set(
         raise _native.ConfigError(
             f"write_cache_set: to_input must be callable, got {type(to_input).__name__}"
         )
+    if isinstance(base_cache_dir, str) and is_url(base_cache_dir):
+        return _write_to_url(
+            ray_dataset, name, base_cache_dir, to_input, writer, threads_per_task, _remote(remote)
+        )
+    if remote is not None:
+        raise _native.ConfigError(
+            "write_cache_set: remote= configures object storage, but "
+            f"{os.fspath(base_cache_dir)!r} is not a URL (s3://..., file://...)"
+        )
     base = os.fspath(base_cache_dir)
     if os.path.exists(os.path.join(base, name)):
         return _open(name, base)
-    options = ray_dataset.context.execution_options
-    preserved = options.preserve_order
-    options.preserve_order = True
-    try:
-        blocks = ray_dataset.to_arrow_refs()
-    finally:
-        options.preserve_order = preserved
+    blocks = _blocks_in_order(ray_dataset)
     builder = _native.SetBuilder(base, name, len(blocks))
     if builder.published is not None:
         return _open(name, base)
@@ -165,3 +206,102 @@ def write_cache_set(
 def _open(name: str, base: str) -> list[CacheSourceResult]:
     with DatasetRuntime(num_workers=1) as runtime:
         return runtime.open_caches(name, base).results
+
+
+def _blocks_in_order(ray_dataset: ray.data.Dataset) -> list[Any]:
+    """The dataset executed, its blocks (object refs of Arrow tables) in the dataset's order."""
+    options = ray_dataset.context.execution_options
+    preserved = options.preserve_order
+    options.preserve_order = True
+    try:
+        return list(ray_dataset.to_arrow_refs())
+    finally:
+        options.preserve_order = preserved
+
+
+def _write_to_url(
+    ray_dataset: ray.data.Dataset,
+    name: str,
+    base_url: str,
+    to_input: Callable[[Mapping[str, Any]], CacheInput],
+    writer: WriterConfig,
+    threads_per_task: int,
+    remote: RemoteConfig,
+) -> list[CacheSourceResult]:
+    """``write_cache_set`` at a URL: the parts are written and published by Ray tasks, each on its
+    own node, then the set manifest by the driver."""
+    import ray
+
+    base = base_url.rstrip("/")
+    url = f"{base}/{name}"
+    with DatasetRuntime(num_workers=1) as runtime:
+        found = runtime.open_caches(name, base, remote=remote).results
+    if not isinstance(found[0], CacheMissing):
+        return found  # published already (CacheLoaded), or there and malformed: never rewritten
+    blocks = _blocks_in_order(ray_dataset)
+    parts = _native.published_set_parts(url, len(blocks), remote)
+    missing = [i for i, (_, samples) in enumerate(parts) if samples is None]
+    progress = (
+        _native.SetProgress(name, len(blocks), len(blocks) - len(missing))
+        if writer.show_progress
+        else None
+    )
+    task = ray.remote(num_cpus=threads_per_task)(_publish_block)
+    pending = {
+        task.remote(blocks[i], url, parts[i][0], to_input, writer, threads_per_task, remote): i
+        for i in missing
+    }
+    results: list[CacheSourceResult | None] = [
+        None if samples is None else CacheLoaded(part, f"{url}/{part}", samples)
+        for part, samples in parts
+    ]
+    failed: list[str] = []
+    totals = [0, 0]
+    try:
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=_POLL_S)
+            for ref in done:
+                index = pending.pop(ref)
+                part = parts[index][0]
+                try:
+                    kind, message, samples, nbytes = ray.get(ref)
+                except ray.exceptions.RayError as error:
+                    kind, message, samples, nbytes = (
+                        "write_error",
+                        f"part {index}: the Ray task failed: {error}",
+                        0,
+                        0,
+                    )
+                results[index] = _result(kind, part, f"{url}/{part}", message, samples)
+                if kind != "written":
+                    failed.append(f"part {index} ({part}): {message}")
+                totals[0] += samples
+                totals[1] += nbytes
+            if progress is not None:
+                progress.update(totals[0], totals[1], len(blocks) - len(pending))
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        if progress is not None:
+            progress.finish("interrupted")
+        raise
+    if failed:
+        if progress is not None:
+            progress.finish("failed")
+        message = (
+            f"cache set {name!r} is not published at {url}: "
+            + "; ".join(failed)
+            + " (the published parts are kept: call again to write only the missing ones)"
+        )
+        return [
+            *(r for r in results if r is not None),
+            _result("write_error", name, url, message, None),
+        ]
+    _native.publish_set(url, len(blocks), remote)
+    if progress is not None:
+        progress.finish("written")
+    num_samples = sum(r.num_samples for r in results if isinstance(r, CacheLoaded | CacheWritten))
+    return [
+        *(r for r in results if r is not None),
+        _result("written", name, url, None, num_samples),
+    ]

@@ -18,8 +18,10 @@ from dataset_rt import (  # noqa: E402
     CacheLoaded,
     CacheSet,
     CacheSourcesDatasetSuccess,
+    CacheWritten,
     DatasetRuntime,
     ReaderConfig,
+    RemoteConfig,
     WriterConfig,
 )
 from dataset_rt.ray import write_cache_set  # noqa: E402
@@ -131,3 +133,47 @@ def test_a_failing_block_is_reported_and_the_rerun_writes_only_it(tmp_path):
         "CacheWritten",
     ]
     assert (tmp_path / "s" / "set.json").is_file()
+
+
+def test_ray_publishes_a_set_at_a_url_that_reads_as_the_local_one(tmp_path):
+    """Each task publishes its part at the URL; the set appears once all are, by its manifest.
+    A failing block publishes no set, and the rerun writes only that block's part."""
+    url = (tmp_path / "bucket").as_uri()
+    remote = RemoteConfig(local_dir=tmp_path / "node")
+    ds = ray.data.from_items(rows(), override_num_blocks=BLOCKS)
+    quiet = WriterConfig(show_progress=False)
+    failed = write_cache_set(ds, "s", url, failing_input, writer_config=quiet, remote=remote)
+    assert [type(r).__name__ for r in failed] == [
+        "CacheWritten",
+        "CacheWriteError",
+        "CacheWritten",
+        "CacheWriteError",
+    ]
+    assert failed[0].path == f"{url}/s/s.part-000000"
+    assert "cannot convert row 25" in failed[-1].message
+    assert not (tmp_path / "bucket" / "s" / "set.json").exists()
+    results = write_cache_set(ds, "s", url, to_input, writer_config=quiet, remote=remote)
+    assert [type(r).__name__ for r in results] == [
+        "CacheLoaded",
+        "CacheWritten",
+        "CacheLoaded",
+        "CacheWritten",
+    ]
+    assert results[-1] == CacheWritten("s", f"{url}/s", len(rows()))
+    assert (tmp_path / "bucket" / "s" / "set.json").is_file()
+
+    # The same set as the one Ray writes to a shared directory, sample for sample.
+    local = write_cache_set(ds, "s", tmp_path / "shared", to_input, writer_config=quiet)
+    assert type(local[-1]).__name__ == "CacheWritten"
+    with DatasetRuntime(num_workers=2) as runtime:
+        reader = ReaderConfig(seed=3)
+        a = runtime.open_caches("s", tmp_path / "shared", reader_config=reader)
+        b = runtime.open_caches("s", url, reader_config=reader, remote=remote)
+        assert isinstance(a, CacheSourcesDatasetSuccess) and isinstance(
+            b, CacheSourcesDatasetSuccess
+        )
+        assert a.dataset.fingerprint == b.dataset.fingerprint
+        assert [bytes(s.data) for s in a.dataset] == [bytes(s.data) for s in b.dataset]
+    # Published: a second call writes nothing.
+    again = write_cache_set(ds, "s", url, to_input, writer_config=quiet, remote=remote)
+    assert again == [CacheLoaded("s", f"{url}/s", len(rows()))]

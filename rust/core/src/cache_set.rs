@@ -62,6 +62,29 @@ pub struct SetManifest {
     pub fingerprint: String,
 }
 
+impl SetManifest {
+    /// The manifest of set `name` whose parts are `parts`, in order: its sample count and
+    /// fingerprint are computed from theirs.
+    pub fn of_parts(name: &str, parts: Vec<PartEntry>) -> SetManifest {
+        SetManifest {
+            format: SET_FORMAT_NAME.into(),
+            format_version: SET_FORMAT_VERSION,
+            writer_version: WRITER_VERSION.into(),
+            name: name.to_owned(),
+            num_samples: parts.iter().map(|e| e.num_samples).sum(),
+            fingerprint: combined_fingerprint(parts.iter().map(|e| e.fingerprint.as_str())),
+            parts,
+        }
+    }
+
+    /// The bytes of `set.json`: pretty JSON and a final newline.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut json = serde_json::to_vec_pretty(self).expect("set manifest serialises");
+        json.push(b'\n');
+        json
+    }
+}
+
 /// The name of part `index` (0-based) of set `set`: a cache name unique to the set, so that the
 /// parts of two sets never share a `cache_id` in one dataset.
 pub fn part_name(set: &str, index: usize) -> String {
@@ -250,22 +273,39 @@ fn open_part(
         ));
     }
     let cache = Cache::open(&part_dir, validation)?;
-    if cache.manifest.fingerprint != entry.fingerprint || cache.len() != entry.num_samples {
-        return Err(Error::malformed(
-            set,
-            dir.join(SET_MANIFEST_FILE),
-            format!(
-                "part {index} ({}) has fingerprint {} and {} samples, the set manifest says {} \
-                 and {}: the part was replaced after the set was published",
-                entry.name,
-                cache.manifest.fingerprint,
-                cache.len(),
-                entry.fingerprint,
-                entry.num_samples
-            ),
-        ));
-    }
+    check_part(
+        set,
+        &dir.join(SET_MANIFEST_FILE),
+        index,
+        entry,
+        &cache.manifest.fingerprint,
+        cache.len(),
+    )?;
     Ok(cache)
+}
+
+/// A part as opened (its `fingerprint` and `num_samples`) is the one the set manifest at
+/// `manifest` lists as part `index`: a part replaced after the set was published is refused.
+pub fn check_part(
+    set: &str,
+    manifest: &Path,
+    index: usize,
+    entry: &PartEntry,
+    fingerprint: &str,
+    num_samples: u64,
+) -> Result<()> {
+    if fingerprint == entry.fingerprint && num_samples == entry.num_samples {
+        return Ok(());
+    }
+    Err(Error::malformed(
+        set,
+        manifest,
+        format!(
+            "part {index} ({}) has fingerprint {fingerprint} and {num_samples} samples, the set \
+             manifest says {} and {}: the part was replaced after the set was published",
+            entry.name, entry.fingerprint, entry.num_samples
+        ),
+    ))
 }
 
 /// What is under a published cache name: one cache, or a set of them.
@@ -440,18 +480,8 @@ impl SetBuild {
             let lock_file = self.staging.join(format!(".{}.lock", entry.name));
             let _ = fs::remove_file(lock_file);
         }
-        let manifest = SetManifest {
-            format: SET_FORMAT_NAME.into(),
-            format_version: SET_FORMAT_VERSION,
-            writer_version: WRITER_VERSION.into(),
-            name: name.clone(),
-            num_samples: entries.iter().map(|e| e.num_samples).sum(),
-            fingerprint: combined_fingerprint(entries.iter().map(|e| e.fingerprint.as_str())),
-            parts: entries,
-        };
+        let json = SetManifest::of_parts(&name, entries).to_bytes();
         let path = self.staging.join(SET_MANIFEST_FILE);
-        let mut json = serde_json::to_vec_pretty(&manifest).expect("set manifest serialises");
-        json.push(b'\n');
         // A manifest left by a build that died before its rename is rewritten whole.
         let mut file = File::create(&path).ctx("create", &path)?;
         file.write_all(&json).ctx("write", &path)?;

@@ -36,7 +36,7 @@ pub(crate) fn cache_dir(path: &Path) -> PyResult<PathBuf> {
 }
 
 /// The resolved directory of a cache or of a cache set (one holding `set.json`).
-fn cache_or_set_dir(path: &Path) -> PyResult<PathBuf> {
+pub(crate) fn cache_or_set_dir(path: &Path) -> PyResult<PathBuf> {
     if !path.exists() {
         return Err(PyFileNotFoundError::new_err(format!(
             "no DatasetRT cache at {}: the path does not exist",

@@ -46,6 +46,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(remote::inspect_remote_cache, m)?)?;
     m.add_function(wrap_pyfunction!(remote::remote_local_dir, m)?)?;
     m.add_function(wrap_pyfunction!(remote::verify_remote_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(remote::published_set_parts, m)?)?;
+    m.add_function(wrap_pyfunction!(remote::publish_set, m)?)?;
     loader::register(m)?;
     Ok(())
 }

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use dataset_rt_remote::options::{MAX_MAX_REQUESTS, MIN_LOCAL_BYTES};
 use dataset_rt_remote::{
-    ls, open_cache, pull, push, verify_records, CacheListing, FetchPolicy, PullReport, PushOptions,
+    ls, open_published, open_urls, publish_set_manifest, published_parts, pull, push, push_set,
+    verify_records, CacheListing, FetchPolicy, OpenedCache, Published, PullReport, PushOptions,
     PushReport, Remote, RemoteOptions,
 };
 use pyo3::prelude::*;
@@ -216,8 +217,8 @@ fn listing<'py>(py: Python<'py>, cache: CacheListing) -> PyResult<Bound<'py, PyD
     Ok(dict)
 }
 
-/// Publishes the cache directory `cache_dir` at `url` (whose last segment must be the cache's
-/// name); returns what was done as a dict (`_PushReport` in the stub).
+/// Publishes the cache (or cache set) directory `cache_dir` at `url` (whose last segment must be
+/// its name); returns what was done as a dict (`_PushReport` in the stub).
 #[pyfunction]
 #[pyo3(signature = (cache_dir, url, remote_config, replace = false))]
 pub fn push_cache<'py>(
@@ -228,14 +229,18 @@ pub fn push_cache<'py>(
     replace: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let options = remote_config.options()?;
-    let dir = crate::inspect::cache_dir(&cache_dir)?;
+    let dir = crate::inspect::cache_or_set_dir(&cache_dir)?;
     let push_options = PushOptions {
         replace,
         ..PushOptions::default()
     };
     let report = wait_interruptibly(py, move || {
         let remote = Remote::open(&url, &options)?;
-        push(&dir, &remote, &push_options)
+        if dataset_rt_core::cache_set::is_set_dir(&dir) {
+            push_set(&dir, &remote, &push_options)
+        } else {
+            push(&dir, &remote, &push_options)
+        }
     })?;
     push_report(py, report)
 }
@@ -272,9 +277,16 @@ pub fn remote_local_dir(remote_config: RemoteFields<'_>) -> PyResult<PathBuf> {
         .map_err(crate::errors::remote_to_py)
 }
 
-/// The manifest of the cache published at `url` as JSON text, after the checks of opening it in
-/// place (its index and metadata table downloaded into the node's local cache and checked
-/// against the manifest).
+/// Opens what is published at `url` in place: the cache, or every part of the set, in order.
+fn open_one(url: String, options: RemoteOptions) -> dataset_rt_remote::Result<Vec<OpenedCache>> {
+    open_urls(&[url], &options)?
+        .pop()
+        .expect("one result per URL")
+}
+
+/// The manifest of the cache (or the set manifest of the set) published at `url` as JSON text,
+/// after the checks of opening it in place (each cache's index and metadata table downloaded
+/// into the node's local cache and checked against its manifest).
 #[pyfunction]
 pub fn inspect_remote_cache(
     py: Python<'_>,
@@ -282,18 +294,18 @@ pub fn inspect_remote_cache(
     remote_config: RemoteFields<'_>,
 ) -> PyResult<String> {
     let options = remote_config.options()?;
-    let opened = wait_interruptibly(py, move || open_cache(&url, &options))?;
-    let manifest = opened
-        .cache
-        .dir
-        .join(dataset_rt_core::format::MANIFEST_FILE);
-    std::fs::read_to_string(&manifest)
-        .map_err(|e| crate::errors::to_py(dataset_rt_core::Error::io("read", &manifest, e)))
+    let text = wait_interruptibly(py, move || {
+        let published = Published::open(&Remote::open(&url, &options)?)?;
+        let text = String::from_utf8_lossy(published.manifest_bytes()).into_owned();
+        open_published(published, &options, 0)?;
+        Ok(text)
+    })?;
+    Ok(text)
 }
 
-/// Verifies the cache published at `url` in place: its index and metadata table against the
-/// manifest, then every record (header, checksum, decoding), fetched ahead through the node's
-/// local cache. Returns `(samples, shards)`.
+/// Verifies the cache (or every part of the set) published at `url` in place: each index and
+/// metadata table against its manifest, then every record (header, checksum, decoding), fetched
+/// ahead through the node's local cache. Returns `(samples, shards)`.
 #[pyfunction]
 pub fn verify_remote_cache(
     py: Python<'_>,
@@ -302,10 +314,45 @@ pub fn verify_remote_cache(
 ) -> PyResult<(u64, usize)> {
     let options = remote_config.options()?;
     wait_interruptibly(py, move || {
-        let opened = open_cache(&url, &options)?;
-        verify_records(&opened)?;
-        Ok((opened.cache.len(), opened.cache.num_shards()))
+        let mut totals = (0, 0);
+        for opened in open_one(url, options)? {
+            verify_records(&opened)?;
+            totals.0 += opened.cache.len();
+            totals.1 += opened.cache.num_shards();
+        }
+        Ok(totals)
     })
+}
+
+/// The parts of the set `url` (`NAME.part-000000`... under it), each with its sample count when
+/// it is published, else `None`.
+#[pyfunction]
+pub fn published_set_parts(
+    py: Python<'_>,
+    url: String,
+    parts: usize,
+    remote_config: RemoteFields<'_>,
+) -> PyResult<Vec<(String, Option<u64>)>> {
+    let options = remote_config.options()?;
+    wait_interruptibly(py, move || {
+        published_parts(&Remote::open(&url, &options)?, parts)
+    })
+}
+
+/// Publishes the set `url` over its `parts` parts, each already published under it, by one
+/// conditional write of its set manifest; returns what was done (`_PushReport` in the stub).
+#[pyfunction]
+pub fn publish_set<'py>(
+    py: Python<'py>,
+    url: String,
+    parts: usize,
+    remote_config: RemoteFields<'_>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let options = remote_config.options()?;
+    let report = wait_interruptibly(py, move || {
+        publish_set_manifest(&Remote::open(&url, &options)?, parts)
+    })?;
+    push_report(py, report)
 }
 
 /// The caches published at `url` and directly under it, each a dict (`_CacheListing` in the

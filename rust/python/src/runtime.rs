@@ -32,7 +32,7 @@ use crate::dataset::Dataset;
 use crate::errors::{to_py, ConfigError, IntoPyResult};
 use crate::progress::PyStderr;
 use crate::remote::RemoteFields;
-use dataset_rt_remote::open_cache;
+use dataset_rt_remote::open_urls;
 
 #[pyclass(module = "dataset_rt._native", frozen)]
 pub struct Runtime {
@@ -228,18 +228,19 @@ impl Runtime {
         )?;
         let options = remote.options()?;
         let base = base_url.trim_end_matches('/');
+        let urls: Vec<String> = names.iter().map(|name| format!("{base}/{name}")).collect();
+        // One local budget for all of them: each is told the bytes of the others.
+        let opened = {
+            let urls = urls.clone();
+            crate::remote::wait_interruptibly(py, move || open_urls(&urls, &options))?
+        };
         let mut outcomes = Vec::with_capacity(names.len());
         let mut caches = Vec::new();
-        for name in &names {
-            let url = format!("{base}/{name}");
-            let opened = {
-                let (url, options) = (url.clone(), options.clone());
-                crate::remote::wait_interruptibly(py, move || open_cache(&url, &options))
-            };
-            let (kind, message, len) = match opened {
+        for ((name, url), opened) in names.iter().zip(urls).zip(opened) {
+            let (kind, message, len) = match opened.map_err(crate::errors::remote_to_py) {
                 Ok(opened) => {
-                    let n = opened.cache.len();
-                    caches.push(opened.cache);
+                    let n = opened.iter().map(|o| o.cache.len()).sum();
+                    caches.extend(opened.into_iter().map(|o| o.cache));
                     ("loaded", None, Some(n))
                 }
                 Err(e)

@@ -8,6 +8,7 @@
 //! - `store`: a URL's object store, built from the environment, per process;
 //! - `fetch`: `RangeFetcher` (coalescing, depth, retries, verification);
 //! - `publish`: the remote layout, `push`, `pull`, `ls`, opening a published cache's manifest;
+//! - `sets`: cache sets published at a URL (`push_set`, `publish_set_manifest`, `Published`);
 //! - `local`: the node's local cache directory (`NodeCache`) and `CachedFetcher` over it;
 //! - `records`: reading a published cache in place (`open_cache`, `RemoteRecords`).
 
@@ -19,6 +20,7 @@ pub mod options;
 pub mod publish;
 pub mod records;
 pub mod runtime;
+pub mod sets;
 pub mod store;
 
 pub use error::{Error, RequestFailure, Result};
@@ -30,6 +32,8 @@ pub use publish::{
     ls, pull, push, CacheListing, PublishedCache, PullReport, PushOptions, PushReport,
 };
 pub use records::{
-    open_cache, open_located, open_remote_cache, verify_records, OpenedCache, RemoteRecords,
+    open_cache, open_located, open_published, open_remote_cache, open_urls, stored_bytes,
+    verify_records, OpenedCache, RemoteRecords,
 };
+pub use sets::{publish_set_manifest, published_parts, push_set, Published, PublishedSet};
 pub use store::Remote;

@@ -85,7 +85,7 @@ fn request_error(op: &'static str, url: String, err: object_store::Error) -> Err
 }
 
 /// The name of the cache a URL names (its last segment), checked like a local cache's name.
-fn cache_name(remote: &Remote) -> Result<String> {
+pub(crate) fn cache_name(remote: &Remote) -> Result<String> {
     let url = remote.url().to_string();
     let name = remote.url().name().ok_or_else(|| {
         Error::url(
@@ -99,7 +99,7 @@ fn cache_name(remote: &Remote) -> Result<String> {
 
 /// Reads a whole small object (a manifest), with the fetcher's retry rules; `None` when it
 /// does not exist.
-async fn get_small(
+pub(crate) async fn get_small(
     remote: &Remote,
     store: &Arc<dyn ObjectStore>,
     key: &Key,
@@ -264,6 +264,12 @@ pub async fn push_async(dir: &Path, remote: &Remote, options: &PushOptions) -> R
         .map_err(|e| dataset_rt_core::Error::io("read", &manifest_path, e))?;
     let id = build_id(&manifest_bytes);
     let store = remote.store()?;
+    crate::sets::refuse_other_kind(
+        remote,
+        &store,
+        dataset_rt_core::cache_set::SET_MANIFEST_FILE,
+    )
+    .await?;
     let manifest_key = remote.key(MANIFEST_FILE);
     let mut report = PushReport {
         url: remote.url().to_string(),
@@ -354,7 +360,7 @@ pub async fn push_async(dir: &Path, remote: &Remote, options: &PushOptions) -> R
 /// Writes the manifest: `Create` for a new cache, `Update` (compare-and-swap on the replaced
 /// manifest's version) when replacing. A `Create` that finds our own bytes (a retry whose first
 /// response was lost) is a success.
-async fn commit(
+pub(crate) async fn commit(
     remote: &Remote,
     store: &Arc<dyn ObjectStore>,
     key: &Key,

@@ -28,7 +28,7 @@ use bytes::Bytes;
 use dataset_rt_core::cache::Cache;
 use dataset_rt_core::dataset::{Dataset, Range, RangeSource, RecordBytes, RecordSource};
 use dataset_rt_core::format::{
-    check_record_bytes, shard_file_name, INDEX_FILE, MANIFEST_FILE, METADATA_FILE,
+    check_record_bytes, shard_file_name, Manifest, INDEX_FILE, MANIFEST_FILE, METADATA_FILE,
 };
 
 use crate::error::{Error, Result};
@@ -36,6 +36,7 @@ use crate::fetch::{FetchPolicy, RangeFetcher, RangeRequest, Verify};
 use crate::local::{CachedFetcher, NodeCache, RangeKey, RANGE_HEADER_LEN};
 use crate::options::RemoteOptions;
 use crate::publish::PublishedCache;
+use crate::sets::Published;
 use crate::store::Remote;
 
 /// The largest gap between two records that one request spans (see `open_remote_cache`).
@@ -76,6 +77,8 @@ pub struct RemoteRecords {
     /// The URL of the cache and the options it was opened with (its [`RecordSource::locator`]).
     url: String,
     options: RemoteOptions,
+    /// The bytes of the other caches sharing the local budget (see [`open_published`]).
+    shared: u64,
     /// The key of each shard under the build's remote (`shards/000000.bin`), and its URL.
     keys: Vec<String>,
     urls: Vec<String>,
@@ -419,6 +422,7 @@ impl RecordSource for RemoteRecords {
             "endpoint": o.endpoint,
             "region": o.region,
             "allow_http": o.allow_http,
+            "shared": self.shared,
         })
         .to_string()
     }
@@ -445,6 +449,61 @@ pub fn open_cache(url: &str, options: &RemoteOptions) -> Result<OpenedCache> {
     open_remote_cache(&remote, options)
 }
 
+/// Opens what is published at `url` for reading in place: the cache, or every part of the set,
+/// in order. `shared` is the bytes of the other caches read from the same local budget (the
+/// other caches of one dataset): downloads are blocks only when the budget holds them all.
+pub fn open_published(
+    published: Published,
+    options: &RemoteOptions,
+    shared: u64,
+) -> Result<Vec<OpenedCache>> {
+    options.validate()?;
+    let caches = published.into_caches();
+    let total: u64 = caches.iter().map(|c| stored_bytes(&c.manifest)).sum();
+    caches
+        .into_iter()
+        .map(|cache| {
+            let others = total - stored_bytes(&cache.manifest);
+            open_in_place(cache, options, shared.saturating_add(others))
+        })
+        .collect()
+}
+
+/// Opens what is published at each of `urls` in place (see [`open_published`]), all of them
+/// reading from one local budget: each URL's caches, or why it could not be opened. Bad
+/// options fail the whole call.
+pub fn open_urls(
+    urls: &[String],
+    options: &RemoteOptions,
+) -> Result<Vec<Result<Vec<OpenedCache>>>> {
+    options.validate()?;
+    let found: Vec<Result<Published>> = urls
+        .iter()
+        .map(|url| Published::open(&Remote::open(url, options)?))
+        .collect();
+    let size =
+        |p: &Published| -> u64 { p.caches().iter().map(|c| stored_bytes(&c.manifest)).sum() };
+    let total: u64 = found.iter().flatten().map(size).sum();
+    Ok(found
+        .into_iter()
+        .map(|p| {
+            let p = p?;
+            let shared = total - size(&p);
+            open_published(p, options, shared)
+        })
+        .collect())
+}
+
+/// What a cache's shards take in the local cache when stored as blocks (each block with a
+/// range header): what the budget must hold for downloads to be blocks.
+pub fn stored_bytes(manifest: &Manifest) -> u64 {
+    manifest.shards.iter().fold(0, |sum, s| {
+        let blocks = s.bytes / BLOCK_BYTES + 1;
+        sum.saturating_add(s.bytes)
+            .saturating_add(blocks.saturating_mul(RANGE_HEADER_LEN))
+    })
+}
+
 /// Opens the cache that a [`RecordSource::locator`] of another process names (the loader's
 /// producer, on the same node: the same local directory, so the same downloaded files).
 pub fn open_located(locator: &str) -> Result<OpenedCache> {
@@ -462,12 +521,23 @@ pub fn open_located(locator: &str) -> Result<OpenedCache> {
         region: text("region"),
         allow_http: v.get("allow_http").and_then(serde_json::Value::as_bool),
     };
-    open_cache(&url, &options)
+    options.validate()?;
+    let remote = Remote::open(&url, &options)?;
+    let published = PublishedCache::open(&remote)?;
+    open_in_place(published, &options, number("shared").unwrap_or(0))
 }
 
 /// [`open_cache`] on an opened [`Remote`] (tests give one over a store of their own).
 pub fn open_remote_cache(remote: &Remote, options: &RemoteOptions) -> Result<OpenedCache> {
-    let published = PublishedCache::open(remote)?;
+    open_in_place(PublishedCache::open(remote)?, options, 0)
+}
+
+/// Opens `published` in place; `shared` as for [`open_published`].
+fn open_in_place(
+    published: PublishedCache,
+    options: &RemoteOptions,
+    shared: u64,
+) -> Result<OpenedCache> {
     let root = options.resolved_local_dir()?;
     let node = Arc::new(NodeCache::open(
         &root,
@@ -491,12 +561,8 @@ pub fn open_remote_cache(remote: &Remote, options: &RemoteOptions) -> Result<Ope
         .iter()
         .map(|k| published.data.show(&published.data.key(k)))
         .collect();
-    // Blocks when the budget holds every shard, stored as blocks (each with a range header).
-    let stored: u64 = published.manifest.shards.iter().fold(0, |sum, s| {
-        let blocks = s.bytes / BLOCK_BYTES + 1;
-        sum.saturating_add(s.bytes)
-            .saturating_add(blocks.saturating_mul(RANGE_HEADER_LEN))
-    });
+    // Blocks when the budget holds every shard of every cache that shares it.
+    let stored = stored_bytes(&published.manifest).saturating_add(shared);
     let blocks = (stored <= node.budget()).then(|| {
         let mut first_row = vec![0u64];
         for s in &published.manifest.shards {
@@ -532,6 +598,7 @@ pub fn open_remote_cache(remote: &Remote, options: &RemoteOptions) -> Result<Ope
         name: name.clone(),
         url: published.url.clone(),
         options: options.clone(),
+        shared,
         keys,
         urls,
     });
