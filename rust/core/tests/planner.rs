@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::io::{Seek, SeekFrom, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use dataset_rt_core::cache::{Cache, Validation};
@@ -80,6 +80,8 @@ fn reader(pool: &Arc<Pool>, ds: &Arc<Dataset>, opts: &ReadOptions) -> EpochReade
 #[derive(Default)]
 struct Recording {
     resident: AtomicBool,
+    /// What it answers to `foresight` (0: it wants no foresight).
+    foresight: AtomicU64,
     state: Mutex<Flight>,
 }
 
@@ -93,6 +95,7 @@ struct Flight {
     started: Vec<Range>,
     released: usize,
     passes: Vec<bool>,
+    foreseen: Vec<Vec<(u64, Range)>>,
 }
 
 impl Recording {
@@ -135,6 +138,14 @@ impl RangeSource for Recording {
             s.most_bytes = s.most_bytes.max(s.bytes);
             s.started.push(*r);
         }
+    }
+
+    fn foresight(&self) -> u64 {
+        self.foresight.load(Ordering::Relaxed)
+    }
+
+    fn foresee(&self, upcoming: &[(u64, Range)]) {
+        self.state.lock().unwrap().foreseen.push(upcoming.to_vec());
     }
 
     fn release(&self, ranges: &[Range]) {
@@ -237,6 +248,60 @@ fn records_come_out_in_pass_order_through_the_planner() {
             }
         }
     }
+}
+
+#[test]
+fn a_backend_that_asks_is_told_the_coming_records_as_the_pass_moves_on() {
+    let pool = Pool::new(3).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    write(&pool, tmp.path(), Compression::NONE);
+    let ds = open(tmp.path(), VerifyPolicy::Once);
+    let opts = options(true, 8, 8, u64::MAX);
+    let want = read_samples(&ds, reader(&pool, &ds, &opts).with_plain_io());
+    const HORIZON: u64 = 40;
+    // Missing records (the planner advises) and resident ones (it rests): told either way.
+    for source in [Recording::missing(), Recording::resident()] {
+        source.foresight.store(HORIZON, Ordering::Relaxed);
+        let r = reader(&pool, &ds, &opts).with_range_source(source.clone());
+        assert_eq!(read_samples(&ds, r), want);
+        let s = source.state.lock().unwrap();
+        assert!(s.foreseen.len() >= 2, "told {} times", s.foreseen.len());
+        let mut last_from = None;
+        for (i, told) in s.foreseen.iter().enumerate() {
+            if told.is_empty() {
+                // At the end of the pass: nothing more is needed.
+                assert_eq!(i + 1, s.foreseen.len(), "told nothing before the end");
+                continue;
+            }
+            // From the consumer's position on, every position up to the horizon (or the end of
+            // the pass), each with the range of the record the pass reads there.
+            let from = told[0].0;
+            let end = (from + HORIZON).min(SAMPLES);
+            let positions: Vec<u64> = told.iter().map(|(k, _)| *k).collect();
+            assert_eq!(positions, (from..end).collect::<Vec<_>>());
+            for (k, range) in told {
+                assert_eq!(*range, ds.record_range(want[*k as usize]).unwrap());
+            }
+            // Told again once the consumer moved a quarter of the horizon, with no gap.
+            match last_from {
+                None => assert_eq!(from, 0),
+                Some(last) => {
+                    assert!(from >= last + HORIZON / 4, "{last} then {from}");
+                    assert!(from < last + HORIZON, "{last} then {from}: a gap");
+                }
+            }
+            last_from = Some(from);
+        }
+        assert!(
+            last_from.unwrap() + HORIZON >= SAMPLES,
+            "told up to the end"
+        );
+    }
+    // A backend that asks nothing (as local files) is told nothing.
+    let source = Recording::missing();
+    let r = reader(&pool, &ds, &opts).with_range_source(source.clone());
+    assert_eq!(read_samples(&ds, r), want);
+    assert!(source.state.lock().unwrap().foreseen.is_empty());
 }
 
 #[test]

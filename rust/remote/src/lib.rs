@@ -25,7 +25,7 @@ pub mod store;
 
 pub use error::{Error, RequestFailure, Result};
 pub use fetch::{coalesce, FetchPolicy, FetchStats, RangeFetcher, RangeRequest, Span, Verify};
-pub use local::{CachedFetcher, NodeCache, RangeKey};
+pub use local::{CachedFetcher, NodeCache, RangeKey, RANGE_HEADER_LEN};
 pub use location::{RemoteUrl, Scheme};
 pub use options::RemoteOptions;
 pub use publish::{

@@ -22,13 +22,17 @@
 //! served (no fsync needed: anything damaged is a miss, fetched again). Files appear by rename.
 //!
 //! Keyed by the build: a remote cache that changed has another manifest, so another build id,
-//! so another directory; a stale copy is never read. Other builds' ranges are evicted first.
+//! so another directory; a stale copy is never read. Ranges of builds that no cache of the
+//! process reads are evicted first.
 //!
 //! Budget: every write reserves its bytes in `usage` under `.lock` before it writes, evicting
 //! first if needed, so the directory never holds more than the budget (plus the temporary file
-//! of a write that has reserved its bytes). Eviction takes other builds' ranges, then ranges
-//! this process will not need, then the ones needed furthest in the future (the planner gives
-//! the order), and never a range any live process has pinned (prefetched, not yet consumed).
+//! of a write that has reserved its bytes). Eviction takes ranges of builds this process does
+//! not read, then ranges it will not need in the part of the pass it foresees, then the ones
+//! needed furthest in it (the reader tells each cache the records of the coming positions;
+//! caches opened together are ranked together), and never a range any live process has pinned
+//! (prefetched, not yet consumed). Each process ranks by its own future: the ranks of one node
+//! do not see each other's, only each other's pins.
 //! Everything a dead process left is found by its `.alive` lock, which the kernel releases.
 //!
 //! One download per node: a process downloads a missing range only while it holds that range's
@@ -97,7 +101,7 @@ pub struct NodeCache {
     pid: u32,
     _alive: OwnerLock,
     pins: Mutex<HashMap<RangeKey, u32>>,
-    future: Mutex<HashMap<RangeKey, u64>>,
+    future: Future,
     seq: AtomicU64,
     counters: Counters,
 }
@@ -167,6 +171,53 @@ impl Drop for RangeLock {
     }
 }
 
+/// What a process foresees of one build: the positions of the pass at which each range is
+/// needed (ascending), and the consumer's position (what lies before it was needed already).
+#[derive(Default)]
+struct Foreseen {
+    at: HashMap<RangeKey, Vec<u64>>,
+    now: u64,
+}
+
+impl Foreseen {
+    /// The next position at which `key` is needed, if it is foreseen.
+    fn next_use(&self, key: &RangeKey) -> Option<u64> {
+        let at = self.at.get(key)?;
+        at.get(at.partition_point(|&p| p < self.now)).copied()
+    }
+}
+
+type Future = Arc<Mutex<Foreseen>>;
+
+/// The futures of this process's node caches, by local directory and build: the caches that
+/// one dataset opened together share a budget, so eviction by any of them ranks the others'
+/// ranges by their future too (positions of one pass), instead of taking them first as it
+/// takes ranges of builds nobody here reads.
+#[allow(clippy::type_complexity)]
+static FUTURES: Mutex<Vec<(PathBuf, String, std::sync::Weak<Mutex<Foreseen>>)>> =
+    Mutex::new(Vec::new());
+
+fn register_future(root: &Path, build_id: &str) -> Future {
+    let future = Future::default();
+    let mut all = FUTURES.lock().unwrap_or_else(|e| e.into_inner());
+    all.retain(|(_, _, f)| f.strong_count() > 0);
+    all.push((
+        root.to_owned(),
+        build_id.to_owned(),
+        Arc::downgrade(&future),
+    ));
+    future
+}
+
+/// The live futures of this process under `root`, by build.
+fn futures_under(root: &Path) -> Vec<(String, Future)> {
+    let all = FUTURES.lock().unwrap_or_else(|e| e.into_inner());
+    all.iter()
+        .filter(|(r, _, _)| r == root)
+        .filter_map(|(_, build, f)| Some((build.clone(), f.upgrade()?)))
+        .collect()
+}
+
 /// A range file as it is found on disk.
 struct Found {
     path: PathBuf,
@@ -223,7 +274,7 @@ impl NodeCache {
             pid,
             _alive: alive,
             pins: Mutex::default(),
-            future: Mutex::default(),
+            future: register_future(root, build_id),
             seq: AtomicU64::new(0),
             counters: Counters::default(),
         };
@@ -487,9 +538,10 @@ impl NodeCache {
         Ok(true)
     }
 
-    /// Range files that may be evicted, the first to go last: other builds' ranges, then this
-    /// build's ranges by their next use (not needed at all counts as furthest). Pinned ranges
-    /// (by any live process) are left out.
+    /// Range files that may be evicted, the first to go last: ranges of builds that no cache of
+    /// this process reads, then ranges by their next use as this process foresees it (not
+    /// needed in the known future counts as furthest), over every build it reads. Pinned
+    /// ranges (by any live process) are left out.
     fn victims(&self, found: Vec<Found>) -> Result<Vec<Found>> {
         let mut pinned: HashSet<(String, RangeKey)> = HashSet::new();
         for (build, key) in self.live_pins()? {
@@ -498,7 +550,30 @@ impl NodeCache {
         for key in self.pins.lock().unwrap_or_else(|e| e.into_inner()).keys() {
             pinned.insert((self.build_id.clone(), key.clone()));
         }
-        let future = self.future.lock().unwrap_or_else(|e| e.into_inner());
+        // Own future first: this cache is registered under its root.
+        let futures = futures_under(&self.root);
+        let held: Vec<(&str, std::sync::MutexGuard<'_, Foreseen>)> = futures
+            .iter()
+            .map(|(build, f)| (build.as_str(), f.lock().unwrap_or_else(|e| e.into_inner())))
+            .collect();
+        let rank_of = |f: &Found| -> (u64, u64) {
+            let mut known = false;
+            let mut next = None::<u64>;
+            for (build, future) in &held {
+                if *build != f.build {
+                    continue;
+                }
+                known = true;
+                if let Some(at) = f.key.as_ref().and_then(|k| future.next_use(k)) {
+                    next = Some(next.map_or(at, |n| n.min(at)));
+                }
+            }
+            match (known, next) {
+                (false, _) => (u64::MAX, u64::MAX),
+                (true, Some(next)) => (0, next),
+                (true, None) => (1, 0),
+            }
+        };
         let mut ranked: Vec<(u64, u64, Found)> = found
             .into_iter()
             .filter(|f| match &f.key {
@@ -506,17 +581,11 @@ impl NodeCache {
                 None => true,
             })
             .map(|f| {
-                let rank = if f.build != self.build_id {
-                    (u64::MAX, u64::MAX)
-                } else {
-                    match f.key.as_ref().and_then(|k| future.get(k)) {
-                        Some(&next) => (0, next),
-                        None => (1, 0),
-                    }
-                };
+                let rank = rank_of(&f);
                 (rank.0, rank.1, f)
             })
             .collect();
+        drop(held);
         // Ascending: the range needed soonest first, so `pop` takes the one needed last.
         ranked.sort_by_key(|r| (r.0, r.1));
         Ok(ranked.into_iter().map(|(_, _, f)| f).collect())
@@ -686,10 +755,24 @@ impl NodeCache {
         self.rescan_usage()
     }
 
-    /// Tells eviction when each range will be needed next (smaller is sooner), replacing what
-    /// it was told before. Ranges not listed are not needed in the known future.
+    /// Tells eviction at which positions of the pass each range will be needed (smaller is
+    /// sooner), replacing what it was told before: ranges not listed are not needed in the
+    /// known future, and a range listed several times is needed at each of its positions. The
+    /// consumer's position ([`NodeCache::set_now`]) starts over at 0.
     pub fn set_future(&self, order: impl IntoIterator<Item = (RangeKey, u64)>) {
-        *self.future.lock().unwrap_or_else(|e| e.into_inner()) = order.into_iter().collect();
+        let mut at: HashMap<RangeKey, Vec<u64>> = HashMap::new();
+        for (key, position) in order {
+            at.entry(key).or_default().push(position);
+        }
+        for positions in at.values_mut() {
+            positions.sort_unstable();
+        }
+        *self.future.lock().unwrap_or_else(|e| e.into_inner()) = Foreseen { at, now: 0 };
+    }
+
+    /// The consumer is at `position`: what was foreseen before it is needed no more.
+    pub fn set_now(&self, position: u64) {
+        self.future.lock().unwrap_or_else(|e| e.into_inner()).now = position;
     }
 
     /// Pins ranges (prefetched, not yet consumed): no process evicts them until they are

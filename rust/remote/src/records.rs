@@ -42,6 +42,11 @@ use crate::store::Remote;
 /// The largest gap between two records that one request spans (see `open_remote_cache`).
 pub const RECORD_GAP: u64 = 4 << 10;
 
+/// Positions of a pass, from the consumer's, whose records the node's cache is told to rank
+/// its eviction by (kept needed soonest, not LRU): about 64 k records, a few megabytes of keys,
+/// worked out again each time the consumer has moved a quarter of them.
+pub const FORESIGHT: u64 = 1 << 16;
+
 /// The stretch of a shard that one download covers when the local budget holds the whole
 /// dataset (see [`Blocks`]).
 pub const BLOCK_BYTES: u64 = 8 << 20;
@@ -360,6 +365,23 @@ impl RangeSource for RemoteRecords {
             }
             finish(&missing);
         });
+    }
+
+    /// Eviction keeps what the pass needs soonest: the reader tells the coming records.
+    fn foresight(&self) -> u64 {
+        FORESIGHT
+    }
+
+    /// A download is needed at the coming positions of the records it holds.
+    fn foresee(&self, upcoming: &[(u64, Range)]) {
+        let next = upcoming
+            .iter()
+            .map(|(position, range)| (self.key(range).0, *position));
+        self.fetcher.cache.set_future(next);
+    }
+
+    fn reached(&self, position: u64) {
+        self.fetcher.cache.set_now(position);
     }
 
     fn release(&self, ranges: &[Range]) {

@@ -98,6 +98,66 @@ fn another_process_pins_are_respected_and_other_builds_go_first() {
     assert!(a.usage().unwrap() <= 4 * STORED);
 }
 
+fn present(cache: &NodeCache, keys: std::ops::Range<u64>) -> Vec<u64> {
+    keys.filter(|&i| cache.contains(&key(i))).collect()
+}
+
+fn ranges_left(root: &std::path::Path, build: &str) -> usize {
+    std::fs::read_dir(root.join(build).join("ranges/shards/000000.bin"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn what_was_taken_is_needed_no_more_unless_it_comes_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = NodeCache::open(dir.path(), BUILD, 4 * STORED).unwrap();
+    // Range 0 is needed at positions 0 and 10; ranges 1 to 6 at their own number.
+    cache.set_future((0..7).map(|i| (key(i), i)).chain([(key(0), 10)]));
+    for i in 0..4 {
+        assert!(cache.put(&key(i), &bytes_of(i)).unwrap());
+    }
+    // The consumer took positions 0 to 2: ranges 1 and 2 are needed no more, range 0 at 10.
+    cache.set_now(3);
+    assert!(cache.put(&key(4), &bytes_of(4)).unwrap());
+    assert!(cache.put(&key(5), &bytes_of(5)).unwrap());
+    assert_eq!(present(&cache, 0..7), [0, 3, 4, 5]);
+    // Then the furthest: range 0 (position 10), not range 3 (position 3, the next one).
+    assert!(cache.put(&key(6), &bytes_of(6)).unwrap());
+    assert_eq!(present(&cache, 0..7), [3, 4, 5, 6]);
+    // A new future starts over from position 0.
+    cache.set_future([(key(3), 1), (key(4), 0), (key(5), 3), (key(6), 2)]);
+    assert!(cache.put(&key(7), &bytes_of(7)).unwrap());
+    assert_eq!(present(&cache, 0..8), [3, 4, 6, 7]);
+}
+
+#[test]
+fn caches_of_one_process_rank_each_other_by_their_future() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = NodeCache::open(dir.path(), BUILD, 4 * STORED).unwrap();
+    let b = NodeCache::open(dir.path(), OTHER_BUILD, 4 * STORED).unwrap();
+    // Positions of one pass over both caches.
+    a.set_future([(key(0), 0), (key(1), 5), (key(2), 3)]);
+    b.set_future([(key(0), 1), (key(1), 2), (key(2), 4)]);
+    for i in 0..2 {
+        assert!(a.put(&key(i), &bytes_of(i)).unwrap());
+        assert!(b.put(&key(i), &bytes_of(i)).unwrap());
+    }
+    // `a` makes room by the future of both: its own range 1 (position 5) goes, not b's.
+    assert!(a.put(&key(2), &bytes_of(2)).unwrap());
+    assert_eq!(present(&a, 0..3), [0, 2]);
+    assert_eq!(present(&b, 0..3), [0, 1]);
+    // And `b` takes a's range 2 (position 3), the furthest of what is stored.
+    assert!(b.put(&key(2), &bytes_of(2)).unwrap());
+    assert_eq!(present(&a, 0..3), [0]);
+    assert_eq!(present(&b, 0..3), [0, 1, 2]);
+    // Once nothing in the process reads `b`'s build, its ranges go first.
+    drop(b);
+    assert!(a.put(&key(3), &bytes_of(3)).unwrap());
+    assert_eq!(present(&a, 0..4), [0, 3]);
+    assert_eq!(ranges_left(dir.path(), OTHER_BUILD), 2);
+}
+
 #[test]
 fn damaged_files_are_misses_and_dead_processes_leftovers_go() {
     let dir = tempfile::tempdir().unwrap();

@@ -10,11 +10,13 @@ use std::time::Duration;
 
 use common::{write_cache, Fault, FaultStore};
 use dataset_rt_core::cache::{Cache, Validation};
-use dataset_rt_core::dataset::{Dataset, EpochReader, ReadOptions, WeightTable};
+use dataset_rt_core::dataset::{Dataset, EpochReader, ReadOptions, WeightTable, DEFAULT_IO_DEPTH};
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::Error as CoreError;
-use dataset_rt_remote::{open_remote_cache, push, OpenedCache, PushOptions, Remote, RemoteOptions};
+use dataset_rt_remote::{
+    open_remote_cache, push, OpenedCache, PushOptions, Remote, RemoteOptions, RANGE_HEADER_LEN,
+};
 use object_store::memory::InMemory;
 
 const URL: &str = "s3://bucket/data/train";
@@ -65,8 +67,20 @@ fn open(s: &Setup, budget: Option<u64>) -> (OpenedCache, Arc<Dataset>) {
 
 /// The bytes of every sample of epoch `epoch`, in pass order, or the first error.
 fn epoch(ds: &Arc<Dataset>, epoch: u64) -> Result<Vec<Vec<u8>>, CoreError> {
+    epoch_at_depth(ds, epoch, DEFAULT_IO_DEPTH)
+}
+
+/// [`epoch`] with `io_depth` records planned ahead at most.
+fn epoch_at_depth(
+    ds: &Arc<Dataset>,
+    epoch: u64,
+    io_depth: usize,
+) -> Result<Vec<Vec<u8>>, CoreError> {
     let pool = Pool::new(2).unwrap();
-    let opts = ReadOptions::new(5, true);
+    let opts = ReadOptions {
+        io_depth,
+        ..ReadOptions::new(5, true)
+    };
     let order = ds.try_order(&opts, &WeightTable::uniform(), epoch).unwrap();
     let mut reader = EpochReader::new(pool, ds.clone(), Arc::new(order), &opts, epoch, 0);
     let mut out = Vec::new();
@@ -239,4 +253,35 @@ fn a_block_evicted_and_needed_again_turns_downloads_to_records() {
     }
     assert_eq!(epoch(&remote, 1).unwrap(), epoch(&s.local, 1).unwrap());
     assert!(!opened.records.fetches_blocks());
+}
+
+#[test]
+fn eviction_keeps_the_records_the_pass_needs_soonest() {
+    let s = setup();
+    let record = s.local.record_range(0).unwrap().len + RANGE_HEADER_LEN;
+    let budget = record * SAMPLES as u64 / 2; // about half the records
+    let (opened, remote) = open(&s, Some(budget));
+    assert!(!opened.records.fetches_blocks());
+    assert_eq!(epoch(&remote, 0).unwrap(), epoch(&s.local, 0).unwrap());
+    let node = opened.records.node_cache();
+    let mut files = Vec::new();
+    collect_files(&node.dir().join("ranges"), &mut files);
+    let kept = files.len() as u64;
+    assert!(kept >= SAMPLES as u64 / 3, "{kept} records kept");
+    let stored = node.stats().stored;
+    // Another order: every kept record is needed in it. Eviction takes records already taken
+    // (needed no more in this pass) before any kept one, so only the records that were not
+    // kept are downloaded again; but for the kept ones evicted to make room for the first
+    // window, before any record was taken (the planner's depth at most).
+    const DEPTH: usize = 8;
+    assert_eq!(
+        epoch_at_depth(&remote, 1, DEPTH).unwrap(),
+        epoch(&s.local, 1).unwrap()
+    );
+    let downloaded = node.stats().stored - stored;
+    let window = DEPTH as u64;
+    assert!(
+        downloaded <= SAMPLES as u64 - kept + window,
+        "{downloaded} records downloaded in the second epoch, {kept} of {SAMPLES} were kept"
+    );
 }

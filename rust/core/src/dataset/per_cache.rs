@@ -69,4 +69,32 @@ impl RangeSource for PerCache {
     fn release(&self, ranges: &[Range]) {
         self.split(ranges, |source, run| source.release(run));
     }
+
+    fn foresight(&self) -> u64 {
+        let local = self.local.as_ref().map_or(0, RangeSource::foresight);
+        self.fetched
+            .iter()
+            .flatten()
+            .map(|f| f.foresight())
+            .fold(local, u64::max)
+    }
+
+    /// Each fetched cache is told its own records (none: nothing of it is needed soon).
+    fn foresee(&self, upcoming: &[(u64, Range)]) {
+        let mut of_cache = Vec::new();
+        for (c, fetched) in self.fetched.iter().enumerate() {
+            let Some(fetched) = fetched.as_ref().filter(|f| f.foresight() > 0) else {
+                continue;
+            };
+            of_cache.clear();
+            of_cache.extend(upcoming.iter().filter(|(_, r)| r.cache as usize == c));
+            fetched.foresee(&of_cache);
+        }
+    }
+
+    fn reached(&self, position: u64) {
+        for fetched in self.fetched.iter().flatten() {
+            fetched.reached(position);
+        }
+    }
 }

@@ -71,6 +71,24 @@ pub trait RangeSource: Send + Sync {
     /// The records of `ranges` (each one `start`ed before) left the window: read and taken by
     /// the consumer, or abandoned with their pass.
     fn release(&self, ranges: &[Range]);
+
+    /// How many positions of the pass, from the consumer's, the backend wants to know ahead of
+    /// the window ([`RangeSource::foresee`]): a backend that keeps records within a budget
+    /// evicts by them. 0 (the default): none, and nothing is worked out for it.
+    fn foresight(&self) -> u64 {
+        0
+    }
+
+    /// The records of the coming positions, `(position, range)` in pass order from the
+    /// consumer's position on, up to [`RangeSource::foresight`] of them (fewer at the end of
+    /// the pass): what the pass will need, and when. It replaces what was foreseen before; a
+    /// record not in it is not needed in the known future. Ranges of records whose index
+    /// entry names none are left out.
+    fn foresee(&self, _upcoming: &[(u64, Range)]) {}
+
+    /// The consumer has taken every record before `position`: what was foreseen there is
+    /// needed no more (unless it comes again later).
+    fn reached(&self, _position: u64) {}
 }
 
 /// The bytes of one record from a [`RecordSource`].
@@ -191,6 +209,16 @@ impl ReadPlanner {
         self.source.begin_pass(shuffled);
     }
 
+    /// Positions the backend wants to know ahead ([`RangeSource::foresight`]).
+    pub fn foresight(&self) -> u64 {
+        self.source.foresight()
+    }
+
+    /// Tells the backend the records of the coming positions ([`RangeSource::foresee`]).
+    pub fn foresee(&self, upcoming: &[(u64, Range)]) {
+        self.source.foresee(upcoming);
+    }
+
     pub fn source_name(&self) -> &'static str {
         self.source.name()
     }
@@ -287,6 +315,7 @@ impl ReadPlanner {
     pub fn release_through(&mut self, end: u64) {
         let n = self.window.partition_point(|p| p.position < end);
         self.release(n);
+        self.source.reached(end);
     }
 
     /// The oldest `n` planned records left the window.

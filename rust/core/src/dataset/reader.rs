@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::pool::{panic_message, Pool};
 use crate::sampler::{EpochOrder, RankSplit};
 
-use super::planner::{PlannerStats, RangeSource, ReadPlanner};
+use super::planner::{PlannerStats, Range, RangeSource, ReadPlanner};
 use super::{Dataset, Fetched, Payload, ReadOptions};
 
 /// The default bound on decompressed bytes an [`EpochReader`] holds ahead of its consumer.
@@ -383,6 +383,9 @@ pub struct EpochReader {
     io_depth: usize,
     read_ahead_bytes: u64,
     shuffled: bool,
+    /// The consumer's position when the backend was last told the coming records
+    /// ([`EpochReader::foresee`]); `None`: not yet in this pass.
+    foreseen_at: Option<u64>,
 }
 
 impl Drop for EpochReader {
@@ -456,6 +459,7 @@ impl EpochReader {
             io_depth: opts.io_depth,
             read_ahead_bytes: opts.read_ahead_bytes,
             shuffled: opts.shuffle,
+            foreseen_at: None,
         }
     }
 
@@ -577,6 +581,36 @@ impl EpochReader {
             .global_progress(pass.epoch_len, pass.start, self.yielded)
     }
 
+    /// Tells a backend that wants it ([`RangeSource::foresight`]) the records of the coming
+    /// positions, from the consumer's on: first when the pass starts, then each time the
+    /// consumer has moved a quarter of the foresight, so that what was taken drops out of it.
+    /// Nothing is worked out for a backend that wants none (local files).
+    fn foresee(&mut self) {
+        let Some(planner) = self.planner.as_ref() else {
+            return;
+        };
+        let horizon = planner.foresight();
+        if horizon == 0 {
+            return;
+        }
+        let from = self.taken;
+        if self
+            .foreseen_at
+            .is_some_and(|at| from < at.saturating_add((horizon / 4).max(1)))
+        {
+            return;
+        }
+        let end = from.saturating_add(horizon).min(self.len);
+        let upcoming: Vec<(u64, Range)> = (from..end)
+            .filter_map(|k| {
+                let range = self.dataset.record_range(self.pass.global(k))?;
+                Some((k, range))
+            })
+            .collect();
+        planner.foresee(&upcoming);
+        self.foreseen_at = Some(from);
+    }
+
     /// Plans the records ahead, while the planner advises (reads miss): from the first
     /// position not planned yet, as many as it admits (its depth and byte bound, counted from
     /// the consumer's position), whatever `prefetch` says: advice costs the process no memory.
@@ -606,6 +640,7 @@ impl EpochReader {
     /// of them, so that several are read at once and each one taken frees room for the
     /// planner.
     fn fill(&mut self) -> Result<()> {
+        self.foresee();
         self.plan_ahead();
         let mut over_budget = false;
         while !over_budget && self.submitted < self.len {
