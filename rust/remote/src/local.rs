@@ -218,11 +218,26 @@ fn futures_under(root: &Path) -> Vec<(String, Future)> {
         .collect()
 }
 
-/// A range file as it is found on disk.
+/// The file under the root that holds the bytes in use.
+const USAGE_FILE: &str = "usage";
+
+/// Whether a live process reads the build whose `procs` directory this is (one of its
+/// `.alive` locks is held).
+fn is_read(procs: &Path) -> bool {
+    let Ok(entries) = fs::read_dir(procs) else {
+        return false;
+    };
+    entries.flatten().any(|entry| {
+        entry.file_name().to_string_lossy().ends_with(".alive")
+            && !matches!(liveness::probe(&entry.path()), liveness::Owner::Gone(_))
+    })
+}
+
+/// A file as it is found on disk.
 struct Found {
     path: PathBuf,
     size: u64,
-    /// The build it belongs to, and its key there.
+    /// The build it belongs to, and its key there (`None`: a file of its local copy).
     build: String,
     key: Option<RangeKey>,
 }
@@ -520,7 +535,13 @@ impl NodeCache {
             self.write_usage(usage + size)?;
             return Ok(true);
         }
-        // Measure (this also corrects any drift of `usage`), then evict.
+        self.evict_for(size)
+    }
+
+    /// Measures what the directory holds (this also corrects any drift of `usage`), evicts
+    /// until `size` more bytes fit in the budget, and reserves them; `false` when the files that
+    /// may go are not enough (call under the dir lock).
+    fn evict_for(&self, size: u64) -> Result<bool> {
         let (found, reserved) = self.scan()?;
         let mut used = found.iter().map(|f| f.size).sum::<u64>() + reserved;
         let mut victims = self.victims(found)?;
@@ -536,6 +557,14 @@ impl NodeCache {
         }
         self.write_usage(used + size)?;
         Ok(true)
+    }
+
+    /// Brings what the directory holds within the budget, once files were added beside the
+    /// ranges (the local copy of a cache opened): evicts as a write would. `false` when what
+    /// may not go exceeds the budget.
+    pub fn fit(&self) -> Result<bool> {
+        let _lock = DirLock::take(&self.root)?;
+        self.evict_for(0)
     }
 
     /// Range files that may be evicted, the first to go last: ranges of builds that no cache of
@@ -603,7 +632,10 @@ impl NodeCache {
             .collect())
     }
 
-    /// Every range file (all builds) and the bytes reserved by live writers' temporary files.
+    /// Every file that may be evicted (all builds), and the bytes of those that may not: what
+    /// live writers reserved for their temporary files, and the local copies (manifest, index,
+    /// metadata table) of builds a live process reads. Bookkeeping (`usage`, locks, proofs of
+    /// life, lists of pins: a few bytes a process and a pinned range) is not counted.
     fn scan(&self) -> Result<(Vec<Found>, u64)> {
         let mut found = Vec::new();
         let mut reserved = 0;
@@ -621,6 +653,21 @@ impl NodeCache {
                     }
                 }
             }
+            // A build that no live process reads keeps nothing: its local copy may go too.
+            let read = build == self.build_id || is_read(&dir.join("procs"));
+            walk(&dir.join("cache"), &mut |path, size| {
+                if read {
+                    reserved += size;
+                } else {
+                    found.push(Found {
+                        path: path.to_owned(),
+                        size,
+                        build: build.clone(),
+                        key: None,
+                    });
+                }
+                Some(())
+            });
             let ranges = dir.join("ranges");
             walk(&ranges, &mut |path, size| {
                 let rel = path.strip_prefix(&ranges).ok()?;
@@ -725,7 +772,7 @@ impl NodeCache {
     }
 
     fn read_usage(&self) -> Result<u64> {
-        let path = self.root.join("usage");
+        let path = self.root.join(USAGE_FILE);
         match fs::read_to_string(&path) {
             Ok(text) => match text.trim().parse() {
                 Ok(n) => Ok(n),
@@ -742,7 +789,7 @@ impl NodeCache {
     }
 
     fn write_usage(&self, usage: u64) -> Result<()> {
-        let path = self.root.join("usage");
+        let path = self.root.join(USAGE_FILE);
         let tmp = self.root.join(format!(".usage.{}", self.me));
         fs::write(&tmp, format!("{usage}\n"))
             .and_then(|()| fs::rename(&tmp, &path))

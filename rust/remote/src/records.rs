@@ -516,10 +516,12 @@ pub fn open_urls(
         .collect())
 }
 
-/// What a cache's shards take in the local cache when stored as blocks (each block with a
-/// range header): what the budget must hold for downloads to be blocks.
+/// What a cache takes in the local cache directory with its shards stored as blocks (each
+/// block with a range header), its index and its metadata table: what the budget must hold
+/// for downloads to be blocks.
 pub fn stored_bytes(manifest: &Manifest) -> u64 {
-    manifest.shards.iter().fold(0, |sum, s| {
+    let copy = manifest.index.bytes.saturating_add(manifest.metadata.bytes);
+    manifest.shards.iter().fold(copy, |sum, s| {
         let blocks = s.bytes / BLOCK_BYTES + 1;
         sum.saturating_add(s.bytes)
             .saturating_add(blocks.saturating_mul(RANGE_HEADER_LEN))
@@ -624,6 +626,21 @@ fn open_in_place(
         keys,
         urls,
     });
+    // The local copy counts in the budget with the downloads.
+    let copy = (published.manifest_bytes.len() as u64)
+        .saturating_add(published.manifest.index.bytes)
+        .saturating_add(published.manifest.metadata.bytes);
+    if copy > node.budget() {
+        return Err(Error::config(
+            "max_local_bytes",
+            format!(
+                "{} bytes cannot hold the local copy of {} ({copy} bytes: its manifest, index \
+                 and metadata table, kept in the local directory while it is read)",
+                node.budget(),
+                published.url
+            ),
+        ));
+    }
     let dir = node.dir().join("cache");
     let source: Arc<dyn RecordSource> = records.clone();
     let cache = match local_copy(&published, &dir, false)
@@ -637,6 +654,10 @@ fn open_in_place(
         }
         Err(e) => return Err(e),
     };
+    // Room for the copy just written, taken from downloads as a write would take it.
+    if !node.fit()? {
+        log::debug!("the local directory of {name} is over its budget until pinned ranges go");
+    }
     let cache = Arc::new(cache);
     if let Some(blocks) = &blocks {
         let _ = blocks.cache.set(Arc::downgrade(&cache));

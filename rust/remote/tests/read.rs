@@ -114,13 +114,15 @@ fn epochs_are_byte_identical_with_requests_in_flight_and_the_second_is_served_lo
     assert!(stats.bytes as usize >= SAMPLES * PAYLOAD, "{stats:?}");
 }
 
-/// The bytes of every file under `dir`.
+/// The bytes of every file under `dir` but bookkeeping (the `usage` file, and the proofs of
+/// life and lists of pins under `procs/`), which the budget leaves out.
 fn bytes_under(dir: &std::path::Path) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
     entries
         .flatten()
+        .filter(|e| e.file_name() != "usage" && e.file_name() != "procs")
         .map(|e| match e.file_type() {
             Ok(t) if t.is_dir() => bytes_under(&e.path()),
             Ok(_) => e.metadata().map_or(0, |m| m.len()),
@@ -133,13 +135,13 @@ fn bytes_under(dir: &std::path::Path) -> u64 {
 fn the_local_budget_holds_and_the_epochs_stay_exact() {
     let s = setup();
     let budget = (SAMPLES * PAYLOAD / 4) as u64; // a quarter of the dataset
-    let (opened, remote) = open(&s, Some(budget));
+    let (_opened, remote) = open(&s, Some(budget));
     for e in 0..2 {
         assert_eq!(epoch(&remote, e).unwrap(), epoch(&s.local, e).unwrap());
-        // The bytes on disk (stored ranges and writes in flight, whose prefetches may still
-        // run), not the cache's own count.
-        let used = bytes_under(&opened.records.node_cache().dir().join("ranges"))
-            + bytes_under(&opened.records.node_cache().dir().join("tmp"));
+        // The bytes on disk under the local directory (stored ranges, writes in flight whose
+        // prefetches may still run, the local copy of index and metadata, bookkeeping), not
+        // the cache's own count.
+        let used = bytes_under(&s.node);
         assert!(used <= budget, "{used} bytes in a budget of {budget}");
     }
 }
@@ -284,4 +286,44 @@ fn eviction_keeps_the_records_the_pass_needs_soonest() {
         downloaded <= SAMPLES as u64 - kept + window,
         "{downloaded} records downloaded in the second epoch, {kept} of {SAMPLES} were kept"
     );
+}
+
+#[test]
+fn the_local_copy_counts_in_the_budget_and_goes_when_nothing_reads_it() {
+    let s = setup();
+    let (opened, _) = open(&s, None);
+    let copy_dir = opened.records.node_cache().dir().join("cache");
+    let copy = bytes_under(&copy_dir);
+    assert!(copy > 0);
+    // A budget that cannot hold the local copy is refused, naming the setting.
+    drop(opened);
+    let options = RemoteOptions {
+        local_dir: Some(s.node.join("tiny")),
+        max_local_bytes: Some(copy / 2),
+        ..RemoteOptions::default()
+    };
+    let Err(err) = open_remote_cache(&s.remote, &options) else {
+        panic!("a budget of {} bytes opened", copy / 2);
+    };
+    let err = err.to_string();
+    assert!(err.contains("max_local_bytes"), "{err}");
+    assert!(err.contains(URL), "{err}");
+    // The copy of a build that nothing reads any more is evicted like its downloads, once
+    // another build needs the room.
+    let other = tempfile::tempdir().unwrap();
+    let dir = write_cache(other.path(), "train", SAMPLES, PAYLOAD / 2, 64 * 1024, 4);
+    let store = FaultStore::new(Arc::new(InMemory::new()));
+    let remote = Remote::with_store(URL, store, &RemoteOptions::default()).unwrap();
+    push(&dir, &remote, &PushOptions::default()).unwrap();
+    let budget = (SAMPLES * PAYLOAD / 2) as u64;
+    let options = RemoteOptions {
+        local_dir: Some(s.node.clone()),
+        max_local_bytes: Some(budget),
+        ..RemoteOptions::default()
+    };
+    let opened = open_remote_cache(&remote, &options).unwrap();
+    let ds = Arc::new(Dataset::new(vec![opened.cache.clone()]).with_verify(VerifyPolicy::Once));
+    assert_eq!(epoch(&ds, 0).unwrap().len(), SAMPLES);
+    assert!(bytes_under(&copy_dir) < copy, "the idle copy was kept");
+    assert!(bytes_under(&s.node) <= budget);
 }
