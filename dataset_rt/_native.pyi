@@ -212,6 +212,7 @@ class _PullReport(TypedDict):
     fingerprint: str
     bytes: int
     already_present: bool
+    parts: int
 
 class _CacheListing(TypedDict):
     url: str
@@ -221,6 +222,7 @@ class _CacheListing(TypedDict):
     fingerprint: str | None
     format_version: int | None
     build_id: str | None
+    parts: int | None
     error: str | None
 
 def push_cache(

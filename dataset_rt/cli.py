@@ -458,15 +458,16 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
 def _cmd_pull(args: argparse.Namespace) -> int:
     report = _native.pull_cache(args.url, args.dir, _remote_config(args))
+    what = f"cache set of {report['parts']} parts" if report["parts"] else "cache"
     if report["already_present"]:
         print(
-            f"{args.dir} already holds the cache published at {report['url']} (fingerprint "
+            f"{args.dir} already holds the {what} published at {report['url']} (fingerprint "
             f"{report['fingerprint']}); nothing was downloaded"
         )
     else:
         print(
-            f"pulled {report['url']} into {args.dir}: {_size(report['bytes'])} downloaded and "
-            f"verified (fingerprint {report['fingerprint']})"
+            f"pulled the {what} at {report['url']} into {args.dir}: {_size(report['bytes'])} "
+            f"downloaded and verified (fingerprint {report['fingerprint']})"
         )
     return EXIT_OK
 
@@ -482,9 +483,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         if cache["error"] is not None:
             print(f"{cache['url']}: unreadable manifest: {cache['error']}")
         else:
+            kind = f"cache set of {cache['parts']} parts, " if cache["parts"] else ""
             print(
-                f"{cache['url']}: {cache['num_samples']} samples, {_size(cache['bytes'] or 0)}, "
-                f"format v{cache['format_version']}, fingerprint {cache['fingerprint']}"
+                f"{cache['url']}: {kind}{cache['num_samples']} samples, "
+                f"{_size(cache['bytes'] or 0)}, format v{cache['format_version']}, fingerprint "
+                f"{cache['fingerprint']}"
             )
     return EXIT_FAILED if unreadable else EXIT_OK
 
@@ -661,25 +664,26 @@ def _parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser(
         "pull",
-        help="download a published cache into a local cache directory, verified",
-        description="Downloads the cache published at URL into DIR (base/name; the name must be "
-        "the cache's), checking every file's size and checksum against the manifest. DIR ends up "
-        "holding the whole cache or nothing; a DIR that holds another cache is refused. "
-        + remote_help,
+        help="download a published cache or cache set into a local directory, verified",
+        description="Downloads the cache or cache set published at URL into DIR (base/name; the "
+        "name must be the cache's or the set's), checking every file's size and checksum against "
+        "its manifest. DIR ends up holding the whole cache or nothing; a set's parts are pulled "
+        "one by one and its set manifest last, so DIR is a set only once complete, and a rerun "
+        "pulls only the missing parts. A DIR that holds something else is refused. " + remote_help,
     )
-    p.add_argument("url", metavar="URL", help="the published cache")
+    p.add_argument("url", metavar="URL", help="the published cache or cache set")
     p.add_argument("dir", metavar="DIR", help="cache directory to create (base/name)")
     remote_flags(p)
     p.set_defaults(handler=_cmd_pull)
 
     p = commands.add_parser(
         "ls",
-        help="list the caches published at a URL and directly under it",
-        description="Lists the cache published at URL and those directly under it, with their "
-        "samples, size, format and fingerprint. Exit status 1 when a manifest is unreadable. "
-        + remote_help,
+        help="list the caches and cache sets published at a URL and directly under it",
+        description="Lists the cache or cache set published at URL and those directly under it, "
+        "with their samples, size, format and fingerprint (and a set's parts). Exit status 1 when "
+        "a manifest is unreadable. " + remote_help,
     )
-    p.add_argument("url", metavar="URL", help="a cache's URL, or a prefix holding caches")
+    p.add_argument("url", metavar="URL", help="a cache's or set's URL, or a prefix holding them")
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
     remote_flags(p)
     p.set_defaults(handler=_cmd_ls)

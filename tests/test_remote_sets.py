@@ -6,6 +6,7 @@ written, and refuses a part that changed after it was published."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from dataset_rt import (
     WriterConfig,
     _native,
 )
-from dataset_rt.cli import EXIT_FAILED, EXIT_OK, main
+from dataset_rt.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from dataset_rt.torch import DataLoader
 
 WRITER = WriterConfig(show_progress=False, shard_size_bytes=1024)
@@ -235,3 +236,74 @@ def test_a_failing_part_publishes_nothing_and_the_rerun_completes_the_set(
     )
     assert [type(r) for r in done.results] == [CacheWritten]
     assert "s/set.json" in store.objects()
+
+
+def test_pull_and_ls_of_a_set(
+    runtime: DatasetRuntime,
+    local_set: Path,
+    store: Store,  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DATASET_RT_REMOTE_DIR", str(tmp_path / "node"))
+    url = store.url("s")
+    assert main(["push", str(local_set), url]) == EXIT_OK
+    cache = write_cache(tmp_path / "single", name="c", n=10)
+    assert main(["push", str(cache), store.url("c")]) == EXIT_OK
+    capsys.readouterr()
+
+    # ls lists the set beside the cache, with its parts and the bytes of every part.
+    assert main(["ls", "--json", url[: -len("/s")]]) == EXIT_OK
+    listed = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)}
+    assert set(listed) == {"c", "s"}
+    local_manifest = json.loads((local_set / "set.json").read_text())
+    assert listed["s"]["parts"] == 3 and listed["c"]["parts"] == 0
+    assert listed["s"]["num_samples"] == 60
+    assert listed["s"]["fingerprint"] == local_manifest["fingerprint"]
+    on_disk = sum(f.stat().st_size for f in local_set.rglob("*") if f.is_file())
+    assert listed["s"]["bytes"] == on_disk
+    assert main(["ls", url]) == EXIT_OK
+    assert "cache set of 3 parts, 60 samples" in capsys.readouterr().out
+
+    # pull: the whole set, reading exactly as the set it came from.
+    dest = tmp_path / "pulled" / "s"
+    assert main(["pull", url, str(dest)]) == EXIT_OK
+    assert "cache set of 3 parts" in capsys.readouterr().out
+    assert (dest / "set.json").read_bytes() == (local_set / "set.json").read_bytes()
+    pulled = runtime.open_caches("s", dest.parent, reader_config=READER)
+    original = runtime.open_caches("s", local_set.parent, reader_config=READER)
+    assert epochs(pulled) == epochs(original)
+    assert main(["pull", url, str(dest)]) == EXIT_OK
+    assert "nothing was downloaded" in capsys.readouterr().out
+
+    # Interrupted after some parts: the set is not there until the rerun completes it, which
+    # downloads only the missing parts.
+    partial = tmp_path / "partial" / "s"
+    assert main(["pull", url, str(partial)]) == EXIT_OK
+    (partial / "set.json").unlink()
+    for part in ("s.part-000001", "s.part-000002"):
+        for f in (partial / part).rglob("*"):
+            f.chmod(0o700 if f.is_dir() else 0o600)
+        shutil.rmtree(partial / part)
+    capsys.readouterr()
+    missing = runtime.open_caches("s", partial.parent, reader_config=READER)
+    assert [type(r) for r in missing.results] != [CacheLoaded]
+    report = _native.pull_cache(url, partial, RemoteConfig(local_dir=tmp_path / "node"))
+    # The data files of the two missing parts (their manifests are read, not counted).
+    assert report["bytes"] == sum(
+        f.stat().st_size
+        for part in ("s.part-000001", "s.part-000002")
+        for f in (local_set / part).rglob("*")
+        if f.is_file() and f.name != "manifest.json"
+    )
+    assert epochs(runtime.open_caches("s", partial.parent, reader_config=READER)) == epochs(pulled)
+
+    # A directory named otherwise, or holding a cache, is refused.
+    assert main(["pull", url, str(tmp_path / "pulled" / "t")]) == EXIT_USAGE
+    assert "must end in the cache set's name" in capsys.readouterr().err
+    assert main(["pull", url, str(cache.parent / "s")]) == EXIT_OK
+    shutil.rmtree(cache.parent / "s")
+    shutil.copytree(cache, cache.parent / "s")
+    assert main(["pull", url, str(cache.parent / "s")]) == EXIT_FAILED
+    assert "holds a cache" in capsys.readouterr().err

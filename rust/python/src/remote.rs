@@ -194,6 +194,7 @@ fn pull_report<'py>(py: Python<'py>, report: PullReport) -> PyResult<Bound<'py, 
     dict.set_item("fingerprint", report.fingerprint)?;
     dict.set_item("bytes", report.bytes)?;
     dict.set_item("already_present", report.already_present)?;
+    dict.set_item("parts", report.parts)?;
     Ok(dict)
 }
 
@@ -212,6 +213,7 @@ fn listing<'py>(py: Python<'py>, cache: CacheListing) -> PyResult<Bound<'py, PyD
         summary.as_ref().map(|s| s.fingerprint.clone()),
     )?;
     dict.set_item("format_version", summary.as_ref().map(|s| s.format_version))?;
+    dict.set_item("parts", summary.as_ref().map(|s| s.parts))?;
     dict.set_item("build_id", summary.as_ref().map(|s| s.build_id.clone()))?;
     dict.set_item("error", error)?;
     Ok(dict)
@@ -245,9 +247,9 @@ pub fn push_cache<'py>(
     push_report(py, report)
 }
 
-/// Downloads the cache published at `url` into the cache directory `dir` (whose last component
-/// must be the cache's name), verified file by file; `dir` ends up holding the whole cache or
-/// nothing. Returns what was done as a dict (`_PullReport` in the stub).
+/// Downloads the cache or cache set published at `url` into the directory `dir` (whose last
+/// component must be its name), verified file by file; `dir` ends up holding the whole cache
+/// (or set) or nothing. Returns what was done as a dict (`_PullReport` in the stub).
 #[pyfunction]
 pub fn pull_cache<'py>(
     py: Python<'py>,

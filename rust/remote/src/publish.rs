@@ -598,27 +598,47 @@ pub struct PullReport {
     /// Bytes downloaded (0 when the directory held this cache already).
     pub bytes: u64,
     pub already_present: bool,
+    /// The parts of a cache set (0 for a cache).
+    pub parts: usize,
 }
 
-/// Downloads the cache at `remote` into the cache directory `dir` (whose last component must
-/// be the cache's name), verifying every file against the manifest's size and checksum. The
+/// Downloads the cache or cache set at `remote` into the directory `dir` (whose last component
+/// must be its name), verifying every file against its manifest's size and checksum. A cache's
 /// files are written into a temporary sibling (`.NAME.tmp-PID-NANOS`, under the lock
 /// `.NAME.lock`, as the core's writer does) that is renamed into place when complete: `dir`
-/// holds the whole cache or nothing.
+/// holds the whole cache or nothing. A set's parts are pulled so, one by one, and its set
+/// manifest is written last (see [`crate::sets`]).
 pub fn pull(remote: &Remote, dir: &Path, policy: &FetchPolicy) -> Result<PullReport> {
-    let published = PublishedCache::open(remote)?;
-    let name = &published.manifest.name;
-    let dir_name = dir.file_name().map(|n| n.to_string_lossy().into_owned());
-    if dir_name.as_deref() != Some(name.as_str()) {
-        return Err(Error::Core(dataset_rt_core::Error::config(
-            "pull destination",
-            format!(
-                "{} must end in the cache's name {name:?} (a cache directory is named after its \
-                 cache)",
-                dir.display()
-            ),
-        )));
+    match crate::sets::Published::open(remote)? {
+        crate::sets::Published::Cache(published) => pull_published(&published, dir, policy),
+        crate::sets::Published::Set(set) => crate::sets::pull_set(&set, dir, policy),
     }
+}
+
+/// `dir` must be named after what is pulled into it.
+pub(crate) fn check_destination(dir: &Path, name: &str, what: &str) -> Result<()> {
+    let dir_name = dir.file_name().map(|n| n.to_string_lossy().into_owned());
+    if dir_name.as_deref() == Some(name) {
+        return Ok(());
+    }
+    Err(Error::Core(dataset_rt_core::Error::config(
+        "pull destination",
+        format!(
+            "{} must end in the {what}'s name {name:?} (a {what} directory is named after its \
+             {what})",
+            dir.display()
+        ),
+    )))
+}
+
+/// [`pull`] of one published cache.
+pub(crate) fn pull_published(
+    published: &PublishedCache,
+    dir: &Path,
+    policy: &FetchPolicy,
+) -> Result<PullReport> {
+    let name = &published.manifest.name;
+    check_destination(dir, name, "cache")?;
     let base = match dir.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
         _ => PathBuf::from("."),
@@ -630,6 +650,7 @@ pub fn pull(remote: &Remote, dir: &Path, policy: &FetchPolicy) -> Result<PullRep
         fingerprint: published.manifest.fingerprint.clone(),
         bytes: 0,
         already_present: false,
+        parts: 0,
     };
     let lock = CacheLock::acquire(&base, name)?;
     lock.remove_leftovers();
@@ -655,7 +676,7 @@ pub fn pull(remote: &Remote, dir: &Path, policy: &FetchPolicy) -> Result<PullRep
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     let tmp = base.join(format!(".{name}.tmp-{}-{nanos}", std::process::id()));
-    let result = download_into(&published, &tmp, policy).and_then(|bytes| {
+    let result = download_into(published, &tmp, policy).and_then(|bytes| {
         std::fs::rename(&tmp, dir).map_err(|e| dataset_rt_core::Error::io("rename", &tmp, e))?;
         sync_dir(&base)?;
         Ok(bytes)
@@ -673,7 +694,7 @@ pub fn pull(remote: &Remote, dir: &Path, policy: &FetchPolicy) -> Result<PullRep
     }
 }
 
-fn sync_dir(path: &Path) -> Result<()> {
+pub(crate) fn sync_dir(path: &Path) -> Result<()> {
     File::open(path)
         .and_then(|d| d.sync_all())
         .map_err(|e| Error::Core(dataset_rt_core::Error::io("sync", path, e)))
@@ -810,11 +831,13 @@ pub struct CacheListing {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CacheSummary {
     pub num_samples: u64,
-    /// Bytes of every file, the manifest included.
+    /// Bytes of every file, the manifest included (of every part, for a set).
     pub bytes: u64,
     pub fingerprint: String,
     pub format_version: u32,
     pub build_id: String,
+    /// The parts of a cache set (0 for a cache).
+    pub parts: usize,
 }
 
 /// The caches published at `remote` and directly under it (blocking).
@@ -845,25 +868,41 @@ pub async fn ls_async(remote: &Remote) -> Result<Vec<CacheListing>> {
     }
     let mut out = Vec::new();
     for candidate in candidates {
-        let key = candidate.key(MANIFEST_FILE);
-        let Some((bytes, _)) = get_small(&candidate, &store, &key).await? else {
-            continue;
-        };
         let name = candidate.url().name().unwrap_or_default().to_owned();
-        let summary = parse_manifest(&bytes, &name, Path::new(&candidate.show(&key)))
-            .map(|m| CacheSummary {
-                num_samples: m.num_samples,
-                bytes: data_files(&m).iter().map(|f| f.1).sum::<u64>() + bytes.len() as u64,
-                fingerprint: m.fingerprint.clone(),
-                format_version: m.format_version,
-                build_id: build_id(&bytes),
-            })
-            .map_err(|e| e.to_string());
+        let summary = match cache_summary(&candidate, &store, &name).await? {
+            Some(summary) => summary,
+            None => match crate::sets::set_summary(&candidate, &store, &name).await? {
+                Some(summary) => summary,
+                None => continue,
+            },
+        };
         out.push(CacheListing {
             url: candidate.url().to_string(),
             name,
-            summary,
+            summary: summary.map_err(|e| e.to_string()),
         });
     }
     Ok(out)
+}
+
+/// What the cache manifest at `remote` says; `None` when there is none.
+pub(crate) async fn cache_summary(
+    remote: &Remote,
+    store: &Arc<dyn ObjectStore>,
+    name: &str,
+) -> Result<Option<std::result::Result<CacheSummary, dataset_rt_core::Error>>> {
+    let key = remote.key(MANIFEST_FILE);
+    let Some((bytes, _)) = get_small(remote, store, &key).await? else {
+        return Ok(None);
+    };
+    Ok(Some(
+        parse_manifest(&bytes, name, Path::new(&remote.show(&key))).map(|m| CacheSummary {
+            num_samples: m.num_samples,
+            bytes: data_files(&m).iter().map(|f| f.1).sum::<u64>() + bytes.len() as u64,
+            fingerprint: m.fingerprint.clone(),
+            format_version: m.format_version,
+            build_id: build_id(&bytes),
+            parts: 0,
+        }),
+    ))
 }

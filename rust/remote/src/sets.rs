@@ -12,8 +12,10 @@
 //! conditional PUT, so a reader sees the whole set or none. A reader opens the parts the manifest
 //! lists and checks each one's fingerprint and sample count against it, so a part replaced after
 //! the set was published is refused, never read as part of the set. A URL holds a cache or a set,
-//! never both: publishing one where the other is published is refused.
+//! never both: publishing one where the other is published is refused. `pull` downloads a set
+//! in the same order (parts, then the set manifest) and `ls` lists sets beside caches.
 
+use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -27,8 +29,10 @@ use dataset_rt_core::format::MANIFEST_FILE;
 use object_store::ObjectStore;
 
 use crate::error::{Error, RequestFailure, Result};
+use crate::fetch::FetchPolicy;
 use crate::publish::{
-    build_id, cache_name, commit, get_small, push_async, PublishedCache, PushOptions, PushReport,
+    build_id, cache_name, cache_summary, check_destination, commit, get_small, pull_published,
+    push_async, sync_dir, CacheSummary, PublishedCache, PullReport, PushOptions, PushReport,
 };
 use crate::store::Remote;
 
@@ -143,6 +147,106 @@ async fn open_set_async(remote: &Remote) -> Result<Option<PublishedSet>> {
         manifest_bytes: bytes,
         parts,
     }))
+}
+
+/// [`crate::pull`] of a published set: each part is pulled into `dir/<part>` (each one whole or
+/// not at all, a part already there with the same manifest kept), then the set manifest is
+/// written by a rename, last, so `dir` is a set only once every part is there. A rerun after an
+/// interruption pulls only the missing parts.
+pub(crate) fn pull_set(set: &PublishedSet, dir: &Path, policy: &FetchPolicy) -> Result<PullReport> {
+    let name = &set.manifest.name;
+    check_destination(dir, name, "cache set")?;
+    let mut report = PullReport {
+        url: set.url.clone(),
+        dir: dir.to_owned(),
+        build_id: build_id(&set.manifest_bytes),
+        fingerprint: set.manifest.fingerprint.clone(),
+        bytes: 0,
+        already_present: false,
+        parts: set.parts.len(),
+    };
+    let io = |op, path: &Path, e| Error::Core(dataset_rt_core::Error::io(op, path, e));
+    let another = |what: &str| {
+        io(
+            "pull into",
+            dir,
+            std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!("the directory exists and holds {what}; remove it or pull elsewhere"),
+            ),
+        )
+    };
+    let set_path = dir.join(SET_MANIFEST_FILE);
+    if dir.join(MANIFEST_FILE).exists() {
+        return Err(another("a cache"));
+    }
+    match std::fs::read(&set_path) {
+        Ok(bytes) if bytes == set.manifest_bytes.as_ref() => {
+            report.already_present = true;
+            return Ok(report);
+        }
+        Ok(_) => return Err(another("another cache set")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("read", &set_path, e)),
+    }
+    std::fs::create_dir_all(dir).map_err(|e| io("create directory", dir, e))?;
+    for (entry, part) in set.manifest.parts.iter().zip(&set.parts) {
+        report.bytes += pull_published(part, &dir.join(&entry.name), policy)?.bytes;
+    }
+    let tmp = dir.join(format!(".{SET_MANIFEST_FILE}.tmp-{}", std::process::id()));
+    std::fs::write(&tmp, &set.manifest_bytes)
+        .and_then(|()| File::open(&tmp)?.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, &set_path))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io("write", &set_path, e)
+        })?;
+    sync_dir(dir)?;
+    Ok(report)
+}
+
+/// What the set manifest at `remote` says, for `ls`; `None` when there is none. Its bytes are
+/// those of every part, read from their manifests.
+pub(crate) async fn set_summary(
+    remote: &Remote,
+    store: &Arc<dyn ObjectStore>,
+    name: &str,
+) -> Result<Option<std::result::Result<CacheSummary, dataset_rt_core::Error>>> {
+    let key = remote.key(SET_MANIFEST_FILE);
+    let Some((bytes, _)) = get_small(remote, store, &key).await? else {
+        return Ok(None);
+    };
+    let manifest = match parse_set_manifest(&bytes, name, Path::new(&remote.show(&key))) {
+        Ok(m) => m,
+        Err(e) => return Ok(Some(Err(e))),
+    };
+    let mut total = bytes.len() as u64;
+    for entry in &manifest.parts {
+        let part = remote.join(&entry.name)?;
+        match cache_summary(&part, store, &entry.name).await? {
+            Some(Ok(summary)) => total += summary.bytes,
+            Some(Err(e)) => return Ok(Some(Err(e))),
+            None => {
+                return Ok(Some(Err(dataset_rt_core::Error::malformed(
+                    name,
+                    remote.show(&key),
+                    format!(
+                        "part {} is missing: no cache is published at {}",
+                        entry.name,
+                        part.url()
+                    ),
+                ))))
+            }
+        }
+    }
+    Ok(Some(Ok(CacheSummary {
+        num_samples: manifest.num_samples,
+        bytes: total,
+        fingerprint: manifest.fingerprint.clone(),
+        format_version: manifest.format_version,
+        build_id: build_id(&bytes),
+        parts: manifest.parts.len(),
+    })))
 }
 
 /// Refuses to publish at `remote` when it holds the other kind of thing (`other` is the file

@@ -1,7 +1,7 @@
 //! Cache sets on object storage (over an in-memory store): a pushed set opens as its parts and
 //! reads exactly as the local set; the set appears only with its manifest; a part replaced after
 //! publication is refused; a set manifest is published over parts that tasks pushed one by one;
-//! and a URL holds a cache or a set, never both.
+//! a URL holds a cache or a set, never both; and a set is pulled and listed.
 
 mod common;
 
@@ -14,8 +14,8 @@ use dataset_rt_core::cache_set::{part_name, CacheSet, SetBuild, SetStart};
 use dataset_rt_core::dataset::{Dataset, EpochReader, ReadOptions, WeightTable};
 use dataset_rt_core::pool::Pool;
 use dataset_rt_remote::{
-    open_published, publish_set_manifest, published_parts, push, push_set, Error, Published,
-    PushOptions, Remote, RemoteOptions,
+    ls, open_published, publish_set_manifest, published_parts, pull, push, push_set, Error,
+    FetchPolicy, Published, PushOptions, Remote, RemoteOptions,
 };
 use object_store::memory::InMemory;
 use object_store::ObjectStore;
@@ -252,4 +252,67 @@ fn downloads_are_blocks_only_when_the_budget_holds_every_cache_that_shares_it() 
     assert_eq!(blocks(0), [true; PARTS]);
     // Other caches of the dataset take the budget: every part downloads records.
     assert_eq!(blocks(budget), [false; PARTS]);
+}
+
+#[test]
+fn a_set_pulls_part_by_part_with_its_manifest_last_and_is_listed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = write_set(&tmp.path().join("local"), 20);
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let at = remote(&store, URL);
+    push_set(&dir, &at, &PushOptions::default()).unwrap();
+    push(
+        &write_cache(&tmp.path().join("one"), "c", 10, 900, 8 * 1024, 1),
+        &remote(&store, "s3://bucket/data/c"),
+        &PushOptions::default(),
+    )
+    .unwrap();
+
+    let listed = ls(&remote(&store, "s3://bucket/data")).unwrap();
+    let names: Vec<(&str, usize)> = listed
+        .iter()
+        .map(|l| (l.name.as_str(), l.summary.as_ref().unwrap().parts))
+        .collect();
+    assert_eq!(names, [("c", 0), ("s", PARTS)]);
+    let set = CacheSet::open(&dir, Validation::Structure).unwrap();
+    let summary = listed[1].summary.as_ref().unwrap();
+    assert_eq!(summary.num_samples, set.manifest.num_samples);
+    assert_eq!(summary.fingerprint, set.manifest.fingerprint);
+
+    let dest = tmp.path().join("pulled").join("s");
+    let report = pull(&at, &dest, &FetchPolicy::default()).unwrap();
+    assert_eq!(report.parts, PARTS);
+    assert!(!report.already_present && report.bytes > 0);
+    assert_eq!(
+        std::fs::read(dest.join("set.json")).unwrap(),
+        std::fs::read(dir.join("set.json")).unwrap()
+    );
+    assert_eq!(
+        epoch(local_dataset(&dest), 1),
+        epoch(local_dataset(&dir), 1)
+    );
+    assert!(
+        pull(&at, &dest, &FetchPolicy::default())
+            .unwrap()
+            .already_present
+    );
+
+    // A pull that stopped before the set manifest: not a set yet; the rerun completes it and
+    // downloads only what is missing.
+    std::fs::remove_file(dest.join("set.json")).unwrap();
+    assert!(CacheSet::open(&dest, Validation::Structure).is_err());
+    let again = pull(&at, &dest, &FetchPolicy::default()).unwrap();
+    assert_eq!(again.bytes, 0);
+    assert_eq!(
+        epoch(local_dataset(&dest), 0),
+        epoch(local_dataset(&dir), 0)
+    );
+
+    // Pulled under another name, or over a cache: refused.
+    let err = pull(&at, &tmp.path().join("t"), &FetchPolicy::default()).unwrap_err();
+    assert!(err.to_string().contains("cache set's name"), "{err}");
+    let over = tmp.path().join("over");
+    let cache = write_cache(&over, "s", 10, 900, 8 * 1024, 1);
+    let err = pull(&at, &cache, &FetchPolicy::default()).unwrap_err();
+    assert!(err.to_string().contains("holds a cache"), "{err}");
 }
