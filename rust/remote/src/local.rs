@@ -78,6 +78,8 @@ pub struct CacheStats {
     pub evicted: u64,
     /// Range files that failed their checksum when read (and were removed).
     pub damaged: u64,
+    /// Measurements of the whole directory (to make room, or to fit the budget).
+    pub scans: u64,
 }
 
 #[derive(Default)]
@@ -88,6 +90,7 @@ struct Counters {
     not_stored: AtomicU64,
     evicted: AtomicU64,
     damaged: AtomicU64,
+    scans: AtomicU64,
 }
 
 /// One process's view of the node's local cache, for one build.
@@ -319,6 +322,7 @@ impl NodeCache {
             not_stored: c.not_stored.load(Ordering::Relaxed),
             evicted: c.evicted.load(Ordering::Relaxed),
             damaged: c.damaged.load(Ordering::Relaxed),
+            scans: c.scans.load(Ordering::Relaxed),
         }
     }
 
@@ -541,22 +545,41 @@ impl NodeCache {
     /// Measures what the directory holds (this also corrects any drift of `usage`), evicts
     /// until `size` more bytes fit in the budget, and reserves them; `false` when the files that
     /// may go are not enough (call under the dir lock).
+    ///
+    /// A scan reads every file's size, so it frees [`NodeCache::headroom`] more than asked (the
+    /// downloads needed furthest ahead): the writes that follow fit without one.
     fn evict_for(&self, size: u64) -> Result<bool> {
+        self.counters.scans.fetch_add(1, Ordering::Relaxed);
         let (found, reserved) = self.scan()?;
         let mut used = found.iter().map(|f| f.size).sum::<u64>() + reserved;
         let mut victims = self.victims(found)?;
-        while used + size > self.budget {
+        let wanted = size.saturating_add(self.headroom()).min(self.budget);
+        while used + wanted > self.budget {
             let Some(victim) = victims.pop() else {
-                self.write_usage(used)?;
-                return Ok(false);
+                break;
             };
             if fs::remove_file(&victim.path).is_ok() {
                 used -= victim.size;
                 self.counters.evicted.fetch_add(1, Ordering::Relaxed);
             }
         }
+        if used + size > self.budget {
+            self.write_usage(used)?;
+            return Ok(false);
+        }
         self.write_usage(used + size)?;
         Ok(true)
+    }
+
+    /// What eviction frees beyond what a write needs: a 32nd of the budget (at most 256 MiB),
+    /// none below 1 MiB (a budget under 32 MiB is evicted exactly).
+    fn headroom(&self) -> u64 {
+        let headroom = (self.budget / 32).min(256 << 20);
+        if headroom < 1 << 20 {
+            0
+        } else {
+            headroom
+        }
     }
 
     /// Brings what the directory holds within the budget, once files were added beside the

@@ -159,6 +159,30 @@ fn caches_of_one_process_rank_each_other_by_their_future() {
 }
 
 #[test]
+fn a_full_directory_is_not_measured_again_for_every_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let budget = 32 << 20;
+    let cache = NodeCache::open(dir.path(), BUILD, budget).unwrap();
+    let len = (16 << 10) - 16; // a stored range of 16 KiB
+    let range = |i: u64| RangeRequest::new("shards/000000.bin", i * len..(i + 1) * len);
+    cache.set_future((0..4096).map(|i| (range(i), i)));
+    let bytes = vec![7u8; len as usize];
+    for i in 0..4096 {
+        assert!(cache.put(&range(i), &bytes).unwrap());
+        if i % 256 == 255 {
+            assert!(cache.usage().unwrap() <= budget);
+        }
+    }
+    // 2,048 ranges fill the budget; each scan frees a 32nd of it (64 ranges) beyond the write,
+    // so the other 2,048 writes scan about 32 times, not 2,048 times.
+    let stats = cache.stats();
+    assert!(stats.evicted >= 2048, "{stats:?}");
+    assert!((30..=40).contains(&stats.scans), "{stats:?}");
+    // What was evicted is what is needed furthest ahead: the ranges needed soonest all stayed.
+    assert!((0..1900).all(|i| cache.contains(&range(i))));
+}
+
+#[test]
 fn damaged_files_are_misses_and_dead_processes_leftovers_go() {
     let dir = tempfile::tempdir().unwrap();
     let cache = NodeCache::open(dir.path(), BUILD, 1 << 20).unwrap();
