@@ -497,11 +497,70 @@ impl RankSplit {
         let r = self.remainder(epoch_len, start);
         start + k.saturating_mul(self.world_size).min(r)
     }
+
+    /// The splits of the ranks that run on this rank's node, this rank's first: the group of
+    /// `local_world_size` consecutive ranks that holds it (as torchrun and the other launchers
+    /// number ranks node by node). Without a usable `local_world_size` (none, 0, or one that
+    /// does not divide the world), every rank when the world has at most
+    /// [`NODE_RANKS_ASSUMED`], else this rank alone. Ranks of one pass take their k-th samples
+    /// together (their steps are synchronised), so the k-th sample of each is needed at the same
+    /// time: what a cache shared by a node ranks its downloads by.
+    pub fn node_peers(&self, local_world_size: Option<u64>) -> Vec<RankSplit> {
+        let w = self.world_size.max(1);
+        let group = match local_world_size {
+            Some(l) if l >= 1 && w % l == 0 => l,
+            _ if w <= NODE_RANKS_ASSUMED => w,
+            _ => 1,
+        };
+        let first = self.rank - self.rank % group;
+        let mut peers = vec![*self];
+        peers.extend(
+            (first..first + group)
+                .filter(|&r| r != self.rank)
+                .map(|rank| RankSplit { rank, ..*self }),
+        );
+        peers
+    }
 }
+
+/// How many ranks of a world are taken to share a node when the launcher does not say
+/// (`LOCAL_WORLD_SIZE`): the GPUs of one common training node.
+pub const NODE_RANKS_ASSUMED: u64 = 8;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_peers_are_the_ranks_of_this_ranks_node_itself_first() {
+        let split = |rank, world_size| RankSplit {
+            rank,
+            world_size,
+            policy: RankPolicy::Pad,
+        };
+        let ranks = |peers: Vec<RankSplit>| peers.iter().map(|p| p.rank).collect::<Vec<_>>();
+        // Told by the launcher: the group of consecutive ranks that holds this one.
+        assert_eq!(ranks(split(5, 16).node_peers(Some(4))), [5, 4, 6, 7]);
+        assert_eq!(
+            ranks(split(0, 16).node_peers(Some(8))),
+            [0, 1, 2, 3, 4, 5, 6, 7]
+        );
+        assert_eq!(ranks(split(3, 4).node_peers(Some(1))), [3]);
+        // Not told, or told something unusable: a small world is taken as one node.
+        assert_eq!(ranks(split(1, 3).node_peers(None)), [1, 0, 2]);
+        assert_eq!(
+            ranks(split(2, 8).node_peers(Some(3))),
+            [2, 0, 1, 3, 4, 5, 6, 7]
+        );
+        assert_eq!(ranks(split(2, 4).node_peers(Some(0))), [2, 0, 1, 3]);
+        // A large world is not: this rank alone.
+        assert_eq!(ranks(split(9, 64).node_peers(None)), [9]);
+        assert_eq!(ranks(split(0, 1).node_peers(None)), [0]);
+        // The policy and world carry over.
+        for peer in split(5, 16).node_peers(Some(4)) {
+            assert_eq!((peer.world_size, peer.policy), (16, RankPolicy::Pad));
+        }
+    }
 
     #[test]
     fn checked_order_gives_the_order_or_its_positions() {

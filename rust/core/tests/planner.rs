@@ -305,6 +305,54 @@ fn a_backend_that_asks_is_told_the_coming_records_as_the_pass_moves_on() {
 }
 
 #[test]
+fn a_backend_is_told_the_coming_records_of_every_rank_of_its_node_at_their_step() {
+    assert!(
+        std::env::var_os("LOCAL_WORLD_SIZE").is_none(),
+        "run without LOCAL_WORLD_SIZE: this test takes a world of 3 as one node"
+    );
+    let pool = Pool::new(3).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    write(&pool, tmp.path(), Compression::NONE);
+    let ds = open(tmp.path(), VerifyPolicy::Once);
+    const HORIZON: u64 = 40;
+    const WORLD: u64 = 3;
+    let of_rank = |rank| ReadOptions {
+        rank,
+        world_size: WORLD,
+        ..options(true, 8, 8, u64::MAX)
+    };
+    let wants: Vec<Vec<u64>> = (0..WORLD)
+        .map(|r| read_samples(&ds, reader(&pool, &ds, &of_rank(r)).with_plain_io()))
+        .collect();
+    let source = Recording::missing();
+    source.foresight.store(HORIZON, Ordering::Relaxed);
+    let r = reader(&pool, &ds, &of_rank(1)).with_range_source(source.clone());
+    assert_eq!(read_samples(&ds, r), wants[1]);
+    let s = source.state.lock().unwrap();
+    let told: Vec<&Vec<(u64, Range)>> = s.foreseen.iter().filter(|t| !t.is_empty()).collect();
+    assert!(told.len() >= 2, "told {} times", told.len());
+    let mut last_end = 0;
+    for t in told {
+        // The foresight is shared by the three ranks: a third of its positions, and at each
+        // step this rank's record first, then the other ranks' in order.
+        let from = t[0].0;
+        let end = (from + HORIZON / WORLD).min(wants[1].len() as u64);
+        let mut expected: Vec<(u64, Range)> = Vec::new();
+        for k in from..end {
+            for r in [1usize, 0, 2] {
+                if let Some(&g) = wants[r].get(k as usize) {
+                    expected.push((k, ds.record_range(g).unwrap()));
+                }
+            }
+        }
+        assert_eq!(*t, expected, "told from step {from}");
+        assert!(from <= last_end, "a gap before step {from}");
+        last_end = end;
+    }
+    assert_eq!(last_end, wants[1].len() as u64, "told up to the end");
+}
+
+#[test]
 fn no_more_than_io_depth_records_nor_read_ahead_bytes_are_in_flight() {
     let pool = Pool::new(3).unwrap();
     let tmp = tempfile::tempdir().unwrap();

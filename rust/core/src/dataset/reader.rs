@@ -404,6 +404,12 @@ fn plan_chunk(io_depth: usize) -> u64 {
     (io_depth as u64 / 4).clamp(1, 256)
 }
 
+/// The ranks that share this process's node, as the launcher says (`LOCAL_WORLD_SIZE`, set by
+/// torchrun, Ray Train and the other launchers); `None` when it says nothing readable.
+fn local_world_size() -> Option<u64> {
+    std::env::var("LOCAL_WORLD_SIZE").ok()?.trim().parse().ok()
+}
+
 /// What a reader calls on a pool thread after reading each sample.
 pub type FetchHook = Arc<dyn Fn() + Send + Sync>;
 
@@ -585,6 +591,11 @@ impl EpochReader {
     /// positions, from the consumer's on: first when the pass starts, then each time the
     /// consumer has moved a quarter of the foresight, so that what was taken drops out of it.
     /// Nothing is worked out for a backend that wants none (local files).
+    ///
+    /// The records of the other ranks of this node ([`RankSplit::node_peers`], told by
+    /// `LOCAL_WORLD_SIZE`) come too, each at its step: the ranks of one node share its cache
+    /// of downloads, and at step k each takes its k-th sample. The foresight is then shared
+    /// between them (its positions divided by the ranks).
     fn foresee(&mut self) {
         let Some(planner) = self.planner.as_ref() else {
             return;
@@ -600,13 +611,24 @@ impl EpochReader {
         {
             return;
         }
-        let end = from.saturating_add(horizon).min(self.len);
-        let upcoming: Vec<(u64, Range)> = (from..end)
-            .filter_map(|k| {
-                let range = self.dataset.record_range(self.pass.global(k))?;
-                Some((k, range))
-            })
-            .collect();
+        let pass = &self.pass;
+        let peers = pass.split.node_peers(local_world_size());
+        let steps = (horizon / peers.len() as u64).max(1);
+        let end = from.saturating_add(steps).min(self.len);
+        let mut upcoming: Vec<(u64, Range)> = Vec::new();
+        for k in from..end {
+            for peer in &peers {
+                if k >= peer.rank_len(pass.epoch_len, pass.start) {
+                    continue;
+                }
+                let g = pass
+                    .order
+                    .at(peer.global_position(pass.epoch_len, pass.start, k));
+                if let Some(range) = self.dataset.record_range(g) {
+                    upcoming.push((k, range));
+                }
+            }
+        }
         planner.foresee(&upcoming);
         self.foreseen_at = Some(from);
     }
