@@ -113,8 +113,13 @@ struct PassOrder {
 
 impl PassOrder {
     fn global(&self, k: u64) -> u64 {
+        self.global_of(&self.split, k)
+    }
+
+    /// The global sample at position `k` of the pass of another rank of the same order.
+    fn global_of(&self, split: &RankSplit, k: u64) -> u64 {
         self.order
-            .at(self.split.global_position(self.epoch_len, self.start, k))
+            .at(split.global_position(self.epoch_len, self.start, k))
     }
 }
 
@@ -621,10 +626,7 @@ impl EpochReader {
                 if k >= peer.rank_len(pass.epoch_len, pass.start) {
                     continue;
                 }
-                let g = pass
-                    .order
-                    .at(peer.global_position(pass.epoch_len, pass.start, k));
-                if let Some(range) = self.dataset.record_range(g) {
+                if let Some(range) = self.dataset.record_range(pass.global_of(peer, k)) {
                     upcoming.push((k, range));
                 }
             }
