@@ -278,11 +278,19 @@ impl NodeCache {
             fs::create_dir_all(&path).map_err(|e| io_err("create directory", &path, e))?;
         }
         let pid = std::process::id();
-        let me = format!("{pid}-{}", now_nanos());
-        let alive_path = dir.join("procs").join(format!("{me}.alive"));
-        let alive = File::create(&alive_path)
-            .and_then(|f| OwnerLock::hold(f, &alive_path))
-            .map_err(|e| io_err("create", &alive_path, e))?;
+        // Another process reaping the directory may find the fresh proof of life before it is
+        // locked and remove it (`OwnerLock::hold` then says `NotFound`): that costs a new name,
+        // as it does a loader's segments, not the open.
+        let mut lost = 0;
+        let (me, alive) = loop {
+            let me = format!("{pid}-{}", now_nanos());
+            let alive_path = dir.join("procs").join(format!("{me}.alive"));
+            match File::create(&alive_path).and_then(|f| OwnerLock::hold(f, &alive_path)) {
+                Ok(alive) => break (me, alive),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && lost < 2 => lost += 1,
+                Err(e) => return Err(io_err("create", &alive_path, e)),
+            }
+        };
         let cache = NodeCache {
             root: root.to_owned(),
             dir,
