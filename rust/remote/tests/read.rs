@@ -76,9 +76,20 @@ fn epoch_at_depth(
     epoch: u64,
     io_depth: usize,
 ) -> Result<Vec<Vec<u8>>, CoreError> {
+    epoch_within(ds, epoch, io_depth, ReadOptions::new(5, true).prefetch_size)
+}
+
+/// [`epoch_at_depth`] with `prefetch_size` samples read ahead of the consumer at most.
+fn epoch_within(
+    ds: &Arc<Dataset>,
+    epoch: u64,
+    io_depth: usize,
+    prefetch_size: usize,
+) -> Result<Vec<Vec<u8>>, CoreError> {
     let pool = Pool::new(2).unwrap();
     let opts = ReadOptions {
         io_depth,
+        prefetch_size,
         ..ReadOptions::new(5, true)
     };
     let order = ds.try_order(&opts, &WeightTable::uniform(), epoch).unwrap();
@@ -274,10 +285,11 @@ fn eviction_keeps_the_records_the_pass_needs_soonest() {
     // Another order: every kept record is needed in it. Eviction takes records already taken
     // (needed no more in this pass) before any kept one, so only the records that were not
     // kept are downloaded again; but for the kept ones evicted to make room for the first
-    // window, before any record was taken (the planner's depth at most).
+    // window, before any record was taken: the planner's depth at most, with the reading
+    // threads reading no further ahead than it.
     const DEPTH: usize = 8;
     assert_eq!(
-        epoch_at_depth(&remote, 1, DEPTH).unwrap(),
+        epoch_within(&remote, 1, DEPTH, DEPTH).unwrap(),
         epoch(&s.local, 1).unwrap()
     );
     let downloaded = node.stats().stored - stored;
