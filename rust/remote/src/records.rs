@@ -16,7 +16,7 @@
 //! They appear by rename, so a crash leaves a temporary file at most, which the next open
 //! replaces; a file that fails validation is downloaded again once.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,6 +47,14 @@ pub const RECORD_GAP: u64 = 4 << 10;
 /// worked out again each time the consumer has moved a quarter of them.
 pub const FORESIGHT: u64 = 1 << 16;
 
+/// Records of a pass asked whether they are stored, to tell a cold pass (see [`Ahead`]).
+const COLD_SAMPLE: usize = 256;
+
+/// How far ahead a request for a record also takes its neighbours in storage: the positions
+/// whose records of this cache weigh this many times its share of the local budget (see
+/// [`Ahead`]).
+pub const JOIN_HORIZON: f64 = 1.5;
+
 /// The stretch of a shard that one download covers when the local budget holds the whole
 /// dataset (see [`Blocks`]).
 pub const BLOCK_BYTES: u64 = 8 << 20;
@@ -59,9 +67,11 @@ pub const BLOCK_BYTES: u64 = 8 << 20;
 ///   request, checked record by record on arrival and kept as one range. Every block is needed
 ///   in the pass and none is evicted, so a first epoch costs about one request per 8 MiB,
 ///   whatever the order. Records are read from the stored block in place.
-/// - Otherwise a download is a **record** (neighbours within [`RECORD_GAP`] joined into one
-///   request): a global shuffle scatters a pass over every shard, and a block would be fetched
-///   again for each of its records that the budget cannot keep until it is read.
+/// - Otherwise a download is a **record**: a global shuffle scatters a pass over every shard,
+///   and a block would be fetched again for each of its records that the budget cannot keep
+///   until it is read. A request for a record also takes its neighbours in storage (within
+///   [`RECORD_GAP`]) that the pass needs within a horizon the budget can keep ([`Ahead`]), so
+///   that no byte is fetched that the pass does not read, and fewer requests fetch them.
 pub struct RemoteRecords {
     fetcher: Arc<CachedFetcher>,
     verify: Arc<Verify>,
@@ -87,6 +97,178 @@ pub struct RemoteRecords {
     /// The key of each shard under the build's remote (`shards/000000.bin`), and its URL.
     keys: Vec<String>,
     urls: Vec<String>,
+    /// The coming records by shard, whose neighbours join a record's request.
+    ahead: Mutex<Ahead>,
+    /// This cache's share of the local budget (in proportion to its stored bytes).
+    budget_share: u64,
+}
+
+/// The records the pass needs soon, by where they lie, so that a request for a record also
+/// fetches its neighbours in storage that the pass needs soon: a shuffled window of the planner
+/// rarely holds two neighbours, but the order of the pass is known well beyond it.
+///
+/// Joining a record ahead pays only where it takes room that holds nothing the pass needs:
+/// where it would evict a record needed later, that record is downloaded again, and the request
+/// saved is spent on it. So records are joined only in a cold pass (none of a sample of its
+/// foreseen records stored when it began: a first epoch), within three quarters of this
+/// cache's share of the budget (divided among the ranks of the node whose records the pass
+/// foresees) less what is needed and held: the records the planner holds and the records joined
+/// and not read yet. And only within a horizon: the positions, from the consumer's, whose
+/// records weigh [`JOIN_HORIZON`] times that share, so that room goes to records needed soon
+/// rather than to the first ones met. With a global shuffle and a quarter of the dataset as
+/// budget, a request then serves about two records instead of one.
+#[derive(Default)]
+struct Ahead {
+    /// By shard: offset → (length, first coming position) of each foreseen record.
+    by_shard: HashMap<u32, BTreeMap<u64, (u64, u64)>>,
+    /// How many positions from the consumer's the horizon spans.
+    span: u64,
+    /// The consumer's position.
+    now: u64,
+    /// The bytes that joins may hold ahead at most.
+    room: u64,
+    /// Records joined and not read yet: bytes by their coming position.
+    joined: BTreeMap<u64, u64>,
+    /// The bytes of `joined`.
+    joined_bytes: u64,
+    /// Bytes of the records the planner started and did not release.
+    planned: u64,
+    /// A pass began and was not foreseen yet; whether the pass began with none of its coming
+    /// records stored (only such a pass joins).
+    new_pass: bool,
+    cold: bool,
+}
+
+/// What a record takes in the node's cache once stored.
+fn kept_len(range: &Range) -> u64 {
+    range.len.saturating_add(RANGE_HEADER_LEN)
+}
+
+impl Ahead {
+    /// Learns the coming records (`(position, range)` in pass order), for a share of the
+    /// budget of `share` bytes; `stored` says whether a record is stored already (asked of a
+    /// sample of the records, at the first call of a pass).
+    fn foresee(&mut self, upcoming: &[(u64, Range)], share: u64, stored: impl Fn(&Range) -> bool) {
+        self.by_shard.clear();
+        if self.new_pass {
+            self.new_pass = false;
+            self.joined.clear();
+            self.joined_bytes = 0;
+            let step = (upcoming.len() / COLD_SAMPLE).max(1);
+            self.cold = !upcoming.iter().step_by(step).any(|(_, r)| stored(r));
+        }
+        let first = upcoming.first().map_or(0, |(p, _)| *p);
+        self.advance(first);
+        // The ranks of the node whose records each position holds share the budget.
+        let ranks = upcoming
+            .iter()
+            .take_while(|(p, _)| *p == first)
+            .count()
+            .max(1);
+        let share = share / ranks as u64;
+        self.room = if self.cold { share / 4 * 3 } else { 0 };
+        let limit = (share as f64 * JOIN_HORIZON) as u64;
+        self.span = u64::MAX;
+        let mut bytes = 0u64;
+        for (position, range) in upcoming {
+            bytes = bytes.saturating_add(range.len);
+            if bytes > limit && self.span == u64::MAX {
+                self.span = position - first;
+            }
+            self.by_shard
+                .entry(range.shard)
+                .or_default()
+                .entry(range.offset)
+                .or_insert((range.len, *position));
+        }
+    }
+
+    /// The consumer is at `position`: what was needed before it is read.
+    fn advance(&mut self, position: u64) {
+        self.now = position;
+        let later = self.joined.split_off(&position);
+        let read: u64 = std::mem::replace(&mut self.joined, later).values().sum();
+        self.joined_bytes -= read;
+    }
+
+    /// Records joined ahead, at their positions.
+    fn join(&mut self, joined: &[(u64, Range)]) {
+        for (position, range) in joined {
+            *self.joined.entry(*position).or_default() += kept_len(range);
+            self.joined_bytes += kept_len(range);
+        }
+    }
+
+    /// The bytes needed and held: planned, and joined ahead.
+    fn held(&self) -> u64 {
+        self.planned + self.joined_bytes
+    }
+
+    /// The neighbours of `range` in its shard, each within `gap` of the one before, that the
+    /// pass needs within the horizon, that the room takes and that `wanted` accepts, until the
+    /// joined records would exceed `max_bytes`: their positions and ranges, right of it then
+    /// left of it.
+    fn neighbours(
+        &self,
+        range: &Range,
+        gap: u64,
+        max_bytes: u64,
+        mut wanted: impl FnMut(&Range) -> bool,
+    ) -> Vec<(u64, Range)> {
+        let Some(shard) = self.by_shard.get(&range.shard) else {
+            return Vec::new();
+        };
+        let soon = |position: u64| position >= self.now && position - self.now < self.span;
+        let mut joined = Vec::new();
+        let mut bytes = range.len;
+        let mut room = self.room.saturating_sub(self.held());
+        let mut fits = |range: &Range| {
+            let len = kept_len(range);
+            let ok = len <= room;
+            room = room.saturating_sub(len);
+            ok
+        };
+        let mut end = range.end();
+        for (&offset, &(len, position)) in shard.range(end..) {
+            let r = Range {
+                offset,
+                len,
+                ..*range
+            };
+            if offset > end.saturating_add(gap)
+                || bytes.saturating_add(len) > max_bytes
+                || !soon(position)
+                || !fits(&r)
+                || !wanted(&r)
+            {
+                break;
+            }
+            bytes += len;
+            end = r.end();
+            joined.push((position, r));
+        }
+        let mut start = range.offset;
+        for (&offset, &(len, position)) in shard.range(..range.offset).rev() {
+            let r = Range {
+                offset,
+                len,
+                ..*range
+            };
+            if r.end().saturating_add(gap) < start
+                || r.end() > start
+                || bytes.saturating_add(len) > max_bytes
+                || !soon(position)
+                || !fits(&r)
+                || !wanted(&r)
+            {
+                break;
+            }
+            bytes += len;
+            start = offset;
+            joined.push((position, r));
+        }
+        joined
+    }
 }
 
 /// The blocks of a cache: block `k` of a shard holds the records whose offsets lie in
@@ -301,7 +483,12 @@ impl RangeSource for RemoteRecords {
         "object-store"
     }
 
-    fn begin_pass(&self, _shuffled: bool) {}
+    fn begin_pass(&self, _shuffled: bool) {
+        self.ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .new_pass = true;
+    }
 
     fn resident(&self, range: &Range) -> bool {
         self.fetcher.cache.contains(&self.key(range).0)
@@ -316,14 +503,35 @@ impl RangeSource for RemoteRecords {
         if let Err(e) = self.fetcher.cache.pin(&keys) {
             log::debug!("cannot pin ranges of {}: {e}", self.name);
         }
+        let joins = !self.fetches_blocks();
         let missing: Vec<RangeKey> = {
             let mut in_flight = self.in_flight.0.lock().unwrap_or_else(|e| e.into_inner());
+            let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+            ahead.planned += ranges.iter().map(kept_len).sum::<u64>();
+            let max_bytes = self.fetcher.fetcher.policy().max_request_bytes;
             let mut missing = Vec::new();
-            for key in keys {
-                if !in_flight.contains(&key) && !self.fetcher.cache.contains(&key) {
-                    in_flight.insert(key.clone());
-                    missing.push(key);
+            for (key, range) in keys.into_iter().zip(ranges) {
+                if in_flight.contains(&key) || self.fetcher.cache.contains(&key) {
+                    continue;
                 }
+                in_flight.insert(key.clone());
+                missing.push(key);
+                if !joins {
+                    continue;
+                }
+                // Its neighbours that the pass needs soon, not pinned: eviction ranks them by
+                // their positions, and the planner pins them when their turn comes.
+                let mut wanted = |r: &Range| {
+                    let key = self.key(r).0;
+                    let new = !in_flight.contains(&key) && !self.fetcher.cache.contains(&key);
+                    if new {
+                        in_flight.insert(key.clone());
+                        missing.push(key);
+                    }
+                    new
+                };
+                let joined = ahead.neighbours(range, RECORD_GAP, max_bytes, &mut wanted);
+                ahead.join(&joined);
             }
             missing
         };
@@ -374,6 +582,13 @@ impl RangeSource for RemoteRecords {
 
     /// A download is needed at the coming positions of the records it holds.
     fn foresee(&self, upcoming: &[(u64, Range)]) {
+        if !self.fetches_blocks() {
+            let stored = |r: &Range| self.fetcher.cache.contains(&self.key(r).0);
+            self.ahead
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .foresee(upcoming, self.budget_share, stored);
+        }
         let next = upcoming
             .iter()
             .map(|(position, range)| (self.key(range).0, *position));
@@ -381,10 +596,19 @@ impl RangeSource for RemoteRecords {
     }
 
     fn reached(&self, position: u64) {
+        self.ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .advance(position);
         self.fetcher.cache.set_now(position);
     }
 
     fn release(&self, ranges: &[Range]) {
+        {
+            let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+            let bytes = ranges.iter().map(kept_len).sum::<u64>();
+            ahead.planned = ahead.planned.saturating_sub(bytes);
+        }
         let mut keys: Vec<RangeKey> = ranges.iter().map(|r| self.key(r).0).collect();
         if self.records_only.load(Ordering::Relaxed) {
             // Ranges started before downloads turned to records pinned their blocks.
@@ -516,6 +740,12 @@ pub fn open_urls(
         .collect())
 }
 
+/// The part of `budget` of a cache that takes `own` bytes beside `shared` bytes of others.
+fn share_of(budget: u64, own: u64, shared: u64) -> u64 {
+    let total = own.saturating_add(shared).max(1) as u128;
+    (budget as u128 * own as u128 / total) as u64
+}
+
 /// What a cache takes in the local cache directory with its shards stored as blocks (each
 /// block with a range header), its index and its metadata table: what the budget must hold
 /// for downloads to be blocks.
@@ -611,6 +841,10 @@ fn open_in_place(
         })
     };
     let name = published.manifest.name.clone();
+    // The local copy counts in the budget with the downloads.
+    let copy = (published.manifest_bytes.len() as u64)
+        .saturating_add(published.manifest.index.bytes)
+        .saturating_add(published.manifest.metadata.bytes);
     let records = Arc::new(RemoteRecords {
         fetcher: Arc::new(CachedFetcher::new(fetcher, Arc::clone(&node))),
         verify,
@@ -625,11 +859,13 @@ fn open_in_place(
         shared,
         keys,
         urls,
+        ahead: Mutex::default(),
+        budget_share: share_of(
+            node.budget().saturating_sub(copy),
+            stored_bytes(&published.manifest),
+            shared,
+        ),
     });
-    // The local copy counts in the budget with the downloads.
-    let copy = (published.manifest_bytes.len() as u64)
-        .saturating_add(published.manifest.index.bytes)
-        .saturating_add(published.manifest.metadata.bytes);
     if copy > node.budget() {
         return Err(Error::config(
             "max_local_bytes",

@@ -339,3 +339,38 @@ fn the_local_copy_counts_in_the_budget_and_goes_when_nothing_reads_it() {
     assert!(bytes_under(&copy_dir) < copy, "the idle copy was kept");
     assert!(bytes_under(&s.node) <= budget);
 }
+
+#[test]
+fn a_record_request_takes_the_neighbours_the_pass_needs_soon_and_only_those() {
+    let s = setup();
+    let dataset = (SAMPLES * PAYLOAD) as u64;
+    let budget = dataset / 4;
+    let (opened, remote) = open(&s, Some(budget));
+    assert!(!opened.records.fetches_blocks());
+    let before = s.store.gets.load(Ordering::Relaxed);
+    let bytes_before = opened.records.fetch_stats().bytes;
+    // The planner's window an eighth of the budget, as 64 records of 128 KiB are of 64 MiB.
+    assert_eq!(
+        epoch_at_depth(&remote, 0, 8).unwrap(),
+        epoch(&s.local, 0).unwrap()
+    );
+    let requests = s.store.gets.load(Ordering::Relaxed) - before;
+    // A quarter of the dataset as budget: a request serves about two records (one each
+    // without the joins, since a shuffled window of the planner rarely holds neighbours).
+    assert!(
+        requests * 4 <= SAMPLES as u64 * 3,
+        "{requests} requests for {SAMPLES} records"
+    );
+    // Only records the pass reads are fetched (a few twice, as without the joins).
+    let stats = opened.records.fetch_stats();
+    let record_bytes: u64 = (0..SAMPLES as u64)
+        .map(|i| s.local.record_range(i).unwrap().len)
+        .sum();
+    let fetched = stats.bytes - bytes_before;
+    assert!(
+        fetched * 100 <= record_bytes * 105,
+        "{fetched} bytes fetched, records {record_bytes}"
+    );
+    let used = bytes_under(&s.node);
+    assert!(used <= budget, "{used} bytes in a budget of {budget}");
+}
