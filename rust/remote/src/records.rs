@@ -47,9 +47,6 @@ pub const RECORD_GAP: u64 = 4 << 10;
 /// worked out again each time the consumer has moved a quarter of them.
 pub const FORESIGHT: u64 = 1 << 16;
 
-/// Records of a pass asked whether they are stored, to tell a cold pass (see [`Ahead`]).
-const COLD_SAMPLE: usize = 256;
-
 /// How far ahead a request for a record also takes its neighbours in storage: the positions
 /// whose records of this cache weigh this many times its share of the local budget (see
 /// [`Ahead`]).
@@ -109,14 +106,14 @@ pub struct RemoteRecords {
 ///
 /// Joining a record ahead pays only where it takes room that holds nothing the pass needs:
 /// where it would evict a record needed later, that record is downloaded again, and the request
-/// saved is spent on it. So records are joined only in a cold pass (none of a sample of its
-/// foreseen records stored when it began: a first epoch), within three quarters of this
-/// cache's share of the budget (divided among the ranks of the node whose records the pass
-/// foresees) less what is needed and held: the records the planner holds and the records joined
-/// and not read yet. And only within a horizon: the positions, from the consumer's, whose
-/// records weigh [`JOIN_HORIZON`] times that share, so that room goes to records needed soon
-/// rather than to the first ones met. With a global shuffle and a quarter of the dataset as
-/// budget, a request then serves about two records instead of one.
+/// saved is spent on it. So records are joined within three quarters of this cache's share of
+/// the budget (divided among the ranks of the node whose records the pass foresees) less what
+/// the pass needs and is held: the records the planner holds, the records joined and not read
+/// yet, and the records stored when they were foreseen and not read yet (in a second pass, the
+/// records the first one left). And only within a horizon: the positions, from the consumer's,
+/// whose records weigh [`JOIN_HORIZON`] times that share, so that room goes to records needed
+/// soon rather than to the first ones met. With a global shuffle and a quarter of the dataset as
+/// budget, a request then serves about two records of a first pass instead of one.
 #[derive(Default)]
 struct Ahead {
     /// By shard: offset → (length, first coming position) of each foreseen record.
@@ -129,14 +126,17 @@ struct Ahead {
     room: u64,
     /// Records joined and not read yet: bytes by their coming position.
     joined: BTreeMap<u64, u64>,
-    /// The bytes of `joined`.
+    /// Records found stored when first foreseen, not read yet: bytes by their coming position.
+    stored: BTreeMap<u64, u64>,
+    /// The bytes of `joined` and of `stored`.
     joined_bytes: u64,
+    stored_bytes: u64,
+    /// Positions up to which this pass's records were asked whether they are stored.
+    asked_to: u64,
     /// Bytes of the records the planner started and did not release.
     planned: u64,
-    /// A pass began and was not foreseen yet; whether the pass began with none of its coming
-    /// records stored (only such a pass joins).
+    /// A pass began and was not foreseen yet.
     new_pass: bool,
-    cold: bool,
 }
 
 /// What a record takes in the node's cache once stored.
@@ -146,16 +146,17 @@ fn kept_len(range: &Range) -> u64 {
 
 impl Ahead {
     /// Learns the coming records (`(position, range)` in pass order), for a share of the
-    /// budget of `share` bytes; `stored` says whether a record is stored already (asked of a
-    /// sample of the records, at the first call of a pass).
+    /// budget of `share` bytes; `stored` says whether a record is stored already (asked once
+    /// per pass of each position's record).
     fn foresee(&mut self, upcoming: &[(u64, Range)], share: u64, stored: impl Fn(&Range) -> bool) {
         self.by_shard.clear();
         if self.new_pass {
             self.new_pass = false;
             self.joined.clear();
+            self.stored.clear();
             self.joined_bytes = 0;
-            let step = (upcoming.len() / COLD_SAMPLE).max(1);
-            self.cold = !upcoming.iter().step_by(step).any(|(_, r)| stored(r));
+            self.stored_bytes = 0;
+            self.asked_to = 0;
         }
         let first = upcoming.first().map_or(0, |(p, _)| *p);
         self.advance(first);
@@ -166,29 +167,40 @@ impl Ahead {
             .count()
             .max(1);
         let share = share / ranks as u64;
-        self.room = if self.cold { share / 4 * 3 } else { 0 };
+        self.room = share / 4 * 3;
         let limit = (share as f64 * JOIN_HORIZON) as u64;
         self.span = u64::MAX;
         let mut bytes = 0u64;
+        let asked_to = self.asked_to.max(first);
         for (position, range) in upcoming {
             bytes = bytes.saturating_add(range.len);
             if bytes > limit && self.span == u64::MAX {
                 self.span = position - first;
             }
-            self.by_shard
-                .entry(range.shard)
-                .or_default()
-                .entry(range.offset)
-                .or_insert((range.len, *position));
+            let entry = self.by_shard.entry(range.shard).or_default();
+            if let std::collections::btree_map::Entry::Vacant(e) = entry.entry(range.offset) {
+                e.insert((range.len, *position));
+                // Asked once: a record joined since is counted in `joined` already.
+                if *position >= asked_to && stored(range) {
+                    *self.stored.entry(*position).or_default() += kept_len(range);
+                    self.stored_bytes += kept_len(range);
+                }
+            }
+        }
+        if let Some((last, _)) = upcoming.last() {
+            self.asked_to = self.asked_to.max(last + 1);
         }
     }
 
     /// The consumer is at `position`: what was needed before it is read.
     fn advance(&mut self, position: u64) {
         self.now = position;
-        let later = self.joined.split_off(&position);
-        let read: u64 = std::mem::replace(&mut self.joined, later).values().sum();
-        self.joined_bytes -= read;
+        let read = |m: &mut BTreeMap<u64, u64>| {
+            let later = m.split_off(&position);
+            std::mem::replace(m, later).values().sum::<u64>()
+        };
+        self.joined_bytes -= read(&mut self.joined);
+        self.stored_bytes -= read(&mut self.stored);
     }
 
     /// Records joined ahead, at their positions.
@@ -199,9 +211,9 @@ impl Ahead {
         }
     }
 
-    /// The bytes needed and held: planned, and joined ahead.
+    /// The bytes needed and held: planned, joined ahead, stored before.
     fn held(&self) -> u64 {
-        self.planned + self.joined_bytes
+        self.planned + self.joined_bytes + self.stored_bytes
     }
 
     /// The neighbours of `range` in its shard, each within `gap` of the one before, that the
