@@ -103,8 +103,10 @@ def test_tiny_run_checks_every_sample(bench_cold, tmp_path, monkeypatch):
             data[i * lay.size + lay.size - 1] ^= 1
         f.seek(0)
         f.write(data)
-    with pytest.raises(bench_cold.CheckError, match="digest"):
-        bench_cold.run_ceiling(lay, bench_cold.share(lay.count, 8, 0), 4)
+    # In one process and split over two.
+    for procs in (1, 2):
+        with pytest.raises(bench_cold.CheckError, match="digest"):
+            bench_cold.run_ceiling(lay, bench_cold.share(lay.count, 8, 0), 4, procs)
 
 
 def test_residency_counts_agree(bench_cold, tmp_path):
