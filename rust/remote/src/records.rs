@@ -234,50 +234,41 @@ impl Ahead {
         let mut joined = Vec::new();
         let mut bytes = range.len;
         let mut room = self.room.saturating_sub(self.held());
-        let mut fits = |range: &Range| {
-            let len = kept_len(range);
-            let ok = len <= room;
-            room = room.saturating_sub(len);
+        // Joins the record at `offset` if the request, the horizon, the room and `wanted` take it.
+        let mut join = |offset: u64, len: u64, position: u64| {
+            let r = Range {
+                offset,
+                len,
+                ..*range
+            };
+            let mut fits = || {
+                let stored = kept_len(&r);
+                let ok = stored <= room;
+                room = room.saturating_sub(stored);
+                ok
+            };
+            let ok =
+                bytes.saturating_add(len) <= max_bytes && soon(position) && fits() && wanted(&r);
+            if ok {
+                bytes += len;
+                joined.push((position, r));
+            }
             ok
         };
         let mut end = range.end();
         for (&offset, &(len, position)) in shard.range(end..) {
-            let r = Range {
-                offset,
-                len,
-                ..*range
-            };
-            if offset > end.saturating_add(gap)
-                || bytes.saturating_add(len) > max_bytes
-                || !soon(position)
-                || !fits(&r)
-                || !wanted(&r)
-            {
+            if offset > end.saturating_add(gap) || !join(offset, len, position) {
                 break;
             }
-            bytes += len;
-            end = r.end();
-            joined.push((position, r));
+            end = offset.saturating_add(len);
         }
         let mut start = range.offset;
         for (&offset, &(len, position)) in shard.range(..range.offset).rev() {
-            let r = Range {
-                offset,
-                len,
-                ..*range
-            };
-            if r.end().saturating_add(gap) < start
-                || r.end() > start
-                || bytes.saturating_add(len) > max_bytes
-                || !soon(position)
-                || !fits(&r)
-                || !wanted(&r)
-            {
+            let next = offset.saturating_add(len);
+            if next > start || next.saturating_add(gap) < start || !join(offset, len, position) {
                 break;
             }
-            bytes += len;
             start = offset;
-            joined.push((position, r));
         }
         joined
     }
