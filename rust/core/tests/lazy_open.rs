@@ -237,3 +237,67 @@ fn mapped_range(path: &Path) -> std::ops::Range<usize> {
         .unwrap();
     usize::from_str_radix(start, 16).unwrap()..usize::from_str_radix(end, 16).unwrap()
 }
+
+/// Pages of `file` in the page cache, by `mincore` over a map of its own (which faults none).
+#[cfg(target_os = "linux")]
+fn resident_pages(file: &std::fs::File) -> usize {
+    use std::os::unix::io::AsRawFd;
+    let len = file.metadata().unwrap().len() as usize;
+    let page = 4096;
+    let mut vec = vec![0u8; len.div_ceil(page)];
+    // SAFETY: a read-only shared map of the whole open file, unmapped below; mincore writes one
+    // byte per page of it into `vec`, which has one per page, and reads no byte of the file.
+    unsafe {
+        let map = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        );
+        assert_ne!(map, libc::MAP_FAILED);
+        assert_eq!(libc::mincore(map, len, vec.as_mut_ptr()), 0);
+        libc::munmap(map, len);
+    }
+    vec.iter().filter(|v| **v & 1 == 1).count()
+}
+
+/// Opening reads a shard's header and no more: a fault on the shard's fresh map would read
+/// around it, up to the device's `read_ahead_kb` for every shard (8 MiB on some machines), which
+/// for a dataset larger than memory is disk time spent on bytes no pass asked for.
+#[cfg(target_os = "linux")]
+#[test]
+fn opening_reads_a_few_pages_of_each_shard_not_the_read_around_of_a_fault() {
+    use std::os::unix::io::AsRawFd;
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(2).unwrap();
+    let samples = (0..64u64).map(|i| sample(vec![i as u8; 48 << 10], &[]));
+    let dir = write_cache(&pool, tmp.path(), "big", writer_options(), samples);
+    let shards: Vec<std::fs::File> = std::fs::read_dir(dir.join("shards"))
+        .unwrap()
+        .map(|e| std::fs::File::open(e.unwrap().path()).unwrap())
+        .collect();
+    assert!(shards.len() >= 2, "the test needs shards of 1 MiB or more");
+    for f in &shards {
+        // Only clean pages can be dropped.
+        f.sync_all().unwrap();
+        // SAFETY: fadvise reads only its arguments; the descriptor is open.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    }
+    if shards.iter().any(|f| resident_pages(f) > 0) {
+        eprintln!("skipped: this filesystem keeps the shards in memory (tmpfs?)");
+        return;
+    }
+    let cache = Cache::open(&dir, Validation::Structure).unwrap();
+    for f in &shards {
+        // The 16-byte header's read: the page it lies in and the kernel's first read-ahead of
+        // a small read (4 pages), where a fault's read-around is at least 32 (128 KiB).
+        let pages = resident_pages(f);
+        assert!(
+            (1..=8).contains(&pages),
+            "opening read {pages} pages of a shard"
+        );
+    }
+    drop(cache);
+}
