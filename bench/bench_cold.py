@@ -38,10 +38,14 @@ reproduced on any machine, whatever its memory, as follows.
 - **Every sample is checked** by the loop that receives it: magic, index (against the index
   asked for where the reader says which it is: the flat-file readers, ``Batch.indices``; for the
   others, K distinct indices), length and digest. The check reads every byte of the payload.
-- **The ceiling** is the disk itself: ``--threads`` (64) Python threads issuing ``os.pread`` of
-  the flat file's records, each thread checking what it read, split over ``--ceiling-procs``
-  processes (one per core by default; in one process, the interpreter's lock bounds the rate of
-  4 KiB records before the disk does). It is measured in every round,
+- **The ceiling** is the disk itself: ``--threads`` (64) threads issuing ``pread`` of the flat
+  file's records, each thread checking what it read. They are Rust threads
+  (``io-depth-probe ceiling`` of ``bench/io_depth``, built with cargo on the first run), so no
+  interpreter stands between them and the disk. The same reads from Python threads split over
+  ``--ceiling-procs`` processes are a contender of their own (``ceiling_py``), and they are the
+  ceiling instead with ``--python-ceiling`` or where cargo cannot build the probe; in one
+  process the interpreter's lock bounds the rate of 4 KiB records before the disk does. The
+  ceiling is measured in every round,
   before that round's contenders, because a virtual disk's rate varies by 2-3x from one second
   to the next; every figure to read is a ratio to the ceiling of its own round, and the table
   gives the median of those per-round ratios over ``--rounds`` rounds (default 3).
@@ -50,7 +54,8 @@ Contenders (each in a fresh interpreter; the clock runs from the first request, 
 reader is opened, to the last sample checked, so worker start-up is included; open time and
 first sample are reported beside it):
 
-- ``ceiling``: 64 threads of ``os.pread`` over the flat file, in one process per core;
+- ``ceiling``: 64 Rust threads of ``pread`` over the flat file;
+- ``ceiling_py``: 64 Python threads of ``os.pread`` over the flat file, in one process per core;
 - ``torch_w2`` / ``torch_w8``: ``torch.utils.data.DataLoader`` with 2 and 8 workers over a
   map-style dataset that ``os.pread``s a record of the flat file, ``batch_size=64``, the share as
   its sampler, a list collate (skipped, with a note, when torch is not installed);
@@ -80,6 +85,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -93,6 +99,8 @@ import numpy as np
 
 CONTENDERS = [
     "ceiling",
+    "ceiling_py",
+    "ceiling_layout",
     "torch_w2",
     "torch_w8",
     "drt_iter",
@@ -101,7 +109,9 @@ CONTENDERS = [
     "drt_loader_w2",
 ]
 LABELS = {
-    "ceiling": "ceiling: {threads} threads of pread in {procs} processes",
+    "ceiling": "ceiling: {threads} threads of pread{ceiling_kind}",
+    "ceiling_py": "{threads} Python threads of pread in {procs} processes",
+    "ceiling_layout": "{threads} threads of pread (Rust) of the cache's own payload bytes",
     "torch_w2": "torch DataLoader, 2 workers, pread",
     "torch_w8": "torch DataLoader, 8 workers, pread",
     "drt_iter": "DatasetRT iter(dataset)",
@@ -116,6 +126,9 @@ MAGIC = 0x444C4F435F525444  # b"DTR_COLD" little-endian
 HEADER = struct.Struct("<QQQQ")  # magic, index, length, digest of the rest
 CRC_MAX = 16 * common.KIB  # records up to this size carry a crc32; larger ones a word sum
 PAGE = os.sysconf("SC_PAGE_SIZE")
+CACHE_NAME = "bench"  # the DatasetRT cache's name under <size>/drt
+PROBE_DIR = Path(__file__).resolve().parent / "io_depth"
+PROBE_BIN = PROBE_DIR / "target" / "release" / "io-depth-probe"
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,6 +200,8 @@ class Layout:
         self.flat = self.root / "flat.bin"
         self.offsets = self.root / "offsets.npy"
         self.drt = self.root / "drt"
+        # Each sample's payload in the cache's shards: (shard, offset, length, raw length).
+        self.spans = self.root / "spans.npy"
 
     def stamp_text(self, kind: str) -> str:
         return common.stamp_text(kind, STAMP_VERSION, self.count, self.size)
@@ -200,7 +215,7 @@ class Layout:
 
     def files(self) -> list[Path]:
         """Every file a contender of this size may read."""
-        out = [self.flat, self.offsets]
+        out = [self.flat, self.offsets, self.spans]
         if self.drt.exists():
             out += sorted(p for p in self.drt.rglob("*") if p.is_file())
         return [p for p in out if p.exists()]
@@ -238,7 +253,7 @@ def prepare(lay: Layout, kind: str) -> None:
         writer = drt.WriterConfig(show_progress=False, shard_compression=drt.ShardCompression())
 
         class Source:
-            name = "bench"
+            name = CACHE_NAME
 
             def __iter__(self) -> Iterable[Any]:
                 for i, p in lay.chunks():
@@ -497,6 +512,83 @@ def run_ceiling(lay: Layout, idx: list[int], threads: int, procs: int) -> dict[s
     }
 
 
+def build_probe() -> tuple[Path | None, str]:
+    """Builds ``bench/io_depth`` (the Rust ceiling) with cargo: its binary, or why there is none."""
+    cargo = shutil.which("cargo")
+    if cargo is None:
+        return None, "cargo is not installed"
+    # Its own target directory, whatever CARGO_TARGET_DIR says: the binary is looked for there.
+    cmd = [cargo, "build", "--release", "--quiet", "--manifest-path", str(PROBE_DIR / "Cargo.toml")]
+    cmd += ["--target-dir", str(PROBE_BIN.parent.parent)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"cargo build of bench/io_depth failed: {tail}"
+    if not PROBE_BIN.exists():
+        return None, f"cargo build of bench/io_depth made no {PROBE_BIN}"
+    return PROBE_BIN, ""
+
+
+def shard_files(lay: Layout) -> list[Path]:
+    """The DatasetRT cache's shard files, in the order of their numbers."""
+    cache = lay.drt / CACHE_NAME
+    manifest = json.loads((cache / "manifest.json").read_text())
+    return [cache / s["file"] for s in manifest["shards"]]
+
+
+def ensure_spans(lay: Layout) -> None:
+    """Saves where each sample's payload lies in the cache's shards (the project's own reading
+    of its index and record headers), once: it reads every record header."""
+    if lay.spans.exists():
+        return
+    from dataset_rt import _native
+
+    rows = np.frombuffer(_native.payload_spans(lay.drt / CACHE_NAME), dtype="<i8").reshape(-1, 4)
+    if len(rows) != lay.count or (rows[:, 3] >= 0).any():
+        raise RuntimeError(f"{lay.drt}: expected {lay.count} raw payloads, got {len(rows)} spans")
+    np.save(lay.spans, rows)
+
+
+def run_ceiling_rust(
+    lay: Layout, idx: list[int], threads: int, probe: Path, layout: bool = False
+) -> dict[str, Any]:
+    """``threads`` Rust threads of ``pread`` (``io-depth-probe ceiling``) over the records
+    ``idx``, each checked as ``check`` does: the disk at that depth, with no interpreter between
+    the threads and the reads. The records of the flat file, or with ``layout`` the very payload
+    bytes inside the DatasetRT cache's shards (a payload of 4 KiB after its record header spans
+    two pages there)."""
+    t0 = time.perf_counter()
+    at = np.asarray(idx, dtype=np.int64)
+    if layout:
+        spans = np.load(lay.spans)[at]
+        plan = np.stack([spans[:, 0], at, spans[:, 1], spans[:, 2]], axis=1)
+        files = shard_files(lay)
+    else:
+        offs = np.load(lay.offsets)
+        plan = np.stack([np.zeros_like(at), at, offs[at], offs[at + 1] - offs[at]], axis=1)
+        files = [lay.flat]
+    open_s = time.perf_counter() - t0
+    with tempfile.NamedTemporaryFile(suffix=".plan") as f:
+        f.write(plan.astype("<u8").tobytes())
+        f.flush()
+        proc = subprocess.run(
+            [str(probe), "ceiling", f.name, str(threads), *map(str, files)],
+            capture_output=True,
+            text=True,
+        )
+    if proc.returncode != 0:
+        raise CheckError((proc.stderr.strip().splitlines() or ["no output"])[-1])
+    arrivals = [float(x) for x in proc.stdout.split()]
+    return {
+        "open_s": open_s,
+        "pass_s": arrivals[-1] if arrivals else 0.0,
+        "first_s": arrivals[0] if arrivals else None,
+        "steady_samples_per_s": steady_rate(arrivals, [1] * len(arrivals)),
+        "checked": len(arrivals),
+        "distinct": len(set(idx)),
+    }
+
+
 def run_torch(lay: Layout, idx: list[int], workers: int, batch: int) -> dict[str, Any]:
     import torch.utils.data as tud
 
@@ -539,7 +631,7 @@ def run_drt(name: str, lay: Layout, k: int, seed: int, args: argparse.Namespace)
     runtime = drt.DatasetRuntime(num_workers=args.workers)
 
     class NameOnly:
-        name = "bench"
+        name = CACHE_NAME
 
     policy = {"verify": args.policy} if args.policy else {}
     result = runtime.from_cache_sources(
@@ -594,7 +686,12 @@ def run_drt(name: str, lay: Layout, k: int, seed: int, args: argparse.Namespace)
 def worker(name: str, lay: Layout, k: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     if name.startswith("torch"):
         import torch  # noqa: F401  (imported before the clock, as a training script has it)
-    if name == "ceiling":
+    if name == "ceiling" and args.ceiling_bin:
+        out = run_ceiling_rust(lay, share(lay.count, k, seed), args.threads, args.ceiling_bin)
+    elif name == "ceiling_layout":
+        idx = share(lay.count, k, seed)
+        out = run_ceiling_rust(lay, idx, args.threads, args.ceiling_bin, layout=True)
+    elif name in ("ceiling", "ceiling_py"):
         out = run_ceiling(lay, share(lay.count, k, seed), args.threads, args.ceiling_procs)
     elif name in TORCH:
         out = run_torch(lay, share(lay.count, k, seed), TORCH[name], args.batch_size)
@@ -667,8 +764,9 @@ def samples_of(args: argparse.Namespace, lay: Layout) -> int:
 
 
 def label_of(name: str, args: argparse.Namespace) -> str:
+    kind = " (Rust)" if args.ceiling_bin else f" (Python, in {args.ceiling_procs} processes)"
     return LABELS[name].format(
-        threads=args.threads, procs=args.ceiling_procs, batch=args.batch_size
+        threads=args.threads, procs=args.ceiling_procs, batch=args.batch_size, ceiling_kind=kind
     )
 
 
@@ -822,6 +920,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=os.cpu_count() or 1,
         help="processes the ceiling's threads are split over (default: one per core)",
     )
+    parser.add_argument(
+        "--python-ceiling",
+        action="store_true",
+        help="take the Python threads as the ceiling instead of the Rust probe (bench/io_depth)",
+    )
+    parser.add_argument("--ceiling-bin", default="", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=2, help="DatasetRuntime(num_workers)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument(
@@ -869,6 +973,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     only = list(args.only)
     if "ceiling" not in only:
         only.insert(0, "ceiling")  # every ratio needs the ceiling of its round
+    if not args.python_ceiling:
+        probe, why = build_probe()
+        if probe is None:
+            notes.append(
+                f"the Rust ceiling is not built ({why}): the Python threads are the ceiling"
+            )
+        args.ceiling_bin = str(probe or "")
+    if not args.ceiling_bin and "ceiling_py" in only:
+        only.remove("ceiling_py")  # it is the ceiling itself
+    if not args.ceiling_bin and "ceiling_layout" in only:
+        only.remove("ceiling_layout")
+        notes.append("no Rust probe: the ceiling over the cache's own payload bytes was skipped")
     if importlib.util.find_spec("torch") is None and any(c in TORCH for c in only):
         only = [c for c in only if c not in TORCH]
         notes.append("torch is not installed: its DataLoader contenders were skipped")
@@ -882,6 +998,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"({lay.count:,} samples: 1 in 16 at most, 128 KiB apart at least)"
             )
     errors = prepare_all(args)
+    if "ceiling_layout" in only:
+        for label in args.sizes:
+            if errors.get(f"{label}/drt"):
+                continue
+            try:
+                ensure_spans(Layout(args.data_dir, label, args.gib))
+            except Exception as e:  # reported in that contender's rows
+                errors[f"{label}/spans"] = f"payload spans: {e!r}"
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         s: {c: [] for c in only} for s in args.sizes
     }
@@ -891,8 +1015,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lay = Layout(args.data_dir, label, args.gib)
             k = samples_of(args, lay)
             for ci, name in enumerate(only):
-                store = "flat" if name == "ceiling" or name in TORCH else "drt"
+                store = "drt" if name.startswith("drt") or name == "ceiling_layout" else "flat"
                 err = errors.get(f"{label}/flat") or errors.get(f"{label}/{store}")
+                if name == "ceiling_layout":
+                    err = err or errors.get(f"{label}/spans")
                 if err:
                     runs[label][name].append({"error": f"writing its data failed: {err}"})
                     continue
@@ -910,6 +1036,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 argv_w = ["--worker", name, *common_argv(args, label), "--k", str(k)]
                 argv_w += ["--run-seed", str(seed), "--threads", str(args.threads)]
                 argv_w += ["--ceiling-procs", str(args.ceiling_procs)]
+                argv_w += ["--ceiling-bin", args.ceiling_bin] if args.ceiling_bin else []
                 argv_w += ["--workers", str(args.workers), "--batch-size", str(args.batch_size)]
                 argv_w += ["--policy", args.policy] if args.policy else []
                 out, err = run_sub(argv_w, args.timeout)

@@ -61,7 +61,7 @@ def test_tiny_run_checks_every_sample(bench_cold, tmp_path, monkeypatch):
     path = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), path])))
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
-    only = ["ceiling", "drt_iter", "drt_batches", "drt_loader_w0"]
+    only = ["ceiling", "ceiling_layout", "drt_iter", "drt_batches", "drt_loader_w0"]
     res = bench_cold.main(
         [
             "--gib",
@@ -103,10 +103,47 @@ def test_tiny_run_checks_every_sample(bench_cold, tmp_path, monkeypatch):
             data[i * lay.size + lay.size - 1] ^= 1
         f.seek(0)
         f.write(data)
-    # In one process and split over two.
+    # In one process and split over two, and from Rust.
     for procs in (1, 2):
         with pytest.raises(bench_cold.CheckError, match="digest"):
             bench_cold.run_ceiling(lay, bench_cold.share(lay.count, 8, 0), 4, procs)
+    probe, why = bench_cold.build_probe()
+    assert probe is not None, why
+    with pytest.raises(bench_cold.CheckError, match="digest mismatch"):
+        bench_cold.run_ceiling_rust(lay, bench_cold.share(lay.count, 8, 0), 4, probe)
+    # So does the ceiling over the cache's own payloads, where one was damaged.
+    spans = np.load(lay.spans)
+    shard, start, length = (int(v) for v in spans[5, :3])
+    path = bench_cold.shard_files(lay)[shard]
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(start + length - 1)
+        last = f.read(1)
+        f.seek(start + length - 1)
+        f.write(bytes([last[0] ^ 1]))
+    with pytest.raises(bench_cold.CheckError, match="record 5: digest mismatch"):
+        bench_cold.run_ceiling_rust(lay, [3, 5, 7], 2, probe, layout=True)
+
+
+@pytest.mark.parametrize("label", ["4KiB", "128KiB"])
+def test_the_rust_ceiling_reads_and_checks_what_the_python_one_does(bench_cold, tmp_path, label):
+    probe, why = bench_cold.build_probe()
+    assert probe is not None, why
+    lay = bench_cold.Layout(tmp_path, label, 0.002)
+    bench_cold.prepare(lay, "flat")
+    idx = bench_cold.share(lay.count, 6, 1)
+    out = bench_cold.run_ceiling_rust(lay, idx, 3, probe)
+    assert out["checked"] == out["distinct"] == 6
+    assert out["pass_s"] >= out["first_s"] > 0
+    assert bench_cold.run_ceiling_rust(lay, idx, 1, probe)["checked"] == 6
+    # A record found where another was asked for fails the check.
+    offs = np.load(lay.offsets)
+    moved = np.array(offs)
+    moved[[idx[0], idx[0] + 1]] = offs[[idx[1], idx[1] + 1]]
+    np.save(lay.offsets, moved)
+    wrong = f"record {idx[0]}: header says .* index {idx[1]},"
+    with pytest.raises(bench_cold.CheckError, match=wrong):
+        bench_cold.run_ceiling_rust(lay, idx, 3, probe)
 
 
 def test_residency_counts_agree(bench_cold, tmp_path):

@@ -22,6 +22,16 @@
 //! ```text
 //! cargo run --release --manifest-path bench/io_depth/Cargo.toml -- --gib 4 --record 4096
 //! ```
+//!
+//! `io-depth-probe ceiling PLAN THREADS FILE...` is the ceiling of `bench/bench_cold.py`:
+//! `THREADS` threads of `pread` over the records that `PLAN` lists, in its order, each as four
+//! little-endian `u64` (the file's number among `FILE...`, the record's index, its offset, its
+//! length). Every record is checked as the benchmark checks it (magic, index, length, and the
+//! digest of its body: CRC-32 up to 16 KiB, the wrapping sum of its words above). It prints the
+//! seconds from the first request to each record's arrival, one per line, sorted. No
+//! interpreter stands between the threads and the disk, so it is the disk's rate at that depth
+//! for those byte ranges: the flat file's records, or the payloads inside a DatasetRT cache's
+//! shards.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -336,7 +346,131 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// `bench_cold`'s record header: magic, index, length, digest of the body.
+const COLD_MAGIC: u64 = 0x444C_4F43_5F52_5444;
+const COLD_HEADER: usize = 32;
+const COLD_CRC_MAX: usize = 16 * 1024;
+
+fn le_word(b: &[u8], k: usize) -> u64 {
+    u64::from_le_bytes(b[8 * k..8 * k + 8].try_into().expect("8 bytes"))
+}
+
+/// Checks one record of `bench_cold`'s flat file; the error says what is wrong.
+fn check_cold(buf: &[u8], index: u64) -> Result<(), String> {
+    if buf.len() < COLD_HEADER {
+        return Err(format!(
+            "record {index}: {} bytes, shorter than its header",
+            buf.len()
+        ));
+    }
+    let (magic, got, len, digest) = (
+        le_word(buf, 0),
+        le_word(buf, 1),
+        le_word(buf, 2),
+        le_word(buf, 3),
+    );
+    if magic != COLD_MAGIC || got != index || len != buf.len() as u64 {
+        return Err(format!(
+            "record {index}: header says magic {magic:#x}, index {got}, length {len}"
+        ));
+    }
+    let body = &buf[COLD_HEADER..];
+    let sum = if buf.len() <= COLD_CRC_MAX {
+        u64::from(crc32fast::hash(body))
+    } else {
+        body.chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+            .fold(0u64, u64::wrapping_add)
+    };
+    if sum != digest {
+        return Err(format!("record {index}: digest mismatch"));
+    }
+    Ok(())
+}
+
+/// `bench_cold`'s ceiling (see the module's docs); exits 1 with the first wrong record.
+fn cold_ceiling(args: &[String]) {
+    let [plan, threads, files @ ..] = args else {
+        usage("ceiling takes PLAN THREADS FILE...")
+    };
+    let threads: usize = threads.parse().ok().filter(|&t| t > 0).unwrap_or_else(|| {
+        usage(&format!(
+            "THREADS must be a positive number, not {threads:?}"
+        ))
+    });
+    let files: Vec<File> = files
+        .iter()
+        .map(|f| File::open(f).unwrap_or_else(|e| usage(&format!("cannot open {f}: {e}"))))
+        .collect();
+    let plan = std::fs::read(plan).unwrap_or_else(|e| usage(&format!("cannot read {plan}: {e}")));
+    if plan.len() % 32 != 0 {
+        usage("PLAN must hold (file, index, offset, length) quadruples of little-endian u64");
+    }
+    let records: Vec<(&File, u64, u64, u64)> = plan
+        .chunks_exact(32)
+        .map(|t| {
+            let file = files.get(le_word(t, 0) as usize).unwrap_or_else(|| {
+                usage(&format!(
+                    "PLAN names file {}, of {} given",
+                    le_word(t, 0),
+                    files.len()
+                ))
+            });
+            (file, le_word(t, 1), le_word(t, 2), le_word(t, 3))
+        })
+        .collect();
+    let next = AtomicUsize::new(0);
+    let start = Instant::now();
+    let results: Vec<Result<Vec<f64>, String>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut arrivals = Vec::new();
+                    let mut buf = Vec::new();
+                    loop {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(f, index, offset, len)) = records.get(k) else {
+                            return Ok(arrivals);
+                        };
+                        buf.resize(len as usize, 0);
+                        f.read_exact_at(&mut buf, offset)
+                            .map_err(|e| format!("record {index}: pread: {e}"))?;
+                        check_cold(&buf, index)?;
+                        arrivals.push(start.elapsed().as_secs_f64());
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("a reading thread panicked"))
+            .collect()
+    });
+    let mut arrivals = Vec::with_capacity(records.len());
+    for r in results {
+        match r {
+            Ok(a) => arrivals.extend(a),
+            Err(e) => {
+                eprintln!("io-depth-probe ceiling: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    arrivals.sort_by(|a, b| a.total_cmp(b));
+    let mut out = String::with_capacity(arrivals.len() * 12);
+    for a in arrivals {
+        out.push_str(&format!("{a:.6}\n"));
+    }
+    std::io::stdout()
+        .write_all(out.as_bytes())
+        .expect("write the arrivals");
+}
+
 fn main() {
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("ceiling") {
+        return cold_ceiling(&argv[2..]);
+    }
     let args = parse_args();
     let (f, path, records) = flat_file(&args);
     let size = records * args.record;
