@@ -584,6 +584,34 @@ impl Cache {
         prefetch(&entry[27..]);
     }
 
+    /// Asks the kernel to start reading the page of `index.bin` that holds the entry of
+    /// `sample` (`madvise(MADV_WILLNEED)`, a hint: it waits for nothing and takes no fault), so
+    /// that working out where the record lies does not wait for the device. `last` is the page
+    /// (its offset in the file) asked for just before, which is not asked for again. Returns the
+    /// entry's page and whether it was asked for; `None` for a sample the index does not have.
+    pub fn advise_entry(&self, sample: u64, last: Option<u64>) -> Option<(u64, bool)> {
+        let range = self.entry_range(sample);
+        if range.end > self.index.len() {
+            return None;
+        }
+        let page = crate::os::page_size().unwrap_or(4096) as usize;
+        let start = range.start - range.start % page;
+        if last == Some(start as u64) && range.end <= start + page {
+            return Some((start as u64, false));
+        }
+        // SAFETY: `start` is page-aligned and `start .. range.end` lies inside the live map of
+        // the index; MADV_WILLNEED only starts reading the file's pages into the page cache, it
+        // changes no byte of the map. A failure is harmless (a hint).
+        unsafe {
+            libc::madvise(
+                self.index.as_ptr().add(start) as *mut libc::c_void,
+                range.end - start,
+                libc::MADV_WILLNEED,
+            );
+        }
+        Some((start as u64, true))
+    }
+
     /// Asks the CPU to bring in the header of record `sample` (a hint: nothing is read, no
     /// fault is taken, a bad index entry is ignored here and reported by the read).
     pub fn prefetch_record(&self, sample: u64) {

@@ -441,6 +441,28 @@ impl Dataset {
         })
     }
 
+    /// Asks the kernel to start reading the index pages that hold the entries of `globals`
+    /// ([`Cache::advise_entry`]), one request per page in a row: what the read planner does
+    /// ahead of the records it is about to plan, whose ranges it works out from those entries.
+    /// `last` is the (cache, page) asked for last, kept from call to call. Returns the requests
+    /// made.
+    pub fn advise_entries(
+        &self,
+        globals: impl IntoIterator<Item = u64>,
+        last: &mut Option<(usize, u64)>,
+    ) -> u64 {
+        let mut asked = 0;
+        for g in globals {
+            let (c, row) = self.locate(g);
+            let same = last.filter(|(lc, _)| *lc == c).map(|(_, page)| page);
+            if let Some((page, advised)) = self.caches[c].advise_entry(row, same) {
+                asked += u64::from(advised);
+                *last = Some((c, page));
+            }
+        }
+        asked
+    }
+
     /// The read planner for a pass over this dataset under `opts`, on the path [`io_path`]
     /// chose: `None` on the plain path.
     /// A dataset with a fetched cache (object storage) always has one: its records are fetched

@@ -802,3 +802,55 @@ fn bad_io_options_are_config_errors_naming_the_field() {
     );
     defaults.validate().unwrap();
 }
+
+#[test]
+fn index_entries_are_asked_for_ahead_of_the_records_the_planner_plans_and_not_when_warm() {
+    let pool = Pool::new(2).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    write(&pool, tmp.path(), Compression::NONE);
+    let ds = open(tmp.path(), VerifyPolicy::Once);
+    const DEPTH: u64 = 8;
+    for shuffle in [true, false] {
+        let opts = options(shuffle, 16, DEPTH as usize, u64::MAX);
+        let want = order_of(&pool, &ds, &opts);
+        let source = Recording::missing();
+        let mut r = reader(&pool, &ds, &opts).with_range_source(source.clone());
+        let mut got = Vec::new();
+        while let Some(s) = r.next_sample() {
+            got.push(global(&ds, &s.unwrap()));
+            let planned = source.state.lock().unwrap().started.len() as u64;
+            let (advised, _) = r.entries_advised();
+            // Every record planned had its entry asked for first, and the entries asked for
+            // reach at most twice the depth past the records planned.
+            assert!(planned <= advised, "{planned} planned, {advised} advised");
+            assert!(
+                advised <= (planned + 2 * DEPTH).min(SAMPLES),
+                "{planned}, {advised}"
+            );
+        }
+        assert_eq!(got, want);
+        let (advised, requests) = r.entries_advised();
+        assert_eq!(advised, SAMPLES);
+        // One request per index page in a row: a pass in order asks for each page once.
+        let index_pages = (std::fs::metadata(tmp.path().join("c/index.bin"))
+            .unwrap()
+            .len())
+        .div_ceil(4096);
+        if shuffle {
+            assert!((index_pages..=SAMPLES).contains(&requests), "{requests}");
+        } else {
+            assert!(
+                requests <= index_pages + 1,
+                "{requests} of {index_pages} pages"
+            );
+        }
+    }
+    // Warm data pays nothing: a resting planner asks for no entry; nor does the plain path.
+    let opts = options(true, 16, DEPTH as usize, u64::MAX);
+    let mut r = reader(&pool, &ds, &opts).with_range_source(Recording::resident());
+    while r.next_sample().is_some() {}
+    assert_eq!(r.entries_advised(), (0, 0));
+    let mut r = reader(&pool, &ds, &opts).with_plain_io();
+    while r.next_sample().is_some() {}
+    assert_eq!(r.entries_advised(), (0, 0));
+}

@@ -391,6 +391,12 @@ pub struct EpochReader {
     /// The consumer's position when the backend was last told the coming records
     /// ([`EpochReader::foresee`]); `None`: not yet in this pass.
     foreseen_at: Option<u64>,
+    /// The positions before this one had their index entries asked for
+    /// ([`Dataset::advise_entries`]) while the planner advised, and how many requests that took.
+    entries_advised: u64,
+    entry_requests: u64,
+    /// The (cache, index page) asked for last.
+    last_entry_page: Option<(usize, u64)>,
 }
 
 impl Drop for EpochReader {
@@ -471,6 +477,9 @@ impl EpochReader {
             read_ahead_bytes: opts.read_ahead_bytes,
             shuffled: opts.shuffle,
             foreseen_at: None,
+            entries_advised: 0,
+            entry_requests: 0,
+            last_entry_page: None,
         }
     }
 
@@ -493,6 +502,12 @@ impl EpochReader {
     /// What the planner did so far (`None` on the plain path).
     pub fn planner_stats(&self) -> Option<PlannerStats> {
         self.planner.as_ref().map(ReadPlanner::stats)
+    }
+
+    /// The positions whose index entries were asked for ahead of the planner (all those before
+    /// the one returned), and the requests to the kernel that took.
+    pub fn entries_advised(&self) -> (u64, u64) {
+        (self.entries_advised, self.entry_requests)
     }
 
     /// Records the planner planned and the consumer has not taken yet (0 on the plain path).
@@ -644,6 +659,18 @@ impl EpochReader {
             return;
         };
         let mut k = self.submitted + self.ahead.len() as u64;
+        // Working out where a record lies reads its index entry, and a cold entry would make
+        // the planner wait for the device one entry at a time: the entries of twice the depth
+        // of positions from here on are asked for first, so that they arrive together.
+        let horizon = k.saturating_add(2 * planner.depth() as u64).min(self.len);
+        if self.entries_advised < horizon {
+            let pass = &self.pass;
+            let from = self.entries_advised.max(k);
+            let globals = (from..horizon).map(|p| pass.global(p));
+            let last = &mut self.last_entry_page;
+            self.entry_requests += self.dataset.advise_entries(globals, last);
+            self.entries_advised = horizon;
+        }
         while k < self.len && planner.advising() {
             let g = self.pass.global(k);
             let range = self.dataset.record_range(g);
