@@ -594,7 +594,7 @@ impl Cache {
         if range.end > self.index.len() {
             return None;
         }
-        let page = crate::os::page_size().unwrap_or(4096) as usize;
+        let page = crate::os::page() as usize;
         let start = range.start - range.start % page;
         if last == Some(start as u64) && range.end <= start + page {
             return Some((start as u64, false));

@@ -61,6 +61,13 @@ pub fn page_size() -> Option<u64> {
     (size > 0).then_some(size as u64)
 }
 
+/// The page size for aligning kernel advice and residency probes, asked once per process
+/// (4096 when the OS does not say).
+pub fn page() -> u64 {
+    static PAGE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| page_size().unwrap_or(4096))
+}
+
 /// The machine's physical memory in bytes, when the OS says.
 pub fn physical_memory() -> Option<u64> {
     // SAFETY: sysconf only reads system configuration.

@@ -115,12 +115,6 @@ pub struct LocalFiles {
     random: bool,
 }
 
-/// The page size, for aligning advice and probes.
-fn page() -> u64 {
-    static PAGE: OnceLock<u64> = OnceLock::new();
-    *PAGE.get_or_init(|| crate::os::page_size().unwrap_or(4096))
-}
-
 /// Pages `mincore` reports on at a time.
 const PROBE_PAGES: usize = 64;
 
@@ -172,7 +166,7 @@ impl LocalFiles {
         }
         let map = cache.shard_bytes(r.shard);
         let end = r.end().min(map.len() as u64);
-        let start = r.offset - r.offset % page();
+        let start = r.offset - r.offset % crate::os::page();
         if start >= end {
             return None;
         }
@@ -221,7 +215,7 @@ impl RangeSource for LocalFiles {
         let Some((map, start, len)) = self.span(r) else {
             return true; // nothing to fetch
         };
-        let page = page() as usize;
+        let page = crate::os::page() as usize;
         let mut pages = len.div_ceil(page);
         let mut at = start;
         let mut vec = [0u8; PROBE_PAGES];
