@@ -502,10 +502,18 @@ def run_ceiling(lay: Layout, idx: list[int], threads: int, procs: int) -> dict[s
     errors = [e for _, errs in results for e in errs]
     if errors:
         raise CheckError(errors[0])
+    return ceiling_result(open_s, [a - t1 for a in arrivals], t2 - t1, idx)
+
+
+def ceiling_result(
+    open_s: float, arrivals: list[float], pass_s: float, idx: list[int]
+) -> dict[str, Any]:
+    """A ceiling's answer from the seconds at which each record arrived (sorted, from the first
+    request) and the pass's length."""
     return {
         "open_s": open_s,
-        "pass_s": t2 - t1,
-        "first_s": arrivals[0] - t1 if arrivals else None,
+        "pass_s": pass_s,
+        "first_s": arrivals[0] if arrivals else None,
         "steady_samples_per_s": steady_rate(arrivals, [1] * len(arrivals)),
         "checked": len(arrivals),
         "distinct": len(set(idx)),
@@ -579,14 +587,7 @@ def run_ceiling_rust(
     if proc.returncode != 0:
         raise CheckError((proc.stderr.strip().splitlines() or ["no output"])[-1])
     arrivals = [float(x) for x in proc.stdout.split()]
-    return {
-        "open_s": open_s,
-        "pass_s": arrivals[-1] if arrivals else 0.0,
-        "first_s": arrivals[0] if arrivals else None,
-        "steady_samples_per_s": steady_rate(arrivals, [1] * len(arrivals)),
-        "checked": len(arrivals),
-        "distinct": len(set(idx)),
-    }
+    return ceiling_result(open_s, arrivals, arrivals[-1] if arrivals else 0.0, idx)
 
 
 def run_torch(lay: Layout, idx: list[int], workers: int, batch: int) -> dict[str, Any]:
