@@ -552,8 +552,10 @@ def ensure_spans(lay: Layout) -> None:
     from dataset_rt import _native
 
     rows = np.frombuffer(_native.payload_spans(lay.drt / CACHE_NAME), dtype="<i8").reshape(-1, 4)
-    if len(rows) != lay.count or (rows[:, 3] >= 0).any():
-        raise RuntimeError(f"{lay.drt}: expected {lay.count} raw payloads, got {len(rows)} spans")
+    if len(rows) != lay.count:
+        raise RuntimeError(f"{lay.drt}: expected {lay.count} payload spans, got {len(rows)}")
+    if (rows[:, 3] >= 0).any():
+        raise RuntimeError(f"{lay.drt}: some payloads are compressed, the benchmark writes raw")
     np.save(lay.spans, rows)
 
 
