@@ -25,6 +25,7 @@ use crate::cache::{dir_cache_name, Cache, Validation};
 use crate::error::{Error, IoContext, Result};
 pub use crate::format::combined_fingerprint;
 use crate::format::{MANIFEST_FILE, WRITER_VERSION};
+use crate::liveness;
 use crate::writer::{reap_dead_leftovers, validate_name, CacheLock, MAX_NAME_BYTES};
 
 /// The set manifest's file name inside a set directory.
@@ -473,13 +474,7 @@ impl SetBuild {
                 }
             }
         }
-        // Every part is published, so no writer of a part is left: their leftovers and lock
-        // files go before the directory becomes the set.
-        for entry in &entries {
-            reap_dead_leftovers(&self.staging, &entry.name);
-            let lock_file = self.staging.join(format!(".{}.lock", entry.name));
-            let _ = fs::remove_file(lock_file);
-        }
+        self.tidy_staging(&entries)?;
         let json = SetManifest::of_parts(&name, entries).to_bytes();
         let path = self.staging.join(SET_MANIFEST_FILE);
         // A manifest left by a build that died before its rename is rewritten whole.
@@ -494,6 +489,95 @@ impl SetBuild {
         let _ = sync_dir(&self.lock.base);
         CacheSet::open(&final_dir, validation)
     }
+}
+
+impl SetBuild {
+    /// Leaves nothing in the staging directory but the parts of `entries` (and a `set.json`
+    /// that is rewritten), so that the published set holds nothing else. Every part is
+    /// published, so no writer of one is left: their leftovers and lock files go. The parts
+    /// of an earlier build of the set with more parts (by name, `NAME.part-N` with N past the
+    /// count) go too, with their locks and leftovers, once no writer of them is alive. Anything
+    /// else, or such a writer still running, refuses the publication with nothing removed
+    /// that is not the set's.
+    fn tidy_staging(&self, entries: &[PartEntry]) -> Result<()> {
+        let name = self.name();
+        for entry in entries {
+            reap_dead_leftovers(&self.staging, &entry.name);
+            let lock_file = self.staging.join(format!(".{}.lock", entry.name));
+            let _ = fs::remove_file(lock_file);
+        }
+        let refuse = |what: String| {
+            Err(Error::Runtime(format!(
+                "cache set {name:?} cannot be published: {what}"
+            )))
+        };
+        let listing = fs::read_dir(&self.staging).ctx("list", &self.staging)?;
+        for found in listing {
+            let found = found.ctx("list", &self.staging)?;
+            let file_name = found.file_name();
+            let file_name = file_name.to_string_lossy();
+            let path = found.path();
+            if file_name == SET_MANIFEST_FILE || entries.iter().any(|e| e.name == file_name) {
+                continue;
+            }
+            let Some(part) = stale_part_of(name, &file_name).filter(|&i| i >= self.parts) else {
+                return refuse(format!(
+                    "its staging directory holds {}, which is no part of it; move it away \
+                     and build the set again",
+                    path.display()
+                ));
+            };
+            let part = part_name(name, part);
+            let lock_path = self.staging.join(format!(".{part}.lock"));
+            let _held = match liveness::probe(&lock_path) {
+                liveness::Owner::Gone(held) => Some(held),
+                liveness::Owner::Unknown(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                liveness::Owner::Alive => {
+                    return refuse(format!(
+                        "part {part} of an earlier build of the set with more parts is still \
+                         being written ({} is held); stop that writer and build the set again",
+                        lock_path.display()
+                    ))
+                }
+                liveness::Owner::Unknown(e) => return Err(Error::io("lock", &lock_path, e)),
+            };
+            let removed = if found.file_type().is_ok_and(|t| t.is_dir()) {
+                fs::remove_dir_all(&path)
+            } else {
+                fs::remove_file(&path)
+            };
+            match removed {
+                Ok(()) => {}
+                // Removed meanwhile with its part (a leftover under the part's directory).
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io("remove", &path, e)),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The index of the part of set `set` that a staging directory's entry belongs to: the part
+/// itself (`SET.part-N`), its lock file (`.SET.part-N.lock`) or a temporary directory of its
+/// writer (`.SET.part-N.tmp-PID-NANOS`).
+fn stale_part_of(set: &str, file_name: &str) -> Option<usize> {
+    let prefix = format!("{set}.part-");
+    let rest = match file_name.strip_prefix('.') {
+        Some(hidden) => hidden.strip_prefix(&prefix)?,
+        None => file_name.strip_prefix(&prefix)?,
+    };
+    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    let (index, tail) = rest.split_at(digits);
+    let hidden = file_name.starts_with('.');
+    let ok = match tail {
+        "" => !hidden,
+        ".lock" => hidden,
+        t => hidden && t.starts_with(".tmp-"),
+    };
+    if digits != 6 || !ok {
+        return None;
+    }
+    index.parse().ok()
 }
 
 fn sync_dir(path: &Path) -> Result<()> {

@@ -12,7 +12,7 @@ use dataset_rt_core::cache_set::{
 use dataset_rt_core::dataset::Dataset;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::writer::{SampleInput, WriterOptions};
+use dataset_rt_core::writer::{CacheLock, SampleInput, WriterOptions};
 use dataset_rt_core::Error;
 use dataset_rt_testkit::{sample, write_cache, writer_options};
 
@@ -311,6 +311,84 @@ fn a_malformed_part_in_staging_is_reported_and_blocks_publication() {
         "{err}"
     );
     assert!(!tmp.path().join("s").exists());
+}
+
+fn entries_of(dir: &Path) -> Vec<String> {
+    let mut entries: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    entries.sort();
+    entries
+}
+
+#[test]
+fn the_parts_of_an_earlier_build_with_more_parts_are_not_published_with_the_set() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    // A build of 4 parts published parts 1 to 3 and stopped (part 0 failed).
+    let build = building(tmp.path(), "s", 4);
+    for i in 1..4 {
+        write_part(&pool, &build, i);
+    }
+    assert!(entries_of(build.staging()).contains(&".s.part-000003.lock".to_owned()));
+    drop(build);
+    // The user repartitioned into 2 parts.
+    let build = building(tmp.path(), "s", 2);
+    write_part(&pool, &build, 0);
+    let set = build.publish(Validation::Structure).unwrap();
+    assert_eq!(set.len(), 5 + 6);
+    assert_eq!(
+        entries_of(&tmp.path().join("s")),
+        ["s.part-000000", "s.part-000001", "set.json"]
+    );
+    CacheSet::open(&tmp.path().join("s"), Validation::Full).unwrap();
+}
+
+#[test]
+fn a_stranger_in_staging_or_a_live_writer_of_an_earlier_part_refuses_publication() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    let build = building(tmp.path(), "s", 3);
+    for i in 0..3 {
+        write_part(&pool, &build, i);
+    }
+    drop(build);
+    let build = building(tmp.path(), "s", 1);
+    let stranger = build.staging().join("notes");
+    std::fs::create_dir(&stranger).unwrap();
+    std::fs::write(stranger.join("keep.txt"), b"mine").unwrap();
+    let err = match build.publish(Validation::Structure) {
+        Ok(_) => panic!("published a set with a stranger in it"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("no part of it") && err.contains(&stranger.display().to_string()),
+        "{err}"
+    );
+    assert!(!tmp.path().join("s").exists());
+    assert_eq!(std::fs::read(stranger.join("keep.txt")).unwrap(), b"mine");
+    std::fs::remove_dir_all(&stranger).unwrap();
+    // A writer of part 2 of the earlier build that is still alive holds its lock.
+    let build = building(tmp.path(), "s", 1);
+    let writer = CacheLock::acquire(build.staging(), "s.part-000002").unwrap();
+    let err = match build.publish(Validation::Structure) {
+        Ok(_) => panic!("published while a writer of an earlier part is alive"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("s.part-000002") && err.contains("still being written"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("s").exists());
+    drop(writer);
+    let build = building(tmp.path(), "s", 1);
+    let set = build.publish(Validation::Structure).unwrap();
+    assert_eq!(set.len(), 5);
+    assert_eq!(
+        entries_of(&tmp.path().join("s")),
+        ["s.part-000000", "set.json"]
+    );
 }
 
 #[test]
