@@ -10,6 +10,7 @@ part is, and a rerun writes only the parts that are missing. Open it with
 
 from __future__ import annotations
 
+import operator
 import os
 import shutil
 import tempfile
@@ -124,6 +125,7 @@ def write_cache_set(
     """
     import ray
 
+    threads_per_task = _threads(threads_per_task)
     writer = writer_config if writer_config is not None else WriterConfig()
     if not isinstance(writer, WriterConfig):
         raise _native.ConfigError(
@@ -146,6 +148,7 @@ def write_cache_set(
     if os.path.exists(os.path.join(base, name)):
         return _open(name, base)
     blocks = _blocks_in_order(ray_dataset)
+    _check_fits(threads_per_task)
     builder = _native.SetBuilder(base, name, len(blocks))
     if builder.published is not None:
         return _open(name, base)
@@ -203,6 +206,38 @@ def write_cache_set(
         builder.close()
 
 
+def _threads(threads_per_task: object) -> int:
+    """``threads_per_task`` as an int of at least 1 (checked before anything is created)."""
+    try:
+        if isinstance(threads_per_task, bool):
+            raise TypeError
+        n = operator.index(threads_per_task)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
+    if n is None or n < 1:
+        raise _native.ConfigError(
+            "invalid write_cache_set.threads_per_task: expected an int >= 1 (CPUs and writer "
+            f"threads of each Ray task), got {threads_per_task!r}"
+        )
+    return n
+
+
+def _check_fits(threads_per_task: int) -> None:
+    """Refuses tasks that no node of the running cluster has the CPUs for: Ray would keep them
+    pending for ever, waiting for a node that never comes."""
+    import ray
+
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    cpus = (node.get("Resources", {}).get("CPU", 0) for node in nodes if node.get("Alive"))
+    largest = max(cpus, default=0)
+    if threads_per_task > largest:
+        raise _native.ConfigError(
+            f"invalid write_cache_set.threads_per_task: {threads_per_task} CPUs per task, but "
+            f"the largest node of the Ray cluster has {largest:g}, so no task could start; "
+            "nothing was written"
+        )
+
+
 def _open(name: str, base: str) -> list[CacheSourceResult]:
     with DatasetRuntime(num_workers=1) as runtime:
         return runtime.open_caches(name, base).results
@@ -239,6 +274,7 @@ def _write_to_url(
     if not isinstance(found[0], CacheMissing):
         return found  # published already (CacheLoaded), or there and malformed: never rewritten
     blocks = _blocks_in_order(ray_dataset)
+    _check_fits(threads_per_task)
     parts = _native.published_set_parts(url, len(blocks), remote)
     missing = [i for i, (_, samples) in enumerate(parts) if samples is None]
     progress = (

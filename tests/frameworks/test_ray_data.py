@@ -19,6 +19,7 @@ from dataset_rt import (  # noqa: E402
     CacheSet,
     CacheSourcesDatasetSuccess,
     CacheWritten,
+    ConfigError,
     DatasetRuntime,
     ReaderConfig,
     RemoteConfig,
@@ -133,6 +134,21 @@ def test_a_failing_block_is_reported_and_the_rerun_writes_only_it(tmp_path):
         "CacheWritten",
     ]
     assert (tmp_path / "s" / "set.json").is_file()
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, "2", True, None, 3])
+def test_threads_per_task_is_checked_before_anything_is_written(tmp_path, threads):
+    """An int of at least 1 that a node of the cluster (2 CPUs here) can run: a task asking for
+    more CPUs than any node has would wait for ever."""
+    ds = ray.data.from_items(rows(), override_num_blocks=BLOCKS)
+    quiet = WriterConfig(show_progress=False)
+    with pytest.raises(ConfigError, match=r"write_cache_set\.threads_per_task") as raised:
+        write_cache_set(
+            ds, "s", tmp_path / "b", to_input, writer_config=quiet, threads_per_task=threads
+        )
+    if threads == 3:
+        assert "largest node of the Ray cluster has 2" in str(raised.value)
+    assert not (tmp_path / "b").exists()
 
 
 def test_ray_publishes_a_set_at_a_url_that_reads_as_the_local_one(tmp_path):
