@@ -14,7 +14,7 @@ import pickle
 import signal
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -48,11 +48,13 @@ class CacheSet:
 
     __slots__ = ("name", "parts")
 
-    def __init__(self, name: str, parts: Iterable[PartSource]) -> None:
-        if isinstance(parts, (str, bytes)) or not isinstance(parts, Iterable):
+    def __init__(self, name: str, parts: Sequence[PartSource]) -> None:
+        # A sequence: the parts' order decides the set's content, which a set's or a dict's
+        # iteration order does not keep, and a generator would be used up by the first build.
+        if isinstance(parts, (str, bytes, bytearray)) or not isinstance(parts, Sequence):
             raise _native.ConfigError(
-                f"CacheSet {name!r}: parts must be a sequence of sources, got "
-                f"{type(parts).__name__}"
+                f"CacheSet {name!r}: parts must be a sequence of sources (a list or a tuple: "
+                f"their order decides the set's content), got {type(parts).__name__}"
             )
         self.name = name
         self.parts: tuple[PartSource, ...] = tuple(parts)

@@ -340,12 +340,17 @@ def test_bad_settings_are_refused_naming_what_is_wrong(tmp_path):
             WriterConfig(processes=bad)
     with pytest.raises(ConfigError, match="needs at least one part"):
         CacheSet("s", [])
-    with pytest.raises(ConfigError, match="parts must be a sequence"):
-        CacheSet("s", "abc")  # type: ignore[arg-type]
+    for not_a_sequence in ("abc", {1: 2}, set(parts(2, 1)), (p for p in parts(2, 1))):
+        with pytest.raises(ConfigError, match="parts must be a sequence"):
+            CacheSet("s", not_a_sequence)  # type: ignore[arg-type]
+    assert len(CacheSet("s", tuple(parts(2, 1)))) == 2
     with pytest.raises(ConfigError, match="cache set's name may have at most"):
         build(tmp_path, CacheSet("s" * 215, parts(1, 1)))
     with pytest.raises(ConfigError, match="two sources are named"):
         build(tmp_path, [CacheSet("s", parts(1, 1)), ListSource("s", [])])
+    # A source named like a set's part: refused before either is written.
+    with pytest.raises(ConfigError, match='has the name of part 1 of cache set "s"'):
+        build(tmp_path, [CacheSet("s", parts(2, 1)), ListSource("s.part-000001", [])])
     assert list(tmp_path.iterdir()) == []
 
     # A part that cannot be pickled for a worker fails alone.

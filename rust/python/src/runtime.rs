@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use dataset_rt_core::cache::{Cache, Validation};
-use dataset_rt_core::cache_set::Opened;
+use dataset_rt_core::cache_set::{part_name, Opened};
 use dataset_rt_core::dataset::ReadOptions;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
@@ -117,6 +117,7 @@ impl Runtime {
 
         // A set's name and parts are checked with the names, before anything is written.
         let sets = SetSource::find(&sources, &names)?;
+        check_part_names(&names, &sets)?;
 
         check_base_dir(&base_cache_dir).py_err()?;
 
@@ -285,6 +286,29 @@ fn check_names(names: &[String], what: &str, why: &str) -> PyResult<()> {
             return Err(ConfigError::new_err(format!(
                 "two {what}s are named {name:?}: {why}"
             )));
+        }
+    }
+    Ok(())
+}
+
+/// The dataset's caches are the plain sources and the sets' parts (`SET.part-NNNNNN`): a plain
+/// source named like a part would be written, then refused as a second cache of that name.
+fn check_part_names(names: &[String], sets: &[Option<SetSource<'_>>]) -> PyResult<()> {
+    let plain: HashSet<&String> = names
+        .iter()
+        .zip(sets)
+        .filter_map(|(name, set)| set.is_none().then_some(name))
+        .collect();
+    for set in sets.iter().flatten() {
+        for index in 0..set.parts.len() {
+            let part = part_name(&set.name, index);
+            if plain.contains(&part) {
+                return Err(ConfigError::new_err(format!(
+                    "source {part:?} has the name of part {index} of cache set {:?}: the \
+                     dataset's caches must have unique names; nothing was written",
+                    set.name
+                )));
+            }
         }
     }
     Ok(())
