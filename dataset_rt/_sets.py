@@ -81,6 +81,11 @@ class _Worker:
         self.gone = False  # exited, or its pipe closed
 
 
+# Set in a worker process when the parent stops it (SIGTERM): the KeyboardInterrupt that unwinds
+# the write is then the parent's, not the source's.
+_stopped = False
+
+
 def _worker_main(
     conn: Connection, parent_pid: int, threads: int, staging: str, writer: WriterConfig
 ) -> None:
@@ -90,6 +95,8 @@ def _worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def stop(signum: int, frame: FrameType | None) -> None:
+        global _stopped
+        _stopped = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
@@ -140,6 +147,17 @@ def _write_one(
         return _native.write_part(runtime, source, staging, name, writer, report)
     except Exception as error:
         return ("write_error", f"part {index} ({name}): {type(error).__name__}: {error}", 0, 0)
+    except BaseException as error:
+        if _stopped:  # the parent's SIGTERM: the worker exits
+            raise
+        # The source's own SystemExit or KeyboardInterrupt (SIGINT is ignored here): in this
+        # process it would have ended the build; in a worker it fails its part, with its cause.
+        return (
+            "write_error",
+            f"part {index} ({name}): the source raised {error!r} in the worker process",
+            0,
+            0,
+        )
 
 
 def _describe_exit(process: BaseProcess) -> str:

@@ -17,7 +17,8 @@ def payload(part: int, i: int) -> bytes:
 
 class Part:
     """Part ``part`` of a test set: ``n`` samples; optionally raises at sample ``fail_at``,
-    SIGKILLs its own process at sample ``kill_at``, or sleeps ``delay`` seconds per sample."""
+    SIGKILLs its own process at sample ``kill_at``, raises ``SystemExit(3)`` at sample
+    ``exit_at``, or sleeps ``delay`` seconds per sample."""
 
     def __init__(
         self,
@@ -26,12 +27,14 @@ class Part:
         *,
         fail_at: int | None = None,
         kill_at: int | None = None,
+        exit_at: int | None = None,
         delay: float = 0.0,
     ) -> None:
         self.part = part
         self.n = n
         self.fail_at = fail_at
         self.kill_at = kill_at
+        self.exit_at = exit_at
         self.delay = delay
 
     def __iter__(self) -> Iterator[CacheInput]:
@@ -40,6 +43,8 @@ class Part:
                 raise ValueError(f"part {self.part} cannot read sample {i}")
             if i == self.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if i == self.exit_at:
+                raise SystemExit(3)
             if self.delay:
                 time.sleep(self.delay)
             yield CacheInput(payload(self.part, i), {"sample_id": i, "part": self.part})

@@ -234,6 +234,21 @@ def test_a_killed_worker_fails_its_part_only(tmp_path, reference):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".s.lock", "s"]
 
 
+def test_a_part_that_exits_fails_alone_with_its_cause(tmp_path):
+    """``SystemExit`` from a part's source would end this process's build; in a worker it fails
+    that part, saying what the source raised, and the worker writes the next part."""
+    result = build(tmp_path, CacheSet("s", parts(3, 8, p0={"exit_at": 2})), processes=2)
+    assert kinds(result.results) == [
+        "CacheWriteError",
+        "CacheWritten",
+        "CacheWritten",
+        "CacheWriteError",
+    ]
+    assert "the source raised SystemExit(3)" in result.results[0].message
+    with pytest.raises(SystemExit):
+        build(tmp_path / "here", CacheSet("s", parts(3, 8, p0={"exit_at": 2})))
+
+
 def run_build(base: Path, processes: int, delay: float) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
     return subprocess.Popen(
