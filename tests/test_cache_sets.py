@@ -350,8 +350,8 @@ def test_one_progress_line_for_the_whole_set(tmp_path, capsys):
 
 
 def test_bad_settings_are_refused_naming_what_is_wrong(tmp_path):
-    for bad in (0, -1, True, 1.5, "2", 1025):
-        with pytest.raises(ConfigError, match=r"invalid WriterConfig\.processes"):
+    for bad in (0, -1, True, 1.5, "2", 1025, 2**64):
+        with pytest.raises(ConfigError, match=r"invalid WriterConfig\.processes: .* 1 to 1024"):
             WriterConfig(processes=bad)
     with pytest.raises(ConfigError, match="needs at least one part"):
         CacheSet("s", [])

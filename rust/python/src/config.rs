@@ -213,14 +213,18 @@ impl WriterFields<'_> {
 
     /// How many processes write a cache set's parts (1 to [`MAX_WRITER_PROCESSES`]).
     pub fn processes(&self) -> PyResult<usize> {
-        let n = unsigned("WriterConfig.processes", &self.processes, 1)?;
-        if n > MAX_WRITER_PROCESSES {
-            return Err(ConfigError::new_err(format!(
+        // One message for every bad value, 2**64 and above included.
+        match unsigned("WriterConfig.processes", &self.processes, 1) {
+            Ok(n) if n <= MAX_WRITER_PROCESSES => Ok(n as usize),
+            _ => Err(ConfigError::new_err(format!(
                 "invalid WriterConfig.processes: expected an int from 1 to \
-                 {MAX_WRITER_PROCESSES}, got {n}"
-            )));
+                 {MAX_WRITER_PROCESSES}, got {}",
+                self.processes
+                    .repr()
+                    .map(|r| r.to_string())
+                    .unwrap_or_default()
+            ))),
         }
-        Ok(n as usize)
     }
 }
 
