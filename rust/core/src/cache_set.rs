@@ -517,7 +517,12 @@ impl SetBuild {
             let file_name = found.file_name();
             let file_name = file_name.to_string_lossy();
             let path = found.path();
-            if file_name == SET_MANIFEST_FILE || entries.iter().any(|e| e.name == file_name) {
+            // An NFS client's `.nfsXXXX` stands for a removed file still open somewhere, and
+            // goes when it is closed.
+            if file_name == SET_MANIFEST_FILE
+                || file_name.starts_with(".nfs")
+                || entries.iter().any(|e| e.name == file_name)
+            {
                 continue;
             }
             let Some(part) = stale_part_of(name, &file_name).filter(|&i| i >= self.parts) else {
