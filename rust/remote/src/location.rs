@@ -139,10 +139,19 @@ impl RemoteUrl {
             .unwrap_or("")
             .trim_end_matches('/');
         for segment in given_path.split('/').skip(1) {
-            if segment.is_empty() || segment == "." || segment == ".." {
+            // Decoded first: the URL parser also reads "%2e%2e" as "..", and a decoded "%2f"
+            // would split a segment in two.
+            let decoded = percent_encoding::percent_decode_str(segment).decode_utf8_lossy();
+            if decoded.is_empty() || decoded == "." || decoded == ".." {
                 return Err(Error::url(
                     text,
-                    "the path has an empty, '.' or '..' segment",
+                    "the path has an empty, '.' or '..' segment (percent-encoded or not)",
+                ));
+            }
+            if decoded.contains(['/', '\\', '\0']) {
+                return Err(Error::url(
+                    text,
+                    "a path segment holds an encoded '/', '\\' or NUL (%2F, %5C, %00)",
                 ));
             }
         }
@@ -254,6 +263,11 @@ mod tests {
             ("s3://bucket:9000/x", "endpoint"),
             ("s3://bucket/a//b", "empty"),
             ("s3://bucket/a/../b", "'..'"),
+            ("s3://bucket/a/%2e%2e/b", "'..'"),
+            ("s3://bucket/a/%2E./b", "'..'"),
+            ("file:///tmp/a/%2e/b", "'.'"),
+            ("s3://bucket/a%2Fb/c", "encoded '/'"),
+            ("s3://bucket/a/%00", "NUL"),
             ("s3://bucket/x?versionId=3", "query"),
             ("file://host/x", "local path"),
             ("file:///", "root directory"),

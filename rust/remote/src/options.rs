@@ -112,7 +112,7 @@ impl RemoteOptions {
 
 /// An endpoint is an `http(s)://host[:port][/path]` URL without credentials. It is echoed in
 /// errors with any user-info removed.
-fn check_endpoint(endpoint: &str) -> Result<()> {
+pub(crate) fn check_endpoint(endpoint: &str) -> Result<()> {
     let shown = crate::location::redact(endpoint);
     let parsed = url::Url::parse(endpoint)
         .map_err(|e| Error::config("endpoint", format!("{shown:?} is not a URL: {e}")))?;
@@ -129,6 +129,12 @@ fn check_endpoint(endpoint: &str) -> Result<()> {
         return Err(Error::config(
             "endpoint",
             format!("{shown:?} is not an http:// or https:// URL with a host"),
+        ));
+    }
+    if parsed.query().is_some() || parsed.fragment().is_some() {
+        return Err(Error::config(
+            "endpoint",
+            format!("{shown:?} has a query (?...) or fragment (#...), which no endpoint has"),
         ));
     }
     Ok(())

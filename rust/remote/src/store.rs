@@ -11,7 +11,7 @@ use object_store::{ClientConfigKey, ObjectStore, RetryConfig};
 
 use crate::error::{Error, Result};
 use crate::location::{RemoteUrl, Scheme};
-use crate::options::RemoteOptions;
+use crate::options::{check_endpoint, RemoteOptions};
 use crate::runtime::ProcessLocal;
 
 /// How long a connection may take: an unreachable endpoint is an error in seconds.
@@ -208,6 +208,22 @@ impl Remote {
                 }
                 if let Some(allow) = options.allow_http {
                     builder = builder.with_allow_http(allow);
+                }
+                // The endpoint from AWS_ENDPOINT_URL gets the checks RemoteConfig.endpoint has:
+                // the client would panic on a malformed one at the first request.
+                if let Some(endpoint) = builder.get_config_value(&AmazonS3ConfigKey::Endpoint) {
+                    check_endpoint(&endpoint).map_err(|e| match e {
+                        Error::Config { field, reason } if options.endpoint.is_none() => {
+                            Error::Config {
+                                field,
+                                reason: format!(
+                                    "{reason} (from AWS_ENDPOINT_URL, which is used while \
+                                     RemoteConfig.endpoint is None)"
+                                ),
+                            }
+                        }
+                        other => other,
+                    })?;
                 }
                 check_plain_http(&builder)?;
                 let store = builder.build().map_err(|e| {

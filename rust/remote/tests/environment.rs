@@ -75,4 +75,21 @@ fn secrets_stay_hidden_and_an_unreachable_endpoint_fails_fast() {
     assert!(err.to_string().contains("RemoteConfig.allow_http"), "{err}");
     std::env::set_var("AWS_ALLOW_HTTP", "1");
     Remote::open("s3://bucket/data/train", &options).unwrap();
+    // A malformed endpoint from the environment is refused when the store is made (the client
+    // panicked on it at the first request), saying where it came from.
+    for bad in ["not a url", "ftp://x", "http://127.0.0.1:1/?x=1"] {
+        std::env::set_var("AWS_ENDPOINT_URL", bad);
+        let err = Remote::open("s3://bucket/data/train", &options).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("RemoteConfig.endpoint") && text.contains("from AWS_ENDPOINT_URL"),
+            "{bad}: {text}"
+        );
+        // RemoteConfig.endpoint wins over it.
+        let given = RemoteOptions {
+            endpoint: Some("http://127.0.0.1:1".into()),
+            ..RemoteOptions::default()
+        };
+        Remote::open("s3://bucket/data/train", &given).unwrap();
+    }
 }
