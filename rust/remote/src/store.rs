@@ -16,6 +16,10 @@ use crate::runtime::ProcessLocal;
 
 /// How long a connection may take: an unreachable endpoint is an error in seconds.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a response may stall between two reads (its first byte included): a server that
+/// takes connections and never answers is an error in seconds, where a request's whole time
+/// (below) would let it hang for [`REQUEST_TIMEOUT`] an attempt.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long one request may take in all. Requests are at most `FetchPolicy::max_request_bytes`
 /// (8 MiB), so this is a generous bound that still ends a hang.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -195,6 +199,10 @@ impl Remote {
                     .with_config(
                         AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout),
                         format!("{}s", CONNECT_TIMEOUT.as_secs()),
+                    )
+                    .with_config(
+                        AmazonS3ConfigKey::Client(ClientConfigKey::ReadTimeout),
+                        format!("{}s", READ_TIMEOUT.as_secs()),
                     )
                     .with_config(
                         AmazonS3ConfigKey::Client(ClientConfigKey::Timeout),
