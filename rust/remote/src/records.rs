@@ -80,6 +80,10 @@ pub struct RemoteRecords {
     records_only: AtomicBool,
     /// The blocks this process started to download.
     started_blocks: Mutex<HashSet<RangeKey>>,
+    /// Blocks (shard, first byte) that stayed wrong on the server: their records are downloaded
+    /// one by one, so that the intact ones are served and the damaged one is named at its own
+    /// sample.
+    damaged_blocks: Mutex<HashSet<(u32, u64)>>,
     version: u32,
     /// Downloads started by this process and not finished (so that a read waits for them rather
     /// than downloading the same range again).
@@ -408,7 +412,14 @@ impl RemoteRecords {
             .blocks
             .as_ref()
             .filter(|_| !self.records_only.load(Ordering::Relaxed));
-        match blocks.and_then(|b| b.of(range)) {
+        let damaged = |b: &Block| {
+            let damaged = self
+                .damaged_blocks
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            damaged.contains(&(range.shard, b.start))
+        };
+        match blocks.and_then(|b| b.of(range)).filter(|b| !damaged(b)) {
             Some(block) => (RangeRequest::new(file, block.start..block.end), Some(block)),
             None => (RangeRequest::new(file, range.offset..range.end()), None),
         }
@@ -648,10 +659,22 @@ impl RecordSource for RemoteRecords {
             // Damaged on the local disk: the block is downloaded again.
             self.node_cache().remove(&key)?;
         }
-        let bytes = self.download(&key, range, sample)?;
-        Ok(Box::new(
-            bytes.slice(from as usize..(from + range.len) as usize),
-        ))
+        match self.download(&key, range, sample) {
+            Ok(bytes) => Ok(Box::new(
+                bytes.slice(from as usize..(from + range.len) as usize),
+            )),
+            // A record of the block stayed wrong: this one may be intact. From now on the
+            // block's records come one by one, each checked and named on its own.
+            Err(dataset_rt_core::Error::CorruptRecord { .. }) => {
+                self.damaged_blocks
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert((range.shard, block.start));
+                let record = RangeRequest::new(key.file.clone(), range.offset..range.end());
+                Ok(Box::new(self.download(&record, range, sample)?))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     fn discard(&self, range: &Range) {
@@ -854,6 +877,7 @@ fn open_in_place(
         blocks: blocks.clone(),
         records_only: AtomicBool::new(false),
         started_blocks: Mutex::default(),
+        damaged_blocks: Mutex::default(),
         version,
         in_flight: Arc::default(),
         name: name.clone(),

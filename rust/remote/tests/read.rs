@@ -188,6 +188,82 @@ fn transient_faults_recover_and_damage_on_the_server_is_named() {
     }
 }
 
+/// Flips one byte of row `row`'s payload in its shard object on the server, for good.
+fn damage_on_the_server(s: &Setup, cache: &Cache, row: u64) {
+    use futures::TryStreamExt;
+    use object_store::{ObjectStore, ObjectStoreExt};
+    let (shard, offset, len) = cache.record_extent(row).unwrap();
+    let name = format!("shards/{shard:06}.bin");
+    use dataset_rt_remote::runtime::block_on;
+    let listed = block_on(s.store.inner.list(None).try_collect::<Vec<_>>())
+        .unwrap()
+        .unwrap();
+    let key = listed
+        .into_iter()
+        .map(|m| m.location)
+        .find(|k| k.as_ref().ends_with(&name))
+        .unwrap();
+    let got = block_on(s.store.inner.get(&key)).unwrap().unwrap();
+    let mut bytes = block_on(got.bytes()).unwrap().unwrap().to_vec();
+    bytes[(offset + len - 1) as usize] ^= 0x5a;
+    block_on(s.store.inner.put(&key, bytes.into()))
+        .unwrap()
+        .unwrap();
+}
+
+/// The pass of epoch 0 in storage order from position `start`: the records served before the
+/// first error, and that error.
+fn in_order_from(ds: &Arc<Dataset>, start: u64) -> (Vec<Vec<u8>>, Option<CoreError>) {
+    let opts = ReadOptions::new(5, false);
+    let order = ds.try_order(&opts, &WeightTable::uniform(), 0).unwrap();
+    let pool = Pool::new(2).unwrap();
+    let mut reader = EpochReader::new(pool, ds.clone(), Arc::new(order), &opts, 0, start);
+    let mut served = Vec::new();
+    while let Some(chunk) = reader.next_chunk() {
+        match chunk {
+            Ok(fetched) => {
+                served.extend(fetched.into_iter().map(|f| ds.fetched_data(f).into_owned()))
+            }
+            Err(e) => return (served, Some(e)),
+        }
+    }
+    (served, None)
+}
+
+#[test]
+fn a_record_damaged_on_the_server_is_named_at_its_sample_and_its_block_is_served_around_it() {
+    let s = setup();
+    let (opened, remote) = open(&s, None);
+    assert!(opened.records.fetches_blocks());
+    let damaged = 7;
+    damage_on_the_server(&s, &opened.cache, damaged);
+    let (local, none) = in_order_from(&s.local, 0);
+    assert!(none.is_none());
+    let (served, err) = in_order_from(&remote, 0);
+    // The records before it in the pass (of the same block) were served, intact.
+    assert_eq!(served[..], local[..served.len()]);
+    match err {
+        Some(CoreError::CorruptRecord {
+            sample,
+            offset,
+            shard,
+            reason,
+            ..
+        }) => {
+            let (_, at, _) = opened.cache.record_extent(damaged).unwrap();
+            assert_eq!((sample, offset), (damaged, at), "{reason}");
+            let shard = shard.display().to_string();
+            assert!(shard.starts_with(URL), "{shard}");
+            assert!(reason.contains("fetched"), "{reason}");
+        }
+        other => panic!("expected a corrupt record, got {other:?}"),
+    }
+    // The records after it, of its block and the others, are served intact.
+    let (after, none) = in_order_from(&remote, damaged + 1);
+    assert!(none.is_none(), "{none:?}");
+    assert_eq!(after[..], local[damaged as usize + 1..]);
+}
+
 #[test]
 fn a_budget_that_holds_the_dataset_downloads_blocks_with_one_request_each() {
     let s = setup();
