@@ -28,8 +28,9 @@ use bytes::Bytes;
 use dataset_rt_core::cache::Cache;
 use dataset_rt_core::dataset::{Dataset, Range, RangeSource, RecordBytes, RecordSource};
 use dataset_rt_core::format::{
-    check_record_bytes, shard_file_name, Manifest, INDEX_FILE, MANIFEST_FILE, METADATA_FILE,
+    check_record_bytes, checksum_hex, shard_file_name, FileEntry, Manifest, MANIFEST_FILE,
 };
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::{Error, Result};
 use crate::fetch::{FetchPolicy, RangeFetcher, RangeRequest, Verify};
@@ -961,24 +962,52 @@ pub const VERIFY_BATCH: u64 = 256;
 /// place. Their contents are checked by the cache's open.
 fn local_copy(published: &PublishedCache, dir: &Path, again: bool) -> Result<()> {
     fs::create_dir_all(dir).map_err(|e| io_err("create directory", dir, e))?;
-    let files = [
-        (INDEX_FILE, published.manifest.index.bytes),
-        (METADATA_FILE, published.manifest.metadata.bytes),
-    ];
-    let missing: Vec<(&str, u64)> = files
+    let entries = [&published.manifest.index, &published.manifest.metadata];
+    let mut missing: Vec<&FileEntry> = entries
         .into_iter()
-        .filter(|(f, len)| again || fs::metadata(dir.join(f)).ok().map(|m| m.len()) != Some(*len))
+        .filter(|f| {
+            let len = fs::metadata(dir.join(&f.file)).ok().map(|m| m.len());
+            again || len != Some(f.bytes)
+        })
         .collect();
-    if !missing.is_empty() {
+    // Each file is checked against the manifest (size and checksum) before it is written, and
+    // a mismatch is downloaded again, a bounded number of times: a damaged object on the server
+    // is named by its URL and never kept.
+    let policy = FetchPolicy::default();
+    let fetcher = RangeFetcher::new(Arc::clone(&published.data), policy.clone())?;
+    for attempt in 1..=policy.verify_attempts {
+        if missing.is_empty() {
+            break;
+        }
         let requests: Vec<RangeRequest> = missing
             .iter()
-            .map(|(f, len)| RangeRequest::new(*f, 0..*len))
+            .map(|f| RangeRequest::new(f.file.as_str(), 0..f.bytes))
             .collect();
-        let fetcher = RangeFetcher::new(Arc::clone(&published.data), FetchPolicy::default())?;
         let got = fetcher.fetch_blocking(&requests, None)?;
-        for ((file, _), bytes) in missing.iter().zip(got) {
-            write_renamed(&dir.join(file), &bytes)?;
+        let mut bad = Vec::new();
+        for (entry, bytes) in missing.into_iter().zip(got) {
+            let checksum = checksum_hex(xxh3_64(&bytes));
+            if bytes.len() as u64 == entry.bytes && checksum == entry.checksum {
+                write_renamed(&dir.join(&entry.file), &bytes)?;
+                continue;
+            }
+            if attempt == policy.verify_attempts {
+                return Err(Error::Verify {
+                    url: published.data.show(&published.data.key(&entry.file)),
+                    range: 0..entry.bytes,
+                    attempts: attempt,
+                    reason: format!(
+                        "{} bytes with checksum xxh3-64 {checksum} arrived, the manifest says \
+                         {} bytes with {}",
+                        bytes.len(),
+                        entry.bytes,
+                        entry.checksum
+                    ),
+                });
+            }
+            bad.push(entry);
         }
+        missing = bad;
     }
     let manifest = dir.join(MANIFEST_FILE);
     if again || fs::read(&manifest).ok().as_deref() != Some(&published.manifest_bytes[..]) {

@@ -190,22 +190,26 @@ fn transient_faults_recover_and_damage_on_the_server_is_named() {
 
 /// Flips one byte of row `row`'s payload in its shard object on the server, for good.
 fn damage_on_the_server(s: &Setup, cache: &Cache, row: u64) {
+    let (shard, offset, len) = cache.record_extent(row).unwrap();
+    flip_on_the_server(s, &format!("shards/{shard:06}.bin"), offset + len - 1);
+}
+
+/// Flips byte `at` of the object whose key ends with `name` on the server.
+fn flip_on_the_server(s: &Setup, name: &str, at: u64) {
+    use dataset_rt_remote::runtime::block_on;
     use futures::TryStreamExt;
     use object_store::{ObjectStore, ObjectStoreExt};
-    let (shard, offset, len) = cache.record_extent(row).unwrap();
-    let name = format!("shards/{shard:06}.bin");
-    use dataset_rt_remote::runtime::block_on;
     let listed = block_on(s.store.inner.list(None).try_collect::<Vec<_>>())
         .unwrap()
         .unwrap();
     let key = listed
         .into_iter()
         .map(|m| m.location)
-        .find(|k| k.as_ref().ends_with(&name))
+        .find(|k| k.as_ref().ends_with(name))
         .unwrap();
     let got = block_on(s.store.inner.get(&key)).unwrap().unwrap();
     let mut bytes = block_on(got.bytes()).unwrap().unwrap().to_vec();
-    bytes[(offset + len - 1) as usize] ^= 0x5a;
+    bytes[at as usize] ^= 0x5a;
     block_on(s.store.inner.put(&key, bytes.into()))
         .unwrap()
         .unwrap();
@@ -262,6 +266,31 @@ fn a_record_damaged_on_the_server_is_named_at_its_sample_and_its_block_is_served
     let (after, none) = in_order_from(&remote, damaged + 1);
     assert!(none.is_none(), "{none:?}");
     assert_eq!(after[..], local[damaged as usize + 1..]);
+}
+
+#[test]
+fn an_index_damaged_on_the_server_is_named_by_its_url_and_never_kept() {
+    let s = setup();
+    flip_on_the_server(&s, "index.bin", 40);
+    let options = RemoteOptions {
+        local_dir: Some(s.node.clone()),
+        ..RemoteOptions::default()
+    };
+    let err = match open_remote_cache(&s.remote, &options) {
+        Ok(_) => panic!("opened a cache whose index is damaged on the server"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.starts_with(URL) && err.contains("index.bin") && err.contains("fetched 3 times"),
+        "{err}"
+    );
+    let mut kept = Vec::new();
+    collect_files(&s.node, &mut kept);
+    assert!(!kept.iter().any(|p| p.ends_with("index.bin")), "{kept:?}");
+    // Repaired on the server: it opens, and reads as the local copy.
+    flip_on_the_server(&s, "index.bin", 40);
+    let (_, remote) = open(&s, None);
+    assert_eq!(epoch(&remote, 0).unwrap(), epoch(&s.local, 0).unwrap());
 }
 
 #[test]
