@@ -200,6 +200,11 @@ pub fn remote_to_py(err: dataset_rt_remote::Error) -> PyErr {
     let msg = scrub_credentials(err.to_string());
     match err {
         Remote::Config { .. } | Remote::Url { .. } => ConfigError::new_err(msg),
+        // An object shorter than the manifest says: damage on the server, as a checksum is.
+        Remote::Request {
+            failure: Failure::Short,
+            ..
+        } => CacheMalformedError::new_err(msg),
         Remote::Request { failure, .. } => {
             let errno = match failure {
                 Failure::NotFound => libc::ENOENT,
@@ -208,6 +213,7 @@ pub fn remote_to_py(err: dataset_rt_remote::Error) -> PyErr {
                 Failure::Unreachable => libc::ECONNREFUSED,
                 Failure::Transient => libc::ETIMEDOUT,
                 Failure::Refused => libc::EINVAL,
+                Failure::Short => unreachable!("matched above"),
             };
             os_error(Some(errno), msg)
         }

@@ -22,6 +22,8 @@ pub enum RequestFailure {
     Transient,
     /// Anything else the store refused: a bad request, an unsupported operation.
     Refused,
+    /// The object is shorter than the range asked for: it does not match the manifest.
+    Short,
 }
 
 impl RequestFailure {
@@ -39,6 +41,7 @@ impl RequestFailure {
             RequestFailure::Unreachable => K::ConnectionRefused,
             RequestFailure::Transient => K::TimedOut,
             RequestFailure::Refused => K::InvalidInput,
+            RequestFailure::Short => K::InvalidData,
         }
     }
 }

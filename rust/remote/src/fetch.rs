@@ -378,13 +378,19 @@ impl RangeFetcher {
                     range: Some(GetRange::Bounded(range.clone())),
                     ..GetOptions::default()
                 };
-                let bytes = store
-                    .get_opts(&key, options)
-                    .await
-                    .map_err(failure_of)?
-                    .bytes()
-                    .await
-                    .map_err(failure_of)?;
+                let got = store.get_opts(&key, options).await.map_err(failure_of)?;
+                // The server's own size for the object: shorter than the range is damage, which
+                // no other attempt mends (a body cut short in transit is retried below).
+                if got.meta.size < range.end {
+                    return Err((
+                        RequestFailure::Short,
+                        format!(
+                            "the object holds {} bytes, shorter than the manifest says",
+                            got.meta.size
+                        ),
+                    ));
+                }
+                let bytes = got.bytes().await.map_err(failure_of)?;
                 if bytes.len() as u64 != expected {
                     return Err((
                         RequestFailure::Transient,
@@ -397,7 +403,20 @@ impl RangeFetcher {
                 Ok(bytes)
             },
         )
-        .await?;
+        .await
+        .map_err(|e| match e {
+            Error::Request {
+                failure: RequestFailure::Short,
+                reason,
+                ..
+            } => Error::Verify {
+                url: self.remote.show(&key),
+                range: range.clone(),
+                attempts: 1,
+                reason,
+            },
+            other => other,
+        })?;
         self.counters
             .bytes
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);

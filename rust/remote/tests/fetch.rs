@@ -229,3 +229,30 @@ fn bytes_that_do_not_verify_are_fetched_again_then_named() {
     );
     assert!(text.contains("record checksum mismatch"), "{text}");
 }
+
+#[test]
+fn an_object_shorter_than_the_range_is_damage_named_at_once_not_a_timeout() {
+    // A file:// store serves what there is of a range that runs past the end of the file.
+    let tmp = tempfile::tempdir().unwrap();
+    let shards = tmp.path().join("train/shards");
+    std::fs::create_dir_all(&shards).unwrap();
+    std::fs::write(shards.join("000000.bin"), object(1000)).unwrap();
+    let url = format!("file://{}/train", tmp.path().display());
+    let remote = Remote::open(&url, &RemoteOptions::default()).unwrap();
+    let f = RangeFetcher::new(Arc::new(remote), quick()).unwrap();
+    let got = f.fetch_blocking(&[req(100, 600)], None).unwrap();
+    assert_eq!(got[0][..], object(1000)[100..600]);
+    let err = f.fetch_blocking(&[req(0, 2000)], None).unwrap_err();
+    match &err {
+        Error::Verify { attempts, .. } => assert_eq!(*attempts, 1, "{err}"),
+        other => panic!("expected damage, got {other}"),
+    }
+    let text = err.to_string();
+    assert!(
+        text.contains("shards/000000.bin bytes 0..2000")
+            && text.contains("holds 1000 bytes, shorter than the manifest says"),
+        "{text}"
+    );
+    // Tried once: the server said how long the object is.
+    assert_eq!(f.stats().requests, 2);
+}
