@@ -492,12 +492,27 @@ def test_ctrl_c_stops_a_command_waiting_on_a_silent_server(tmp_path: Path) -> No
     assert_no_secret(err)
 
 
-def test_a_missing_bucket_is_named(s3_env: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_missing_bucket_is_named(
+    s3_env: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     url = "s3://no-such-bucket-dataset-rt/x"
     with pytest.raises(FileNotFoundError, match="does not exist"):
         _native.list_caches(url, RemoteConfig())
     assert main(["ls", url]) == EXIT_USAGE
     assert "s3://no-such-bucket-dataset-rt/x" in capsys.readouterr().err
+    # Opening, inspecting and pushing say that the bucket is missing, not that no cache is
+    # published (which would advise a push into that bucket).
+    says = 'the bucket "no-such-bucket-dataset-rt" does not exist'
+    for command in (
+        ["inspect", f"{url}/train"],
+        ["push", str(write_cache(tmp_path)), f"{url}/train"],
+    ):
+        assert main(command) != EXIT_OK
+        err = capsys.readouterr().err
+        assert says in err and "publish one with" not in err, err
+    with DatasetRuntime(num_workers=1) as runtime:
+        result = runtime.open_caches("train", url, remote=RemoteConfig(local_dir=tmp_path / "n"))
+    assert says in result.results[0].message
 
 
 def test_plain_http_is_refused_unless_allowed(

@@ -45,6 +45,30 @@ use crate::store::Remote;
 /// The folder of build prefixes under a cache's URL.
 pub const BUILDS_DIR: &str = ".builds";
 
+/// A missing bucket reads like a missing object to a GET: where a manifest was not found, one
+/// LIST of the URL's prefix tells them apart (S3 only), so that the error says to check the
+/// bucket rather than to publish a cache into a bucket that does not exist.
+pub(crate) async fn check_bucket(remote: &Remote, store: &Arc<dyn ObjectStore>) -> Result<()> {
+    if remote.url().scheme() != crate::location::Scheme::S3 {
+        return Ok(());
+    }
+    let root = remote.url().root().clone();
+    match store.list_with_delimiter(Some(&root)).await {
+        Err(e) if crate::fetch::classify(&e) == RequestFailure::NotFound => Err(Error::Request {
+            op: "open",
+            url: remote.url().to_string(),
+            failure: RequestFailure::NotFound,
+            reason: format!(
+                "the bucket {:?} does not exist (or the endpoint serves no such bucket): check \
+                 the URL's bucket and the endpoint (RemoteConfig.endpoint or AWS_ENDPOINT_URL)",
+                remote.url().bucket()
+            ),
+        }),
+        // Anything else is said by the request that follows, with its retries.
+        _ => Ok(()),
+    }
+}
+
 /// A published cache's identity: the xxh3-128 of its manifest's bytes, as 32 hex digits. The
 /// local cache directory and the remote build prefix are both named by it.
 pub fn build_id(manifest_bytes: &[u8]) -> String {
@@ -158,6 +182,7 @@ impl PublishedCache {
         let key = remote.key(MANIFEST_FILE);
         let url = remote.show(&key);
         let Some((bytes, _)) = get_small(remote, &store, &key).await? else {
+            check_bucket(remote, &store).await?;
             return Err(Error::Request {
                 op: "open",
                 url: remote.url().to_string(),
@@ -279,6 +304,9 @@ pub async fn push_async(dir: &Path, remote: &Remote, options: &PushOptions) -> R
     };
 
     let existing = get_small(remote, &store, &manifest_key).await?;
+    if existing.is_none() {
+        check_bucket(remote, &store).await?;
+    }
     let mut replacing: Option<(UpdateVersion, String)> = None;
     if let Some((bytes, version)) = existing {
         if bytes.as_ref() == manifest_bytes.as_slice() {
