@@ -13,6 +13,8 @@
 //!         procs/<pid>-<nanos>.alive      a process's proof of life (a shared flock)
 //!         procs/<pid>-<nanos>.pins       the ranges it has pinned, one per line
 //!         tmp/<pid>-<nanos>-<seq>-<len>  a range being written (`len` bytes reserved)
+//!         cache/                         the local copy of manifest, index and metadata table
+//!         cache.lock                     flock, held by the process downloading that copy
 //! ```
 //!
 //! Why range files: the planner asks for records (and coalesces them into requests only on the
@@ -119,7 +121,7 @@ impl std::fmt::Debug for NodeCache {
 }
 
 /// Opens (creating it when missing, never truncating it) a file that exists only to be locked.
-fn open_lock_file(path: &Path) -> Result<File> {
+pub(crate) fn open_lock_file(path: &Path) -> Result<File> {
     OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -146,7 +148,7 @@ impl Drop for DirLock {
     }
 }
 
-fn flock(file: &File, op: libc::c_int) -> std::io::Result<()> {
+pub(crate) fn flock(file: &File, op: libc::c_int) -> std::io::Result<()> {
     loop {
         // SAFETY: flock on a descriptor this process owns.
         if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {

@@ -962,6 +962,12 @@ pub const VERIFY_BATCH: u64 = 256;
 /// place. Their contents are checked by the cache's open.
 fn local_copy(published: &PublishedCache, dir: &Path, again: bool) -> Result<()> {
     fs::create_dir_all(dir).map_err(|e| io_err("create directory", dir, e))?;
+    // One process of the node downloads the copy while the others sharing the directory wait
+    // (a download is bounded by the fetcher's timeouts), then find it there. The lock goes
+    // with the descriptor, when this returns or the process dies.
+    let lock_path = dir.with_extension("lock");
+    let _copying = crate::local::open_lock_file(&lock_path)?;
+    crate::local::flock(&_copying, libc::LOCK_EX).map_err(|e| io_err("lock", &lock_path, e))?;
     let entries = [&published.manifest.index, &published.manifest.metadata];
     let mut missing: Vec<&FileEntry> = entries
         .into_iter()

@@ -294,6 +294,30 @@ fn an_index_damaged_on_the_server_is_named_by_its_url_and_never_kept() {
 }
 
 #[test]
+fn processes_opening_one_cache_together_download_its_local_copy_once() {
+    let s = setup();
+    let options = RemoteOptions {
+        local_dir: Some(s.node.clone()),
+        ..RemoteOptions::default()
+    };
+    // Threads open their own file descriptions of the lock, as processes do.
+    let start = std::sync::Barrier::new(4);
+    std::thread::scope(|scope| {
+        for _ in 0..4 {
+            scope.spawn(|| {
+                start.wait();
+                open_remote_cache(&s.remote, &options).unwrap();
+            });
+        }
+    });
+    let ranges = s.store.get_ranges.lock().unwrap();
+    for file in ["index.bin", "metadata.arrow"] {
+        let gets = ranges.iter().filter(|(f, _)| f.ends_with(file)).count();
+        assert_eq!(gets, 1, "{file} downloaded {gets} times: {ranges:?}");
+    }
+}
+
+#[test]
 fn a_budget_that_holds_the_dataset_downloads_blocks_with_one_request_each() {
     let s = setup();
     let (opened, remote) = open(&s, None);
