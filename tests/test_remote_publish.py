@@ -373,6 +373,25 @@ def test_pull_refuses_a_directory_that_is_not_named_after_the_cache_or_holds_ano
     with pytest.raises(FileExistsError, match="holds another cache"):
         _native.pull_cache(url, other, RemoteConfig())
     assert (other / "manifest.json").read_bytes() == manifest
+    # An empty directory of the cache's name is not in the way: the pull takes its place.
+    empty = tmp_path / "dst" / "train"
+    empty.mkdir(parents=True)
+    _native.pull_cache(url, empty, RemoteConfig())
+    source = tmp_path / "src" / "train"
+    assert (empty / "manifest.json").read_bytes() == (source / "manifest.json").read_bytes()
+
+
+def test_a_local_dir_that_cannot_be_made_is_a_config_error(tmp_path: Path) -> None:
+    """Not a missing cache: the cache is published, the local directory is what is wrong."""
+    url = f"file://{tmp_path}/remote"
+    _native.push_cache(write_cache(tmp_path / "src"), f"{url}/train", RemoteConfig())
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with DatasetRuntime(num_workers=1) as runtime:
+        for local_dir in (blocker / "below", Path("/proc/dataset-rt-nowhere")):
+            with pytest.raises(ConfigError, match=r"RemoteConfig\.local_dir") as raised:
+                runtime.open_caches("train", url, remote=RemoteConfig(local_dir=local_dir))
+            assert str(local_dir) in str(raised.value)
 
 
 def test_ls_of_a_prefix_without_caches_says_so(
@@ -625,6 +644,7 @@ def test_remote_config_defaults_and_shape() -> None:
     ("field", "value", "says"),
     [
         ("local_dir", "", "empty"),
+        ("local_dir", "cache\x00x", "NUL byte"),
         ("local_dir", 3, "os.PathLike"),
         ("max_local_bytes", 1000, "minimum"),
         ("max_local_bytes", -1, "at least"),
@@ -637,6 +657,7 @@ def test_remote_config_defaults_and_shape() -> None:
         ("max_requests", "8", "from 1 to 4096"),
         ("endpoint", "ftp://host", "http:// or https://"),
         ("endpoint", "not a url", "not a URL"),
+        ("endpoint", "http://127.0.0.1:1/?x=1", "query"),
         ("endpoint", "", "not a URL"),
         ("endpoint", b"http://host", "expected a str"),
         ("region", "us east", "region name"),

@@ -41,6 +41,12 @@ impl RemoteOptions {
                     "is empty; give a directory path",
                 ));
             }
+            if dir.as_os_str().as_encoded_bytes().contains(&0) {
+                return Err(Error::config(
+                    "local_dir",
+                    format!("{} holds a NUL byte, which no path may", dir.display()),
+                ));
+            }
         }
         if let Some(bytes) = self.max_local_bytes {
             if bytes < MIN_LOCAL_BYTES {

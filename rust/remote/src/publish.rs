@@ -682,7 +682,10 @@ pub(crate) fn pull_published(
     };
     let lock = CacheLock::acquire(&base, name)?;
     lock.remove_leftovers();
-    if dir.exists() {
+    // An empty directory is taken: the rename below replaces it in one step (and fails, with
+    // nothing lost, if something appears in it meanwhile).
+    let empty = std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_none());
+    if dir.exists() && !empty {
         let manifest_path = dir.join(MANIFEST_FILE);
         return match std::fs::read(&manifest_path) {
             Ok(bytes) if bytes == published.manifest_bytes.as_ref() => {

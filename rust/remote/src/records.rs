@@ -820,11 +820,35 @@ fn open_in_place(
     shared: u64,
 ) -> Result<OpenedCache> {
     let root = options.resolved_local_dir()?;
-    let node = Arc::new(NodeCache::open(
+    let node = NodeCache::open(
         &root,
         &published.build_id,
         options.resolved_max_local_bytes(),
-    )?);
+    )
+    .map_err(|e| match e {
+        // A directory that cannot be made or written is a setting to change, not a missing
+        // cache (which a NotFound would read as).
+        Error::Core(dataset_rt_core::Error::Io { op, path, source })
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::NotFound
+                    | std::io::ErrorKind::PermissionDenied
+                    | std::io::ErrorKind::NotADirectory
+                    | std::io::ErrorKind::ReadOnlyFilesystem
+            ) =>
+        {
+            Error::config(
+                "local_dir",
+                format!(
+                    "cannot {op} {}: {source} (the local directory is {})",
+                    path.display(),
+                    root.display()
+                ),
+            )
+        }
+        other => other,
+    })?;
+    let node = Arc::new(node);
     let policy = FetchPolicy {
         max_requests: options.resolved_max_requests(),
         // Records of a shuffled pass are scattered: neighbours are merged into one request only
