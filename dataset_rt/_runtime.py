@@ -198,7 +198,7 @@ class DatasetRuntime:
             outcomes = {
                 r.name: r
                 if isinstance(r, CacheWritten)
-                else _failed_at_url(r, f"{base_url}/{r.name}", written.results)
+                else _failed_at_url(r, f"{base_url}/{r.name}", written.results, staging)
                 for r in written.results
                 if r.name in names
             }
@@ -272,16 +272,17 @@ _NOT_A_URL = (
 
 
 def _failed_at_url(
-    result: CacheSourceResult, url: str, all_results: Sequence[CacheSourceResult]
+    result: CacheSourceResult, url: str, all_results: Sequence[CacheSourceResult], staging: Path
 ) -> CacheSourceResult:
     """A source that failed in the staging directory of ``from_cache_sources`` on a URL, named
-    by its URL; a set's result says which parts failed and why, since nothing of it is kept."""
+    by its URL (in its message too: the staging directory is gone); a set's result says which
+    parts failed and why, since nothing of it is kept."""
     parts = [
         f"{r.name}: {r.message}"
         for r in all_results
         if r.name.startswith(f"{result.name}.part-") and isinstance(r, CacheWriteError)
     ]
-    message = getattr(result, "message", "")
+    message = getattr(result, "message", "").replace(str(staging / result.name), url)
     if not parts:
         kind = "missing" if isinstance(result, CacheMissing) else "write_error"
         return _result(

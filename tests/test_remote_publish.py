@@ -394,6 +394,22 @@ def test_a_local_dir_that_cannot_be_made_is_a_config_error(tmp_path: Path) -> No
             assert str(local_dir) in str(raised.value)
 
 
+def test_a_source_that_fails_at_a_url_is_named_by_the_url(tmp_path: Path) -> None:
+    """Its message names where the cache would be, not the staging directory, which is gone."""
+
+    class NoIter:
+        name = "ghost"
+
+    url = f"file://{tmp_path}/remote"
+    with DatasetRuntime(num_workers=1) as runtime:
+        result = runtime.from_cache_sources(
+            NoIter(), url, remote=RemoteConfig(local_dir=tmp_path / "n")
+        )
+    (failed,) = result.results
+    assert failed.path == f"{url}/ghost"
+    assert f"no cache at {url}/ghost" in failed.message and ".publish" not in failed.message
+
+
 def test_ls_of_a_prefix_without_caches_says_so(
     store: Store, capsys: pytest.CaptureFixture[str]
 ) -> None:
