@@ -466,8 +466,9 @@ where
                 op,
                 url: url.to_owned(),
                 failure,
+                // The client's own text may count its retries within one attempt.
                 reason: format!(
-                    "{} ({} of at most {} attempts){advice}",
+                    "{} ({} of at most {} attempts, each with the client's own retries){advice}",
                     tried.join("; "),
                     tried.len(),
                     policy.attempts
