@@ -14,7 +14,7 @@ use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::writer::{CacheLock, SampleInput, WriterOptions};
 use dataset_rt_core::Error;
-use dataset_rt_testkit::{sample, write_cache, writer_options};
+use dataset_rt_testkit::{dir_entries, sample, write_cache, writer_options};
 
 fn opts() -> WriterOptions {
     WriterOptions {
@@ -100,13 +100,8 @@ fn a_set_is_published_only_once_every_part_is() {
     assert!(!staging_dir(tmp.path(), "s").exists());
     assert!(is_set_dir(&tmp.path().join("s")));
     // No part lock or leftover travels into the published set.
-    let mut entries: Vec<String> = std::fs::read_dir(tmp.path().join("s"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    entries.sort();
     assert_eq!(
-        entries,
+        dir_entries(&tmp.path().join("s")),
         [
             "s.part-000000",
             "s.part-000001",
@@ -313,15 +308,6 @@ fn a_malformed_part_in_staging_is_reported_and_blocks_publication() {
     assert!(!tmp.path().join("s").exists());
 }
 
-fn entries_of(dir: &Path) -> Vec<String> {
-    let mut entries: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    entries.sort();
-    entries
-}
-
 #[test]
 fn the_parts_of_an_earlier_build_with_more_parts_are_not_published_with_the_set() {
     let tmp = tempfile::tempdir().unwrap();
@@ -331,7 +317,7 @@ fn the_parts_of_an_earlier_build_with_more_parts_are_not_published_with_the_set(
     for i in 1..4 {
         write_part(&pool, &build, i);
     }
-    assert!(entries_of(build.staging()).contains(&".s.part-000003.lock".to_owned()));
+    assert!(dir_entries(build.staging()).contains(&".s.part-000003.lock".to_owned()));
     drop(build);
     // The user repartitioned into 2 parts.
     let build = building(tmp.path(), "s", 2);
@@ -339,7 +325,7 @@ fn the_parts_of_an_earlier_build_with_more_parts_are_not_published_with_the_set(
     let set = build.publish(Validation::Structure).unwrap();
     assert_eq!(set.len(), 5 + 6);
     assert_eq!(
-        entries_of(&tmp.path().join("s")),
+        dir_entries(&tmp.path().join("s")),
         ["s.part-000000", "s.part-000001", "set.json"]
     );
     CacheSet::open(&tmp.path().join("s"), Validation::Full).unwrap();
@@ -386,7 +372,7 @@ fn a_stranger_in_staging_or_a_live_writer_of_an_earlier_part_refuses_publication
     let set = build.publish(Validation::Structure).unwrap();
     assert_eq!(set.len(), 5);
     assert_eq!(
-        entries_of(&tmp.path().join("s")),
+        dir_entries(&tmp.path().join("s")),
         ["s.part-000000", "set.json"]
     );
 }

@@ -13,7 +13,7 @@ use dataset_rt_core::writer::{
     WriterOptions, MAX_NAME_BYTES,
 };
 use dataset_rt_core::Error;
-use dataset_rt_testkit::{cache_writer, dead_pid, numbered, write_cache};
+use dataset_rt_testkit::{cache_writer, dead_pid, dir_entries, numbered, write_cache};
 
 fn options() -> WriterOptions {
     WriterOptions {
@@ -36,15 +36,6 @@ fn within_a_minute<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send +
         .unwrap_or_else(|_| panic!("{what} hung"))
 }
 
-fn entries(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
-
 #[test]
 fn a_closed_pool_fails_create_before_any_directory_is_made() {
     let dir = tempfile::tempdir().unwrap();
@@ -56,7 +47,7 @@ fn a_closed_pool_fails_create_before_any_directory_is_made() {
         .expect("a closed pool cannot write");
     assert!(matches!(err, Error::Runtime(_)), "{err:?}");
     assert!(err.to_string().contains("closed"), "{err}");
-    assert_eq!(entries(dir.path()), [".c.lock"]);
+    assert_eq!(dir_entries(dir.path()), [".c.lock"]);
 }
 
 #[test]
@@ -81,7 +72,7 @@ fn a_pool_closed_mid_write_fails_the_write_without_hanging_or_leftovers() {
     assert!(push_err.contains("closed"), "{push_err}");
     assert!(finish_err.contains("closed"), "{finish_err}");
     // Dropping the failed writer removed its temporary directory.
-    assert_eq!(entries(dir.path()), [".c.lock"]);
+    assert_eq!(dir_entries(dir.path()), [".c.lock"]);
 }
 
 #[test]
@@ -95,7 +86,7 @@ fn dropping_a_writer_whose_batch_was_refused_returns_and_cleans_up() {
         assert!((0..8).any(|i| writer.push(sample(i)).is_err()));
         drop(writer);
     });
-    assert_eq!(entries(dir.path()), [".c.lock"]);
+    assert_eq!(dir_entries(dir.path()), [".c.lock"]);
 }
 
 fn leftover(base: &Path, name: &str, pid: u32, nanos: u64) -> PathBuf {
@@ -188,7 +179,7 @@ fn a_failed_commit_with_a_later_batch_pending_ends_and_cleans_up() {
             .to_string()
     });
     assert!(finish_err.contains("shards"), "{finish_err}");
-    assert_eq!(entries(dir.path()), [".c.lock"]);
+    assert_eq!(dir_entries(dir.path()), [".c.lock"]);
 }
 
 /// An interrupt check that starts failing once `flag` is set.
@@ -249,7 +240,7 @@ fn an_interrupt_stops_a_push_waiting_for_commits_and_the_next_write_works() {
         err
     });
     assert!(matches!(err, Error::Interrupted(_)), "{err:?}");
-    assert_eq!(entries(dir.path()), [".c.lock", "c"]);
+    assert_eq!(dir_entries(dir.path()), [".c.lock", "c"]);
 }
 
 #[test]
@@ -270,7 +261,7 @@ fn an_interrupt_stops_finish_waiting_for_commits_and_publishes_nothing() {
         err
     });
     assert!(matches!(err, Error::Interrupted(_)), "{err:?}");
-    assert_eq!(entries(dir.path()), [".c.lock"]);
+    assert_eq!(dir_entries(dir.path()), [".c.lock"]);
 }
 
 #[test]
@@ -307,7 +298,7 @@ fn a_symlink_planted_as_the_lock_file_is_refused_and_nothing_outside_is_created(
         "{msg}"
     );
     assert!(!target.exists());
-    assert_eq!(entries(outside.path()), Vec::<String>::new());
+    assert_eq!(dir_entries(outside.path()), Vec::<String>::new());
 }
 
 #[test]

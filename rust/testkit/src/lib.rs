@@ -30,7 +30,7 @@ pub mod write;
 
 pub use alloc::LargestAlloc;
 pub use edit::{flip_byte, make_writable, set_len, write_at};
-pub use files::CacheFiles;
+pub use files::{dir_entries, CacheFiles};
 pub use golden::{golden_copy, golden_copy_of, golden_dir};
 pub use process::{dead_pid, process_dir};
 pub use resign::{edit_manifest, forge_entry, forge_record, manifest_of, resign};
