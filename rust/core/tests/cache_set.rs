@@ -60,6 +60,14 @@ fn build_set(pool: &Arc<Pool>, base: &Path, name: &str, parts: usize) -> CacheSe
     build.publish(Validation::Structure).unwrap()
 }
 
+/// The error of publishing `build`, which must be refused (`what` says what would be wrong).
+fn refused(build: SetBuild, what: &str) -> String {
+    match build.publish(Validation::Structure) {
+        Ok(_) => panic!("{what}"),
+        Err(e) => e.to_string(),
+    }
+}
+
 fn malformed_reason(err: Error) -> (String, String) {
     match err {
         Error::Malformed { file, reason, .. } => (
@@ -79,10 +87,7 @@ fn a_set_is_published_only_once_every_part_is() {
     write_part(&pool, &build, 0);
     write_part(&pool, &build, 2);
     assert!(!tmp.path().join("s").exists());
-    let err = match build.publish(Validation::Structure) {
-        Ok(_) => panic!("published with a part missing"),
-        Err(e) => e.to_string(),
-    };
+    let err = refused(build, "published with a part missing");
     assert!(
         err.contains("part 1") && err.contains("s.part-000001") && err.contains("not published"),
         "{err}"
@@ -297,10 +302,7 @@ fn a_malformed_part_in_staging_is_reported_and_blocks_publication() {
         PartState::Malformed(reason) => assert!(reason.contains("manifest.json"), "{reason}"),
         _ => panic!("a part without its manifest is not malformed"),
     }
-    let err = match build.publish(Validation::Structure) {
-        Ok(_) => panic!("published with a malformed part"),
-        Err(e) => e.to_string(),
-    };
+    let err = refused(build, "published with a malformed part");
     assert!(
         err.contains("part 1 is malformed") && err.contains("remove"),
         "{err}"
@@ -344,10 +346,7 @@ fn a_stranger_in_staging_or_a_live_writer_of_an_earlier_part_refuses_publication
     let stranger = build.staging().join("notes");
     std::fs::create_dir(&stranger).unwrap();
     std::fs::write(stranger.join("keep.txt"), b"mine").unwrap();
-    let err = match build.publish(Validation::Structure) {
-        Ok(_) => panic!("published a set with a stranger in it"),
-        Err(e) => e.to_string(),
-    };
+    let err = refused(build, "published a set with a stranger in it");
     assert!(
         err.contains("no part of it") && err.contains(&stranger.display().to_string()),
         "{err}"
@@ -358,10 +357,10 @@ fn a_stranger_in_staging_or_a_live_writer_of_an_earlier_part_refuses_publication
     // A writer of part 2 of the earlier build that is still alive holds its lock.
     let build = building(tmp.path(), "s", 1);
     let writer = CacheLock::acquire(build.staging(), "s.part-000002").unwrap();
-    let err = match build.publish(Validation::Structure) {
-        Ok(_) => panic!("published while a writer of an earlier part is alive"),
-        Err(e) => e.to_string(),
-    };
+    let err = refused(
+        build,
+        "published while a writer of an earlier part is alive",
+    );
     assert!(
         err.contains("s.part-000002") && err.contains("still being written"),
         "{err}"
