@@ -489,9 +489,7 @@ impl SetBuild {
         let _ = sync_dir(&self.lock.base);
         CacheSet::open(&final_dir, validation)
     }
-}
 
-impl SetBuild {
     /// Leaves nothing in the staging directory but the parts of `entries` (and a `set.json`
     /// that is rewritten), so that the published set holds nothing else. Every part is
     /// published, so no writer of one is left: their leftovers and lock files go. The parts
