@@ -527,6 +527,36 @@ def test_ctrl_c_stops_a_command_waiting_on_a_silent_server(tmp_path: Path) -> No
     assert_no_secret(err)
 
 
+def test_a_server_that_never_answers_is_an_error_after_one_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It takes the connection and sends nothing: with no answer ever heard from the endpoint,
+    # the request is not tried again after the client's own retry, so the open fails in about
+    # 10 s instead of three attempts' worth (30 s).
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    with socket.socket() as silent, DatasetRuntime(num_workers=1) as runtime:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        node = RemoteConfig(
+            local_dir=tmp_path / "node",
+            endpoint=f"http://127.0.0.1:{silent.getsockname()[1]}",
+            allow_http=True,
+        )
+        started = time.monotonic()
+        with pytest.raises(TimeoutError) as raised:
+            runtime.open_caches("train", f"s3://{BUCKET}/prefix", remote=node)
+        assert time.monotonic() - started < QUICK_SECONDS
+    err = str(raised.value)
+    assert f"s3://{BUCKET}/prefix/train/manifest.json" in err, err
+    assert "attempt 1:" in err and "attempt 2:" not in err, err
+    assert "has not answered any request yet" in err and "check the endpoint" in err, err
+    assert_no_secret(err)
+
+
 def test_a_missing_bucket_is_named(
     s3_env: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -211,7 +211,7 @@ pub fn remote_to_py(err: dataset_rt_remote::Error) -> PyErr {
                 Failure::Denied => libc::EACCES,
                 Failure::Conflict => libc::EEXIST,
                 Failure::Unreachable => libc::ECONNREFUSED,
-                Failure::Transient => libc::ETIMEDOUT,
+                Failure::Transient | Failure::NoAnswer => libc::ETIMEDOUT,
                 Failure::Refused => libc::EINVAL,
                 Failure::Short => unreachable!("matched above"),
             };

@@ -18,8 +18,11 @@ pub enum RequestFailure {
     Conflict,
     /// The endpoint could not be reached (refused, unresolvable), after the client's own retries.
     Unreachable,
-    /// Timeouts, throttling, 5xx, reset connections, truncated bodies, after every attempt.
+    /// Throttling, 5xx, reset connections, truncated bodies, after every attempt.
     Transient,
+    /// The request got no answer in time (the connection was taken, no response came), after
+    /// every attempt; or at once when the endpoint has never answered.
+    NoAnswer,
     /// Anything else the store refused: a bad request, an unsupported operation.
     Refused,
     /// The object is shorter than the range asked for: it does not match the manifest.
@@ -29,7 +32,7 @@ pub enum RequestFailure {
 impl RequestFailure {
     /// Whether another attempt may succeed.
     pub fn is_transient(self) -> bool {
-        self == RequestFailure::Transient
+        matches!(self, RequestFailure::Transient | RequestFailure::NoAnswer)
     }
 
     fn io_kind(self) -> std::io::ErrorKind {
@@ -39,7 +42,7 @@ impl RequestFailure {
             RequestFailure::Denied => K::PermissionDenied,
             RequestFailure::Conflict => K::AlreadyExists,
             RequestFailure::Unreachable => K::ConnectionRefused,
-            RequestFailure::Transient => K::TimedOut,
+            RequestFailure::Transient | RequestFailure::NoAnswer => K::TimedOut,
             RequestFailure::Refused => K::InvalidInput,
             RequestFailure::Short => K::InvalidData,
         }

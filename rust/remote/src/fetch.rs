@@ -368,6 +368,7 @@ impl RangeFetcher {
             range.end
         );
         let bytes = retrying(
+            &self.remote,
             &self.policy,
             &self.counters.retries,
             "GET",
@@ -434,7 +435,13 @@ pub(crate) fn failure_of(err: object_store::Error) -> AttemptError {
 /// Runs `attempt` (timed out after `policy.timeout`) until it succeeds, fails for good, or has
 /// been tried `policy.attempts` times, pausing with backoff between attempts. The error names
 /// `op` and `url` and lists every attempt's failure.
+///
+/// A request that got no answer is tried again only once `remote`'s endpoint has answered a
+/// request: an endpoint that takes connections and never answers (a wrong port, a firewall
+/// that swallows the traffic) is then an error after one attempt (the client's own retries
+/// within it included, about 10 s), not after every attempt's timeout.
 pub(crate) async fn retrying<T, F, Fut>(
+    remote: &Remote,
     policy: &FetchPolicy,
     retries: &AtomicU64,
     op: &'static str,
@@ -450,18 +457,34 @@ where
     loop {
         let outcome = match tokio::time::timeout(policy.timeout, attempt()).await {
             Err(_) => Err((
-                RequestFailure::Transient,
+                RequestFailure::NoAnswer,
                 format!("timed out after {:?}", policy.timeout),
             )),
             Ok(outcome) => outcome,
         };
         let (failure, reason) = match outcome {
-            Ok(value) => return Ok(value),
+            Ok(value) => {
+                remote.heard();
+                return Ok(value);
+            }
             Err(e) => e,
         };
+        if !matches!(
+            failure,
+            RequestFailure::NoAnswer | RequestFailure::Unreachable
+        ) {
+            remote.heard();
+        }
         tried.push(format!("attempt {}: {reason}", tried.len() + 1));
-        if !failure.is_transient() || tried.len() as u32 >= policy.attempts {
-            let advice = advice(failure);
+        let silent = failure == RequestFailure::NoAnswer && !remote.ever_heard();
+        if silent || !failure.is_transient() || tried.len() as u32 >= policy.attempts {
+            let advice = if silent {
+                "; the endpoint has not answered any request yet, so this one was not tried \
+                 again: check the endpoint (RemoteConfig.endpoint or AWS_ENDPOINT_URL), its \
+                 port and the network"
+            } else {
+                advice(failure)
+            };
             return Err(Error::Request {
                 op,
                 url: url.to_owned(),
@@ -531,12 +554,14 @@ fn classify_source(source: &(dyn std::error::Error + 'static)) -> RequestFailure
         if let Some(http) = err.downcast_ref::<object_store::client::HttpError>() {
             return match http.kind() {
                 object_store::client::HttpErrorKind::Connect => RequestFailure::Unreachable,
+                object_store::client::HttpErrorKind::Timeout => RequestFailure::NoAnswer,
                 _ => RequestFailure::Transient,
             };
         }
         if let Some(io) = err.downcast_ref::<std::io::Error>() {
             return match io.kind() {
                 std::io::ErrorKind::ConnectionRefused => RequestFailure::Unreachable,
+                std::io::ErrorKind::TimedOut => RequestFailure::NoAnswer,
                 _ => RequestFailure::Transient,
             };
         }

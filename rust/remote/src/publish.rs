@@ -130,21 +130,28 @@ pub(crate) async fn get_small(
 ) -> Result<Option<(Bytes, UpdateVersion)>> {
     let policy = FetchPolicy::default();
     let retries = AtomicU64::new(0);
-    let got = retrying(&policy, &retries, "GET", &remote.show(key), || async {
-        let result = store.get_opts(key, GetOptions::default()).await;
-        match result {
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(failure_of(e)),
-            Ok(result) => {
-                let version = UpdateVersion {
-                    e_tag: result.meta.e_tag.clone(),
-                    version: result.meta.version.clone(),
-                };
-                let bytes = result.bytes().await.map_err(failure_of)?;
-                Ok(Some((bytes, version)))
+    let got = retrying(
+        remote,
+        &policy,
+        &retries,
+        "GET",
+        &remote.show(key),
+        || async {
+            let result = store.get_opts(key, GetOptions::default()).await;
+            match result {
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(failure_of(e)),
+                Ok(result) => {
+                    let version = UpdateVersion {
+                        e_tag: result.meta.e_tag.clone(),
+                        version: result.meta.version.clone(),
+                    };
+                    let bytes = result.bytes().await.map_err(failure_of)?;
+                    Ok(Some((bytes, version)))
+                }
             }
-        }
-    })
+        },
+    )
     .await?;
     Ok(got)
 }
@@ -496,7 +503,7 @@ async fn upload_file(
         let policy = FetchPolicy::default();
         let retries = AtomicU64::new(0);
         // An overwrite of this key with these bytes is idempotent, so it is safe to retry.
-        retrying(&policy, &retries, "PUT", &url, || {
+        retrying(build, &policy, &retries, "PUT", &url, || {
             let payload = PutPayload::from(payload.clone());
             async {
                 store

@@ -1,6 +1,7 @@
 //! A remote location and its object store: which store a URL names, built from the
 //! environment's credentials plus the options, and built again in a forked child.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -83,6 +84,8 @@ pub struct Remote {
     options: RemoteOptions,
     source: Source,
     store: ProcessLocal<Arc<dyn ObjectStore>>,
+    /// Whether the endpoint has answered a request of this remote (or of one joined to it).
+    answered: Arc<AtomicBool>,
 }
 
 /// Shows the URL and the options only: never the store, whose configuration holds credentials.
@@ -112,6 +115,7 @@ impl Remote {
             options: options.clone(),
             source,
             store: ProcessLocal::new(),
+            answered: Arc::default(),
         };
         remote.store()?;
         Ok(remote)
@@ -130,6 +134,7 @@ impl Remote {
             options: options.clone(),
             source: Source::Given(store),
             store: ProcessLocal::new(),
+            answered: Arc::default(),
         })
     }
 
@@ -154,7 +159,20 @@ impl Remote {
             options: self.options.clone(),
             source,
             store: ProcessLocal::new(),
+            answered: Arc::clone(&self.answered),
         }
+    }
+
+    /// Notes that the endpoint answered a request (a response, an error status included).
+    pub(crate) fn heard(&self) {
+        self.answered.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the endpoint has answered any request of this remote, or of the remotes joined to
+    /// it, in this process. Until it has, a request it never answers is not tried again (see
+    /// [`crate::fetch::retrying`]).
+    pub(crate) fn ever_heard(&self) -> bool {
+        self.answered.load(Ordering::Relaxed)
     }
 
     /// Whether requests go to an S3 service (not a local directory or a store the caller gave).

@@ -129,9 +129,29 @@ fn transient_faults_are_retried_and_recover() {
 }
 
 #[test]
-fn a_timed_out_request_is_tried_again() {
+fn a_timed_out_request_is_tried_again_once_the_endpoint_has_answered() {
     let faults = FaultStore::new(memory_with_object(4096));
+    let f = fetcher(
+        faults.clone(),
+        FetchPolicy {
+            timeout: Duration::from_millis(200),
+            ..quick()
+        },
+    );
+    // The endpoint answers a first request, then leaves one unanswered.
+    f.fetch_blocking(&[req(0, 10)], None).unwrap();
     faults.script([Fault::Delay(Duration::from_secs(5))]);
+    let started = std::time::Instant::now();
+    let got = f.fetch_blocking(&[req(10, 20)], None).unwrap();
+    assert_eq!(got[0].as_ref(), &object(4096)[10..20]);
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert_eq!(f.stats().retries, 1);
+}
+
+#[test]
+fn an_endpoint_that_never_answered_is_an_error_after_one_attempt() {
+    let faults = FaultStore::new(memory_with_object(4096));
+    *faults.every_get.lock().unwrap() = Some(Fault::Delay(Duration::from_secs(5)));
     let f = fetcher(
         faults.clone(),
         FetchPolicy {
@@ -140,10 +160,20 @@ fn a_timed_out_request_is_tried_again() {
         },
     );
     let started = std::time::Instant::now();
-    let got = f.fetch_blocking(&[req(0, 10)], None).unwrap();
-    assert_eq!(got[0].as_ref(), &object(4096)[..10]);
+    let err = f.fetch_blocking(&[req(0, 10)], None).unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(2));
-    assert_eq!(f.stats().retries, 1);
+    assert_eq!(faults.gets.load(Ordering::SeqCst), 1);
+    assert_eq!(err.failure(), Some(RequestFailure::NoAnswer));
+    let text = err.to_string();
+    for part in [
+        "GET s3://bucket/data/train/shards/000000.bin bytes 0..10",
+        "attempt 1: timed out",
+        "has not answered any request yet",
+        "check the endpoint",
+    ] {
+        assert!(text.contains(part), "{part:?} missing from: {text}");
+    }
+    assert_eq!(f.stats().retries, 0);
 }
 
 #[test]
