@@ -129,6 +129,44 @@ def test_sigkill_of_a_consumer_raises_within_seconds(base):
     assert result_mappings() == [] and result_fds() == []
 
 
+def exit_0_at_sample_9(sample):
+    """What a library that ends the process with ``exit(0)`` does to a worker."""
+    if sample.metadata["i"] == 9:
+        os._exit(0)
+    return sample.metadata["i"]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_worker_ending_with_code_0_mid_pass_raises_within_seconds(base, persistent):
+    """Code 0 is how a worker ends once its share of the pass is done; without saying so first
+    it is a death like any other, not a wait for its batch forever."""
+    dataset = load(base, N)
+    with DataLoader(dataset, batch_size=4, transform=lambda s: s.metadata["i"]) as plain:
+        order = list(plain)
+    fatal = next(k for k, batch in enumerate(order) if 9 in batch)
+    loader = DataLoader(
+        dataset,
+        batch_size=4,
+        num_workers=2,
+        transform=exit_0_at_sample_9,
+        persistent_workers=persistent,
+    )
+    got = []
+    started = time.monotonic()
+    with loader, pytest.raises(LoaderError) as caught:
+        for batch in loader:
+            got.extend(batch)
+    assert time.monotonic() - started < RAISE_BOUND_S
+    message = str(caught.value)
+    # Raised at once, while the loop awaits the dead worker's batch or one before it.
+    found = re.search(
+        r"loader worker \d \(pid \d+\) exited with code 0 while batch (\d+) ", message
+    )
+    assert found and int(found[1]) <= fatal, message
+    assert "before its share of the pass was done" in message and "os._exit(0)" in message
+    assert got == [i for batch in order[: int(found[1])] for i in batch]
+
+
 def test_corrupt_record_is_raised_in_order(tmp_path):
     dataset = load(tmp_path, 40, shuffle=False)
     shard = tmp_path / "loader" / "shards" / "000000.bin"

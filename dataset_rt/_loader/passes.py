@@ -81,8 +81,10 @@ class LoaderIterator(Iterator[Any]):
         self._latest: dict[int, tuple[int, float]] = {}
         self._recent: deque[float] = deque(maxlen=_RECENT_BATCHES)
         self._warned_slow = -1
-        # Workers whose pipe is still open, and those that exited cleanly (pass done).
+        # Workers whose pipe is still open, those that said their share of the pass is done,
+        # and those that exited after saying so.
         self._open: set[int] = set()
+        self._done: set[int] = set()
         self._exited: set[int] = set()
         self._buffer: dict[int, tuple[str, Any, list[int]]] = {}
         # The global indices (rows of samples_metadata) of the batch delivered last, as the
@@ -322,7 +324,7 @@ class LoaderIterator(Iterator[Any]):
         else:
             process = self._workers[index]
             if not process.is_alive():
-                if process.exitcode != 0:
+                if not self._finished(index):
                     raise self._worker_died(index, f"while batch {seq} was awaited")
                 return
             party = f"loader worker {index} (pid {process.pid})"
@@ -338,8 +340,8 @@ class LoaderIterator(Iterator[Any]):
         while not self._unlinked:
             self._check(seq, started)
             for i, process in enumerate(self._workers):
-                # Exit code 0: it attached and had no batch left (others are still starting).
-                if not process.is_alive() and process.exitcode != 0:
+                # Finished: it attached and had no batch left (others are still starting).
+                if not process.is_alive() and not self._finished(i):
                     raise self._worker_died(i, "while starting")
             if not self._unlinked:
                 assert self._ring is not None
@@ -390,6 +392,9 @@ class LoaderIterator(Iterator[Any]):
             tag, t, payload, indices = pickle.load(stream)
             if tag == "fatal":
                 raise self._worker_failed(i, *payload)
+            if tag == "done":
+                self._done.add(i)
+                continue
             if tag == "region":
                 ranges, fell_back = payload
                 region = self._regions[i]
@@ -463,13 +468,26 @@ class LoaderIterator(Iterator[Any]):
             return WorkerError(f"worker_init_fn raised in loader worker {i} (pid {pid}):\n{report}")
         return LoaderError(f"loader worker {i} (pid {pid}) failed:\n{report}")
 
+    def _finished(self, i: int) -> bool:
+        """Whether worker ``i``, which exited, ended as a worker ends: with code 0 after saying
+        that its share of the pass is done. Raises the report it sent, if any."""
+        self._receive(i)
+        return self._workers[i].exitcode == 0 and i in self._done
+
     def _worker_died(self, i: int, when: str) -> LoaderError:
         """The error for worker ``i`` having exited: the one it sent, if any."""
         self._receive(i)  # raises the worker's own report when it sent one
         process = self._workers[i]
+        why = ""
+        if process.exitcode == 0:
+            why = (
+                " before its share of the pass was done (code 0 without a report: something in "
+                "the worker, the transform or a library it calls, ended the process with "
+                "os._exit(0) or exit(0))"
+            )
         return LoaderError(
             f"loader worker {i} (pid {process.pid}) "
-            f"{lifecycle.describe_exit(process.exitcode)} {when}"
+            f"{lifecycle.describe_exit(process.exitcode)} {when}{why}"
         )
 
     def _flush_frees(self) -> None:
@@ -502,7 +520,9 @@ class LoaderIterator(Iterator[Any]):
                     process.join(1.0)  # the sentinel fires just before the exit is reapable
                     if process.exitcode is None:
                         continue
-                    if process.exitcode != 0:
+                    if not self._finished(i):
+                        # A worker stopped by a failed producer says nothing: that failure first.
+                        self._check(seq, started)
                         raise self._worker_died(i, f"while batch {seq} was awaited")
                     self._exited.add(i)
                 else:

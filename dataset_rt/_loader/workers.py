@@ -70,7 +70,9 @@ def consumer_main(
     slot, or of the shard files named by ``shard_table``, the owner handle's), sends
     results (their buffers written to ``region``, the worker's result memory), releases slots.
     Exits with code 0 when the pass ends (``persistent``: waits for the next pass instead), on
-    close, or with its owner. Anything else that ends
+    close, or with its owner; at the end of its last pass it first sends ``("done", index, None,
+    [])``, so that an exit with code 0 without it (``os._exit(0)`` in user code) is a death, not
+    the end of its share. Anything else that ends
     it early (a parent that is not the owner, ``worker_init_fn`` raised, a protocol error) is
     sent to the training loop as ``("fatal", index, (stage, traceback), [])`` before it exits with
     code 1."""
@@ -104,6 +106,8 @@ def consumer_main(
             ring.wait_next_pass()  # RingClosed once stopped or orphaned
         os.close(fd)
         ring.retire()
+        with contextlib.suppress(OSError):  # the training loop closed its end: it is done too
+            conn.send_bytes(results.dumps(("done", index, None, [])))
     except RingClosed:
         return  # stopped, the owner is gone, or the producer failed: the training loop knows
     except BaseException:
