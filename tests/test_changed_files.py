@@ -132,6 +132,33 @@ def test_a_shard_truncated_before_a_loader_pass_is_an_error(runtime, tmp_path, v
     assert "truncated" in text, text
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("verify", ["always", "once", "never"])
+def test_a_shard_truncated_after_a_loader_read_ahead_is_an_error(
+    runtime, tmp_path, verify, num_workers
+):
+    """The producer (and the workers) read shard 1's records ahead, the training process may
+    have mapped it for a result received early; the shard is then truncated. Its batch is a
+    ``CorruptRecordError`` at its turn, the batches before it are delivered whole: never zeros,
+    SIGBUS, or an error ahead of them."""
+    dataset = write(runtime, tmp_path, verify)
+    first = records_in_shard_0(tmp_path)
+    got = []
+    with (
+        DataLoader(dataset, 4, num_workers=num_workers, prefetch_factor=16) as loader,
+        pytest.raises(CorruptRecordError) as error,
+    ):
+        for k, batch in enumerate(loader):
+            for s in batch:
+                assert bytes(s.data) == payload(s.metadata["i"])
+                got.append(s.metadata["i"])
+            if k == 0:
+                time.sleep(0.5)  # the pipeline reads ahead, past the start of shard 1
+                truncate(shard_path(tmp_path, 1), 16)
+    assert got == list(range(first - first % 4))
+    check_error(error.value, tmp_path, first)
+
+
 @pytest.mark.parametrize("name", ["index.bin", "metadata.arrow"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_loader_refuses_an_index_or_metadata_file_renamed_over(

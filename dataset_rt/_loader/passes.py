@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataset_rt import _native
 from dataset_rt._loader import lifecycle, lifetimes, producer, results, slots, workers
-from dataset_rt._native import LoaderError, WorkerError
+from dataset_rt._native import DatasetRTError, LoaderError, WorkerError
 
 if TYPE_CHECKING:
     from dataset_rt._loader.plan import DataLoader
@@ -399,8 +399,13 @@ class LoaderIterator(Iterator[Any]):
                 ranges, fell_back = payload
                 region = self._regions[i]
                 assert region is not None and self._ring is not None
-                payload = region.load(ranges, stream, self._ring)
-                tag = "ok"
+                try:
+                    payload = region.load(ranges, stream, self._ring)
+                    tag = "ok"
+                except DatasetRTError as e:
+                    # A shard its buffers view was truncated: raised at this batch's turn, not
+                    # now, ahead of the batches before it.
+                    payload, tag = e, "raise"
                 if fell_back:
                     self._warn_fallback()
             self._buffer[t] = (tag, payload, indices)
@@ -470,9 +475,12 @@ class LoaderIterator(Iterator[Any]):
 
     def _finished(self, i: int) -> bool:
         """Whether worker ``i``, which exited, ended as a worker ends: with code 0 after saying
-        that its share of the pass is done. Raises the report it sent, if any."""
+        that its share of the pass is done, or stopped by the producer's failure (whose error
+        comes at its batch). Raises the report it sent, if any."""
         self._receive(i)
-        return self._workers[i].exitcode == 0 and i in self._done
+        if self._workers[i].exitcode != 0:
+            return False
+        return i in self._done or (self._ring is not None and self._ring.error_text() is not None)
 
     def _worker_died(self, i: int, when: str) -> LoaderError:
         """The error for worker ``i`` having exited: the one it sent, if any."""
@@ -521,13 +529,17 @@ class LoaderIterator(Iterator[Any]):
                     if process.exitcode is None:
                         continue
                     if not self._finished(i):
-                        # A worker stopped by a failed producer says nothing: that failure first.
-                        self._check(seq, started)
                         raise self._worker_died(i, f"while batch {seq} was awaited")
                     self._exited.add(i)
                 else:
                     self._receive(conns[obj])
         tag, payload, indices = self._buffer.pop(seq)
+        # The shards of its records may have been truncated since the producer read them
+        # ahead: the batch's bytes (and the worker's input) would be zeros, or SIGBUS.
+        assert self._ring is not None
+        self._ring.check_delivered(indices)
+        if tag == "raise":
+            raise payload
         if tag == "err":
             raise WorkerError(
                 f"transform or collate_fn raised in a loader worker on batch {seq}:\n{payload}"

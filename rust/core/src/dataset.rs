@@ -220,6 +220,21 @@ impl Dataset {
         (c, global - self.starts[c])
     }
 
+    /// Checks, for samples read ahead and about to be handed out (a loader's batch, by global
+    /// index, in order), that the shards their records lie in still have their validated sizes:
+    /// one `fstat` per shard, however many of the samples it holds. A shard found shorter is
+    /// `CorruptRecord` naming it and the first of `globals` whose record lies in it, so that
+    /// the bytes of a truncated shard (zeros in its last page, `SIGBUS` past it) are never
+    /// handed out. An index out of range is left to the caller, which refuses it.
+    pub fn check_shards_of(&self, globals: &[u64]) -> Result<()> {
+        let mut checked = CheckedShards::<64>::default();
+        for &global in globals.iter().filter(|&&g| g < self.len()) {
+            let (c, row) = self.locate(global);
+            checked.check(self, c, row)?;
+        }
+        Ok(())
+    }
+
     /// The row of the sample with this id in cache `c`, if any; an error when the cache's
     /// metadata table, which holds the ids the user gave, is damaged.
     pub fn find_sample(&self, c: usize, id: MetaRef<'_>) -> Result<Option<u64>> {

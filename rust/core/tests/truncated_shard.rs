@@ -145,3 +145,25 @@ fn a_shard_truncated_after_its_records_were_read_ahead_is_an_error_naming_it() {
         assert_names_shard_and_sample(&text, ds, 1, first);
     }
 }
+
+#[test]
+fn samples_about_to_be_handed_out_are_checked_against_their_shards_sizes() {
+    let fixture = fixture(VerifyPolicy::Once);
+    let ds = &fixture.ds;
+    let (in_0, in_1, in_2) = (
+        first_of_shard(ds, 0),
+        first_of_shard(ds, 1),
+        first_of_shard(ds, 2),
+    );
+    // A loader's batch, by global index: whole shards pass, an index out of range is ignored.
+    ds.check_shards_of(&[in_2, in_0, in_1, SAMPLES + 5])
+        .unwrap();
+    set_len(&ds.caches[0].shard_path(1), 16);
+    // Samples of other shards are still fine; the first of the batch in shard 1 is named.
+    ds.check_shards_of(&[in_0, in_2]).unwrap();
+    let text = ds
+        .check_shards_of(&[in_2, in_1 + 1, in_0, in_1])
+        .unwrap_err()
+        .to_string();
+    assert_names_shard_and_sample(&text, ds, 1, in_1 + 1);
+}

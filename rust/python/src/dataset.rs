@@ -758,6 +758,11 @@ impl SampleMaker {
         )
     }
 
+    /// See [`core::Dataset::check_shards_of`].
+    pub(crate) fn check_shards_of(&self, globals: &[u64]) -> dataset_rt_core::Result<()> {
+        self.dataset.check_shards_of(globals)
+    }
+
     /// The validated size of every shard of every cache (the bound of slot references).
     pub(crate) fn shard_lens(&self) -> Vec<Vec<u64>> {
         self.dataset

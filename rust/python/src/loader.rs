@@ -586,6 +586,8 @@ impl OwnerRing {
         }
         let slot = ring.slot(ticket);
         let entries = read_batch(slot, ticket, &self.shard_lens).py_shm()?;
+        let globals: Vec<u64> = entries.iter().map(|e| e.global).collect();
+        self.check_delivered(py, globals.clone())?;
         let map = if any_in_slot(&entries) {
             Some(self.map_slot(py, ticket, fd)?)
         } else {
@@ -621,12 +623,21 @@ impl OwnerRing {
                 .ok_or_else(|| unknown(i, e))?;
             samples.append(sample)?;
         }
-        let indices = entries.iter().map(|e| e.global).collect();
+        let indices = globals;
         if map.is_none() {
             // Every payload is a view of a shard map: nothing refers to the slot any more.
             self.ring.release(ticket, None).py_shm()?;
         }
         Ok(Some((map, samples, indices)))
+    }
+
+    /// Checks that the shards holding the records of a batch about to be handed out (its
+    /// samples' global indices) still have their validated sizes: raises `CorruptRecordError`
+    /// naming the shard and the batch's first sample in it when one was truncated since the
+    /// producer read it ahead (the bytes of its maps would be zeros, or `SIGBUS`).
+    fn check_delivered(&self, py: Python<'_>, indices: Vec<u64>) -> PyResult<()> {
+        let samples = &self.samples;
+        py.detach(|| samples.check_shards_of(&indices)).py_err()
     }
 
     /// The training process's views of bytes a worker's result referenced (`shard_spans`'

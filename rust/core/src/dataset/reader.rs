@@ -44,7 +44,7 @@ impl<const N: usize> CheckedShards<N> {
     /// naming no shard is left to [`Cache::check_record`], which refuses it).
     ///
     /// [`Cache::check_record`]: crate::cache::Cache::check_record
-    fn check(&mut self, dataset: &Dataset, c: usize, row: u64) -> Result<()> {
+    pub(crate) fn check(&mut self, dataset: &Dataset, c: usize, row: u64) -> Result<()> {
         let cache = &dataset.caches[c];
         let shard = cache.entry(row).shard;
         if shard as usize >= cache.num_shards() {
