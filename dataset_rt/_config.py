@@ -7,6 +7,7 @@ written, with a message naming the field.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import os
 from dataclasses import dataclass, field
@@ -51,12 +52,15 @@ def check_int(where: str, value: object, low: int, high: int) -> int:
 
 
 def check_seconds(where: str, value: object, *, zero: bool, high: float) -> float:
-    """``value`` as a float when it is a number of seconds (an int or a float, not a bool, not
-    NaN), positive (``>= 0`` with ``zero``) and at most ``high``; otherwise ``ConfigError``
-    naming ``where``. ``-0.0`` is ``0.0``."""
+    """``value`` as a float when it is a number of seconds (an int or a real number, NumPy's
+    included, not a bool, not NaN), positive (``>= 0`` with ``zero``) and at most ``high``;
+    otherwise ``ConfigError`` naming ``where``. ``-0.0`` is ``0.0``."""
     seconds = math.nan
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = math.inf if isinstance(value, int) and value > 2**1000 else float(value)
+    number = as_index(value)
+    if number is not None:
+        seconds = math.inf if number > 2**1000 else float(number)
+    elif isinstance(value, numbers.Real) and not is_bool(value):  # float, numpy.float32 ...
+        seconds = float(value)
     if not ((seconds >= 0 if zero else seconds > 0) and seconds <= high):  # NaN fails both
         bound = ">= 0" if zero else "> 0"
         limit = "" if math.isinf(high) else f" and at most {high:g}"

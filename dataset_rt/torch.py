@@ -296,6 +296,16 @@ _FIXED_AFTER_INIT = frozenset(
         "result_bytes",
     }
 )
+# None of the options may be deleted (torch's guard does not cover deletion).
+_KEPT_AFTER_INIT = _FIXED_AFTER_INIT | {
+    "batch_size",
+    "drop_last",
+    "dataset",
+    "sampler",
+    "batch_sampler",
+    "persistent_workers",
+    "worker_init_fn",
+}
 
 
 class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
@@ -442,6 +452,13 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                     f"{name} attribute should not be set after {type(self).__name__} is initialized"
                 )
         super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if getattr(self, "_DataLoader__initialized", False) and name in _KEPT_AFTER_INIT:
+            raise ConfigError(
+                f"{name} attribute should not be deleted after {type(self).__name__} is initialized"
+            )
+        super().__delattr__(name)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         loader_pass = iter(self._shm)

@@ -190,6 +190,17 @@ def test_the_largest_heartbeat_timeout_works(dataset) -> None:
         assert sum(len(b) for b in loader) == N
 
 
+def test_numpy_numbers_are_seconds(dataset) -> None:
+    np = pytest.importorskip("numpy")
+    for value in [np.float32(1.5), np.float16(1.5), np.float64(1.5), np.int64(2), np.uint8(3)]:
+        with DataLoader(dataset, 4, timeout=value, heartbeat_timeout=value) as loader:
+            assert type(loader.timeout) is float and loader.timeout == float(value)
+            assert type(loader.heartbeat_timeout) is float
+    for value in [np.bool_(True), np.float32("nan"), np.float32(-1)]:
+        with pytest.raises(ConfigError, match=r"invalid DataLoader\.timeout"):
+            DataLoader(dataset, 4, timeout=value)
+
+
 def test_numpy_ints_are_ints(dataset) -> None:
     np = pytest.importorskip("numpy")
     loader = DataLoader(dataset, np.int64(4), num_workers=np.int32(0), prefetch_factor=np.uint8(2))
@@ -412,7 +423,14 @@ def test_loader_options_cannot_be_reassigned(dataset) -> None:
             ):
                 setattr(loader, name, before)
             assert getattr(loader, name) is before
+            with pytest.raises(
+                ValueError,
+                match=f"^{name} attribute should not be deleted after DataLoader is initialized$",
+            ):
+                delattr(loader, name)
+            assert getattr(loader, name) is before
         loader.custom = 1  # other attributes are the caller's
+        del loader.custom
         assert [len(b) for b in loader] == [4, 4, 4]
 
 
@@ -471,6 +489,12 @@ def test_torch_loader_options_cannot_be_reassigned(dataset, tmp_path: Path) -> N
                 match=f"^{name} attribute should not be set after DataLoader is initialized$",
             ):
                 setattr(loader, name, before)
+            assert getattr(loader, name) is before
+            with pytest.raises(
+                ValueError,
+                match=f"^{name} attribute should not be deleted after DataLoader is initialized$",
+            ):
+                delattr(loader, name)
             assert getattr(loader, name) is before
         # Lightning sets worker_init_fn (seed_everything(workers=True)): it applies.
         loader.worker_init_fn = functools.partial(_touch, tmp_path / "init")

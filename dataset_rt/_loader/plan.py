@@ -221,6 +221,13 @@ class DataLoader:
             )
         super().__setattr__(name, value)
 
+    def __delattr__(self, name: str) -> None:
+        if name in OPTIONS and self._initialized:
+            raise ConfigError(
+                f"{name} attribute should not be deleted after {type(self).__name__} is initialized"
+            )
+        super().__delattr__(name)
+
     def _replace_worker_init_fn(self, worker_init_fn: Callable[[int], None] | None) -> None:
         """For ``dataset_rt.torch.DataLoader``, whose ``worker_init_fn`` frameworks set: applies
         from the next pass that starts workers."""
