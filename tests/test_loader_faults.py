@@ -167,6 +167,54 @@ def test_a_worker_ending_with_code_0_mid_pass_raises_within_seconds(base, persis
     assert got == [i for batch in order[: int(found[1])] for i in batch]
 
 
+class InterruptedPlan:
+    """A loader's plan whose ``start_pass`` is followed at once by Ctrl-C (SIGINT)."""
+
+    def __init__(self, plan):
+        self._inner = plan
+
+    def start_pass(self, *args):
+        ring = self._inner.start_pass(*args)
+        signal.raise_signal(signal.SIGINT)
+        return ring
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("where", ["segments", "producer", "worker"])
+def test_ctrl_c_as_iter_creates_a_resource_leaves_nothing(base, monkeypatch, where):
+    """Ctrl-C landing just after a pass's segments, its producer or a worker is created, before
+    the pass has recorded it: ``KeyboardInterrupt`` as soon as it is recorded, and ``close()``
+    then removes the names and reaps the process (the autouse check), instead of leaving them
+    until the next loader or the end of the training process."""
+    from dataset_rt._loader import passes
+
+    def interrupted(make):
+        def make_then_interrupt(*args, **kwargs):
+            made = make(*args, **kwargs)
+            signal.raise_signal(signal.SIGINT)
+            return made
+
+        return make_then_interrupt
+
+    dataset = load(base, N)
+    loader = DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="fork")
+    if where == "segments":
+        loader._plan = InterruptedPlan(loader._plan)
+    elif where == "producer":
+        monkeypatch.setattr(passes.subprocess, "Popen", interrupted(subprocess.Popen))
+    else:
+        process_type = type(loader._context.Process())
+        monkeypatch.setattr(process_type, "start", interrupted(process_type.start))
+    with loader, pytest.raises(KeyboardInterrupt):
+        iter(loader)
+    assert own_segments() == []
+    monkeypatch.undo()
+    with DataLoader(dataset, batch_size=2, num_workers=1) as again:
+        assert sum(len(b) for b in again) == N
+
+
 def test_corrupt_record_is_raised_in_order(tmp_path):
     dataset = load(tmp_path, 40, shuffle=False)
     shard = tmp_path / "loader" / "shards" / "000000.bin"

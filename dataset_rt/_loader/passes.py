@@ -22,7 +22,15 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dataset_rt import _native
-from dataset_rt._loader import lifecycle, lifetimes, producer, results, slots, workers
+from dataset_rt._loader import (
+    lifecycle,
+    lifetimes,
+    producer,
+    results,
+    signals,
+    slots,
+    workers,
+)
 from dataset_rt._native import DatasetRTError, LoaderError, WorkerError
 
 if TYPE_CHECKING:
@@ -111,9 +119,11 @@ class LoaderIterator(Iterator[Any]):
         # The segments and the producer's private directory, all locked by this process. The
         # plan decides the slot count (num_workers=0: one more slot for the batch still bound
         # to the loop's variable while the loop asks for the next one, see .lifetimes).
-        self._ring = ring = self._plan.start_pass(
-            self._prefetch_factor, self._slot_size_bytes, num_workers, self._persistent
-        )
+        # Each resource is recorded where close() finds it before a Ctrl-C can come between.
+        with signals.held():
+            self._ring = ring = self._plan.start_pass(
+                self._prefetch_factor, self._slot_size_bytes, num_workers, self._persistent
+            )
         self._total = ring.total_batches
         self._slot_size = ring.slot_size
         if num_workers == 0:
@@ -121,11 +131,12 @@ class LoaderIterator(Iterator[Any]):
         # The dataset's verified-samples memfd, if shared, is the one descriptor (besides the
         # standard ones) the producer inherits: it attaches to it and closes it.
         verified_fd = ring.verified_fd
-        self._producer = subprocess.Popen(
-            producer.command(self._owner, ring.spec_path),
-            stdin=subprocess.DEVNULL,
-            pass_fds=() if verified_fd is None else (verified_fd,),
-        )
+        with signals.held():
+            self._producer = subprocess.Popen(
+                producer.command(self._owner, ring.spec_path),
+                stdin=subprocess.DEVNULL,
+                pass_fds=() if verified_fd is None else (verified_fd,),
+            )
         arena = results.arena_bytes(self._result_bytes, num_workers)
         shard_table = ring.shard_table if num_workers else ""
         for i in range(num_workers):
@@ -152,19 +163,20 @@ class LoaderIterator(Iterator[Any]):
                 name=f"dataset-rt-worker-{i}",
                 daemon=True,
             )
-            try:
-                process.start()
-            except BaseException:
-                receiver.close()
-                raise
-            finally:
-                sender.close()
-                if region is not None:
-                    region.started()
-            self._workers.append(process)
-            lifecycle.started_workers.add(process)
-            self._conns.append(receiver)
-            self._open.add(i)
+            with signals.held():
+                try:
+                    process.start()
+                except BaseException:
+                    receiver.close()
+                    raise
+                finally:
+                    sender.close()
+                    if region is not None:
+                        region.started()
+                self._workers.append(process)
+                lifecycle.started_workers.add(process)
+                self._conns.append(receiver)
+                self._open.add(i)
         # Every process runs: only now does the pass use up a loaded state or the epoch.
         self._plan.commit_pass(ring)
 

@@ -8,7 +8,50 @@ segment, then SIGKILL), but a SIGTERM sent to a child must still end it.
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Defers the Python-level signal handlers of the training process (Ctrl-C's
+    ``KeyboardInterrupt``, an alarm's) until the block is over, so that what it creates
+    (segments, a child process) is recorded where ``close()`` finds it before a handler's
+    exception can come between. A signal that arrives meanwhile is raised again as the block
+    ends, and its own handler runs then. Not a signal mask: another thread of the process (the
+    runtime's) would take the signal and Python would run the handler in the block anyway.
+    Handlers run, and are set, in the main thread only: elsewhere nothing is deferred."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers = {}
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            handler = signal.getsignal(sig)
+            if callable(handler):
+                handlers[sig] = handler
+    arrived: list[int] = []
+    swapped = {}
+    try:
+        for sig, handler in handlers.items():
+            signal.signal(sig, lambda signum, _frame: arrived.append(signum))
+            swapped[sig] = handler
+        yield
+    finally:
+        # A handler put back can run at once and raise: every other one is still put back.
+        raised: BaseException | None = None
+        for sig, handler in swapped.items():
+            while signal.getsignal(sig) is not handler:
+                try:
+                    signal.signal(sig, handler)
+                except BaseException as error:
+                    raised = raised or error
+        if raised is not None:
+            raise raised
+        for number in arrived:
+            signal.raise_signal(number)
 
 
 def reset_inherited() -> None:
