@@ -90,8 +90,12 @@ def read_samples(
     import polars as pl
 
     from dataset_rt._config import ReaderConfig, is_url
-    from dataset_rt._native import ConfigError
-    from dataset_rt._results import CacheSourcesDatasetError, CacheSourcesDatasetSuccess
+    from dataset_rt._native import CacheMalformedError, ConfigError
+    from dataset_rt._results import (
+        CacheMalformed,
+        CacheSourcesDatasetError,
+        CacheSourcesDatasetSuccess,
+    )
     from dataset_rt._runtime import DatasetRuntime
 
     reader_config = ReaderConfig(shuffle=False)
@@ -110,11 +114,16 @@ def read_samples(
             result = runtime.open_caches(path.name, path.parent, reader_config=reader_config)
         if not isinstance(result, CacheSourcesDatasetSuccess) or not result.dataset.num_samples:
             messages = [getattr(r, "message", "") for r in result.results]
-            raise ConfigError(
+            refusal = (
                 f"{cache}: not a readable cache: " + "; ".join(m for m in messages if m)
                 if any(messages)
                 else f"{cache}: not a readable cache"
             )
+            # A cache that fails validation is a failed operation, as for `verify`; a path
+            # that holds no cache is a usage error.
+            if any(isinstance(r, CacheMalformed) for r in result.results):
+                raise CacheMalformedError(refusal)
+            raise ConfigError(refusal)
         dataset = result.dataset
         table = dataset.samples_metadata().with_row_index("__index")
         for f in filters:

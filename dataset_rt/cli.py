@@ -65,6 +65,12 @@ def _error(message: str) -> None:
     print(f"dataset-rt: error: {message}", file=sys.stderr)
 
 
+def _shown(path: str | Path) -> str:
+    """A path as text that any output takes: bytes of a name that are not UTF-8 (which
+    ``os.fsdecode`` turned into lone surrogates) are shown as ``\\xff`` escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def _positive_int(text: str) -> int:
     value = _non_negative_int(text)
     if value == 0:
@@ -162,8 +168,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             samples, shards = _native.verify_remote_cache(args.cache, _remote_config(args))
         else:
             samples, shards = _native.verify_cache(args.cache)
+    except ConfigError:
+        raise  # a usage error (a URL or setting it cannot use): exit status 2, below
     except DatasetRTError as error:
-        print(f"FAILED: {args.cache}", file=sys.stderr)
+        print(f"FAILED: {_shown(args.cache)}", file=sys.stderr)
         _error(str(error))
         return EXIT_FAILED
     print(f"OK: {samples} samples, {shards} shards verified")
@@ -222,7 +230,7 @@ def _cmd_view(args: argparse.Namespace) -> int:
             print(f"wrote {args.png}: contact sheet of {len(samples)} sample(s)")
         if args.out is not None or args.png is None:
             out = args.out if args.out is not None else Path("view.html")
-            out.write_text(render_html(str(args.cache), samples, args.filter), encoding="utf-8")
+            out.write_text(render_html(_shown(args.cache), samples, args.filter), encoding="utf-8")
             print(f"wrote {out}: {len(samples)} sample(s)")
     except ImportError as error:
         _error(str(error))

@@ -235,6 +235,43 @@ def test_verify_names_a_truncated_index(tmp_path: Path, capsys: pytest.CaptureFi
     assert "size is" in err
 
 
+def test_every_command_gives_one_exit_status_for_one_failure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cache that fails validation is 1 and a URL the tool cannot use is 2, whichever command
+    meets it."""
+    cache = write_cache(tmp_path, n=20, shard_size=1024)
+    shard = cache / "shards" / "000001.bin"
+    shard.chmod(0o644)
+    os.truncate(shard, 100)
+    out = tmp_path / "view.html"
+    commands = [["inspect"], ["verify"], ["head"], ["view", "--out", str(out)]]
+    for command in commands:
+        assert main([command[0], str(cache), *command[1:]]) == EXIT_FAILED, command
+        assert str(shard) in capsys.readouterr().err, command
+    for command in commands:
+        assert main([command[0], "http://example.com/x", *command[1:]]) == EXIT_USAGE, command
+        err = capsys.readouterr().err
+        assert "FAILED" not in err, (command, err)
+        # head reads local caches only: for it the URL is a path that does not exist.
+        assert ("scheme" if command[0] != "head" else "no DatasetRT cache") in err, err
+
+
+def test_a_cache_under_a_name_that_is_not_utf8_is_shown_and_viewed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = Path(os.fsdecode(bytes(tmp_path) + b"/par\xffent"))
+    cache = write_cache(base, n=3)
+    out = tmp_path / "view.html"
+    assert main(["view", str(cache), "--out", str(out)]) == EXIT_OK
+    assert "par\\xffent" in out.read_text(encoding="utf-8")
+    shard = cache / "shards" / "000000.bin"
+    shard.chmod(0o644)
+    os.truncate(shard, 10)
+    assert main(["verify", str(cache)]) == EXIT_FAILED
+    assert "FAILED: " + str(tmp_path) + "/par\\xffent/train" in capsys.readouterr().err
+
+
 def test_verify_a_path_that_is_not_a_cache_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
