@@ -36,6 +36,9 @@ pub struct Cache {
     shard_files: Vec<File>,
     /// `metadata.arrow`, mapped at open; checksummed and decoded by the first use of the table.
     metadata_map: Arc<Mmap>,
+    /// The file `metadata_map` maps, kept open: its size is checked before the first use reads
+    /// the map (a truncated file would kill the process with `SIGBUS`).
+    metadata_file: File,
     /// The identities of the `index.bin` and `metadata.arrow` files that `index` and
     /// `metadata_map` map: another process that opens the cache by its path (the loader's
     /// producer) must read these very files, not ones renamed over them since.
@@ -480,6 +483,7 @@ impl Cache {
             records,
             shard_files,
             metadata_map,
+            metadata_file: meta_file,
             index_identity,
             metadata_identity,
             metadata: OnceLock::new(),
@@ -508,6 +512,19 @@ impl Cache {
 
     fn load_metadata(&self) -> std::result::Result<MetadataTable, String> {
         let map = &self.metadata_map;
+        // Truncated since the open, reading the map past the new end would be SIGBUS.
+        let now = self
+            .metadata_file
+            .metadata()
+            .map_err(|e| format!("stat failed: {e}"))?
+            .len();
+        if now < map.len() as u64 {
+            return Err(format!(
+                "the file is {now} bytes now but was {} bytes when the cache was opened: it was \
+                 truncated while in use (a published cache must not be modified while it is read)",
+                map.len()
+            ));
+        }
         if let Some(reason) = checksum_mismatch(map, &self.manifest.metadata.checksum) {
             return Err(reason);
         }

@@ -167,3 +167,24 @@ fn samples_about_to_be_handed_out_are_checked_against_their_shards_sizes() {
         .to_string();
     assert_names_shard_and_sample(&text, ds, 1, in_1 + 1);
 }
+
+#[test]
+fn a_metadata_file_truncated_after_the_open_is_refused_at_its_first_use() {
+    let fixture = fixture(VerifyPolicy::Once);
+    let cache = &fixture.ds.caches[0];
+    let path = cache.dir.join("metadata.arrow");
+    set_len(&path, 16);
+    // Never SIGBUS: the table is refused, naming the file, at this use and every later one.
+    for _ in 0..2 {
+        let Err(err) = cache.metadata() else {
+            panic!("the table of a truncated file was served")
+        };
+        let text = err.to_string();
+        assert!(
+            text.contains(&path.display().to_string())
+                && text.contains("is 16 bytes now")
+                && text.contains("truncated while in use"),
+            "{text}"
+        );
+    }
+}
