@@ -398,6 +398,37 @@ def test_a_worker_failing_outside_user_code_reports_its_traceback(base, monkeypa
     assert "Traceback" in message and "in consumer_main" in message
 
 
+def _refuse_to_unpickle():
+    raise RuntimeError("this transform cannot be rebuilt in a worker")
+
+
+class NotRebuilt:
+    """A transform that pickles, and whose unpickling in a spawned worker raises, as one
+    defined in a ``python -c`` script does (``Can't get attribute ... on __main__``)."""
+
+    def __call__(self, sample):
+        return sample
+
+    def __reduce__(self):
+        return (_refuse_to_unpickle, ())
+
+
+def test_a_spawned_worker_that_cannot_rebuild_the_transform_reports_its_traceback(base):
+    dataset = load(base, N)
+    loader = DataLoader(
+        dataset,
+        batch_size=2,
+        num_workers=1,
+        transform=NotRebuilt(),
+        multiprocessing_context="spawn",
+    )
+    with loader, pytest.raises(LoaderError) as caught:
+        next(iter(loader))
+    message = str(caught.value)
+    assert re.search(r"loader worker 0 \(pid \d+\) failed:", message), message
+    assert "Traceback" in message and "cannot be rebuilt in a worker" in message, message
+
+
 def test_a_worker_done_before_another_attached_is_no_failure(tmp_path, monkeypatch):
     """Worker 0 takes the whole (short) pass and exits while worker 1 is still starting."""
     import multiprocessing

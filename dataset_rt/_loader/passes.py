@@ -137,6 +137,14 @@ class LoaderIterator(Iterator[Any]):
                 stdin=subprocess.DEVNULL,
                 pass_fds=() if verified_fd is None else (verified_fd,),
             )
+        functions: workers.Functions | bytes = (
+            self._transform,
+            self._collate_fn,
+            self._worker_init_fn,
+        )
+        if num_workers and self._context.get_start_method() != "fork":
+            # Unpickled by each worker, inside the code that reports its failures.
+            functions = pickle.dumps(functions)
         arena = results.arena_bytes(self._result_bytes, num_workers)
         shard_table = ring.shard_table if num_workers else ""
         for i in range(num_workers):
@@ -153,9 +161,7 @@ class LoaderIterator(Iterator[Any]):
                     shard_table,
                     i,
                     self._owner,
-                    self._transform,
-                    self._collate_fn,
-                    self._worker_init_fn,
+                    functions,
                     sender,
                     None if region is None else region.worker_args(),
                     self._persistent,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.connection
 import os
+import pickle
 import sys
 import traceback
 from collections.abc import Callable
@@ -15,6 +16,13 @@ from typing import Any
 from dataset_rt import _native
 from dataset_rt._loader import results, signals, slots
 from dataset_rt._native import CachedSample, LoaderError, RingClosed
+
+# A worker's transform, collate_fn and worker_init_fn.
+Functions = tuple[
+    Callable[[CachedSample], Any] | None,
+    Callable[[list[Any]], Any] | None,
+    Callable[[int], None] | None,
+]
 
 
 def apply(
@@ -59,9 +67,7 @@ def consumer_main(
     shard_table: str,
     index: int,
     owner_pid: int,
-    transform: Callable[[CachedSample], Any] | None,
-    collate_fn: Callable[[list[Any]], Any] | None,
-    worker_init_fn: Callable[[int], None] | None,
+    functions: Functions | bytes,
     conn: multiprocessing.connection.Connection,
     region: tuple[Any, int, Any] | None = None,
     persistent: bool = False,
@@ -93,6 +99,10 @@ def consumer_main(
     _native.retain_worker_heap()
     stage = "loader"
     try:
+        # Spawned, the user's functions arrive pickled and are unpickled here, where a failure
+        # (a transform defined in a `python -c` script) is reported with its traceback.
+        unpacked: Functions = pickle.loads(functions) if isinstance(functions, bytes) else functions
+        transform, collate_fn, worker_init_fn = unpacked
         ring = _native.WorkerRing.attach(ctl_name, index, shard_table)
         fd = slots.open_ring(ring.ring_name)
         ring.mark_attached()
