@@ -739,6 +739,10 @@ def test_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert "COMMAND" in capsys.readouterr().err
     assert main(["head", "x", "-n", "-1"]) == EXIT_USAGE
     assert "expected an integer >= 0" in capsys.readouterr().err
+    # One message for every value out of range, the one that names the bound.
+    for value in ("-5", "0"):
+        assert main(["demo", "--samples", value]) == EXIT_USAGE
+        assert f"expected an integer >= 1, got '{value}'" in capsys.readouterr().err
     assert main(["--help"]) == EXIT_OK
     out = capsys.readouterr().out
     for command in ("inspect", "verify", "head", "pack", "demo"):
