@@ -586,8 +586,16 @@ impl OwnerRing {
         }
         let slot = ring.slot(ticket);
         let entries = read_batch(slot, ticket, &self.shard_lens).py_shm()?;
-        let globals: Vec<u64> = entries.iter().map(|e| e.global).collect();
-        self.check_delivered(py, globals.clone())?;
+        // The shards its payloads are views of: truncated since the producer read them ahead,
+        // their bytes would be zeros, or SIGBUS (payloads in the slot are copies, not views).
+        let views: Vec<(u32, u32, u64)> = entries
+            .iter()
+            .filter_map(|e| match e.payload {
+                Payload::Shard(r) => Some((e.cache, r.shard, e.row)),
+                Payload::Slot { .. } => None,
+            })
+            .collect();
+        self.samples.check_shards(&views).py_err()?;
         let map = if any_in_slot(&entries) {
             Some(self.map_slot(py, ticket, fd)?)
         } else {
@@ -623,7 +631,7 @@ impl OwnerRing {
                 .ok_or_else(|| unknown(i, e))?;
             samples.append(sample)?;
         }
-        let indices = globals;
+        let indices = entries.iter().map(|e| e.global).collect();
         if map.is_none() {
             // Every payload is a view of a shard map: nothing refers to the slot any more.
             self.ring.release(ticket, None).py_shm()?;

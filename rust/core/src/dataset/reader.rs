@@ -54,7 +54,7 @@ impl<const N: usize> CheckedShards<N> {
     }
 
     /// Checks shard `shard` of cache `c`, where sample `row`'s record lies.
-    fn check_shard(&mut self, dataset: &Dataset, c: usize, shard: u32, row: u64) -> Result<()> {
+    pub fn check_shard(&mut self, dataset: &Dataset, c: usize, shard: u32, row: u64) -> Result<()> {
         let key = (c as u32, shard);
         let seen = self.seen[..self.len]
             .iter()
