@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataset_rt import (
+    ConfigError,
     Dataset,
     DatasetRuntime,
     ReaderConfig,
@@ -386,6 +387,35 @@ def test_non_dataframe_refused_with_type_error(weighted: Any, value: Any) -> Non
     with pytest.raises(TypeError, match=r"polars\.DataFrame"):
         dataset.set_samples_metadata(value(table))
     assert_unchanged(dataset, table, fingerprint)
+
+
+def test_weights_summing_past_the_largest_float_are_refused(weighted: Any) -> None:
+    """Each finite and positive, their sum infinite: every count but the last would be 0, an
+    epoch of one sample repeated."""
+    dataset, table, fingerprint = weighted
+    huge = table.with_columns(
+        pl.when(pl.col("sample_id") == 0).then(1.0).otherwise(1.7e308).alias("weight")
+    )
+    with pytest.raises(SamplesMetadataError, match="sum to more than the largest float"):
+        dataset.set_samples_metadata(huge)
+    assert_unchanged(dataset, table, fingerprint)
+    with pytest.raises(ConfigError, match="sum to more than the largest float"):
+        _native.epoch_order(5, 0, 10, 25, True, huge["weight"].to_list())
+
+
+@pytest.mark.parametrize(
+    "dtype", [pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt32, pl.UInt64, pl.Float32]
+)
+def test_any_integer_or_float_column_gives_weights(weighted: Any, dtype: Any) -> None:
+    dataset, table, _ = weighted
+    edited = table.with_columns(
+        pl.when(pl.col("sample_id") == 3).then(5).otherwise(1).cast(dtype).alias("weight")
+    )
+    dataset.set_samples_metadata(edited)
+    got = dataset.samples_metadata()["weight"].to_list()
+    assert got == [5.0 if i == 3 else 1.0 for i in table["sample_id"].to_list()]
+    epoch = dataset.state_dict()["epoch"]
+    assert ids(dataset) == _native.epoch_order(5, epoch, 10, 25, True, got)
 
 
 def test_error_quotes_a_bounded_number_of_rows(weighted: Any) -> None:

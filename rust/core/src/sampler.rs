@@ -392,6 +392,9 @@ pub fn checked_order(
                 format!("weight {i} is {x}: weights must be positive and finite"),
             ));
         }
+        if let Some(reason) = weight_sum_problem(w) {
+            return Err(Error::config("weights", reason));
+        }
     }
     if let Some(k) = positions.into_iter().flatten().find(|&&k| k >= epoch_len) {
         return Err(Error::config(
@@ -416,6 +419,20 @@ pub fn checked_order(
 /// rather than the abort of an infallible allocation).
 pub fn epoch_order(params: EpochParams, weights: Weights<'_>) -> Vec<u64> {
     try_epoch_order(params, weights).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Why positive, finite weights cannot be sampled, if they cannot: their sum, added left to
+/// right as the counts add it, overflows to infinity, which would give every sample but the last
+/// a count of 0.
+pub fn weight_sum_problem(w: &[f64]) -> Option<String> {
+    let s = w.iter().fold(0.0f64, |acc, &x| acc + x);
+    (!s.is_finite()).then(|| {
+        format!(
+            "the weights sum to more than the largest float ({:e}): each sample's share of an \
+             epoch is its weight over that sum; scale the weights down",
+            f64::MAX
+        )
+    })
 }
 
 /// Per-sample counts for the epoch (length n, sums to `epoch_len`). Makes the same counts
@@ -599,6 +616,15 @@ mod tests {
             let text = refused(params(3, 1, 3, true), 2, Some(&[1.0, bad]), None);
             assert!(text.contains("weight 1 is"), "{text}");
         }
+        // Each one finite, their sum not: every count but the last would be 0.
+        for w in [vec![1.0, 1.7e308, 1.7e308], vec![f64::MAX, f64::MAX, 1.0]] {
+            let text = refused(params(3, 1, 3, true), 3, Some(&w), None);
+            assert!(
+                text.contains("weights sum to more than the largest float"),
+                "{text}"
+            );
+        }
+        assert!(weight_sum_problem(&[f64::MAX, 1.0]).is_none()); // rounds back to f64::MAX
         let text = refused(params(3, 1, 13, true), 13, None, Some(&[2, 13]));
         assert!(
             text.contains("position 13 is outside the epoch of 13"),

@@ -298,6 +298,36 @@ fn same(a: Option<MetaRef<'_>>, b: Option<MetaRef<'_>>) -> bool {
     }
 }
 
+/// The values of a weight column as floats: any integer or float column is one (`null` where
+/// the column has one); `None` for a column of another type.
+fn weight_values(a: &ArrayRef) -> Option<Vec<Option<f64>>> {
+    use arrow_array::types::{
+        Int16Type, Int32Type, Int8Type, UInt16Type, UInt32Type, UInt64Type, UInt8Type,
+    };
+    macro_rules! floats {
+        ($t:ty) => {
+            a.as_primitive::<$t>()
+                .iter()
+                .map(|v| v.map(|x| x as f64))
+                .collect()
+        };
+    }
+    Some(match a.data_type() {
+        DataType::Float64 => a.as_primitive::<Float64Type>().iter().collect(),
+        DataType::Float32 => floats!(Float32Type),
+        DataType::Int64 => floats!(Int64Type),
+        DataType::Int32 => floats!(Int32Type),
+        DataType::Int16 => floats!(Int16Type),
+        DataType::Int8 => floats!(Int8Type),
+        DataType::UInt64 => floats!(UInt64Type),
+        DataType::UInt32 => floats!(UInt32Type),
+        DataType::UInt16 => floats!(UInt16Type),
+        DataType::UInt8 => floats!(UInt8Type),
+        DataType::Null => vec![None; a.len()],
+        _ => return None,
+    })
+}
+
 fn show(v: Option<MetaRef<'_>>) -> String {
     match v {
         None => "null".into(),
@@ -366,7 +396,12 @@ pub fn import(ds: &Dataset, ipc: &[u8]) -> Result<WeightTable> {
         };
         let caches = col(cache_col, CACHE_ID)?;
         let ids = col(id_col, SAMPLE_ID)?;
-        let ws = col(weight_col, WEIGHT)?;
+        let ws = weight_values(batch.column(weight_col)).ok_or_else(|| {
+            Error::SamplesMetadata(format!(
+                "column {WEIGHT:?} has unsupported type {}: weights are an integer or float column",
+                batch.column(weight_col).data_type()
+            ))
+        })?;
         let metas = meta_cols
             .iter()
             .zip(&layout.columns)
@@ -427,13 +462,9 @@ pub fn import(ds: &Dataset, ipc: &[u8]) -> Result<WeightTable> {
                     );
                 }
             }
-            let w = match ws.get(i) {
-                Some(MetaRef::Float(w)) => w,
-                Some(MetaRef::Int(w)) => w as f64,
-                other => {
-                    report(&mut problems, format!("{who}: weight is {}", show(other)));
-                    continue;
-                }
+            let Some(w) = ws.get(i).copied().flatten() else {
+                report(&mut problems, format!("{who}: weight is null"));
+                continue;
             };
             if !(w.is_finite() && w > 0.0) {
                 report(
@@ -466,6 +497,12 @@ pub fn import(ds: &Dataset, ipc: &[u8]) -> Result<WeightTable> {
             "{absent} samples are missing from the table, e.g. {}",
             quoted.join(", ")
         ));
+    }
+    if problem_count == 0 {
+        if let Some(reason) = crate::sampler::weight_sum_problem(&weights) {
+            problem_count += 1;
+            problems.push(reason);
+        }
     }
     if problem_count > 0 {
         let more = problem_count.saturating_sub(problems.len());
