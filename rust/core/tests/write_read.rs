@@ -461,6 +461,42 @@ fn duplicate_sample_ids_are_refused() {
 }
 
 #[test]
+fn keys_that_could_never_be_table_columns_are_refused_at_the_first_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    for (key, why) in [
+        ("weight", "is a column of the samples-metadata table"),
+        ("cache_id", "is a column of the samples-metadata table"),
+        ("a\0b", "holds a NUL byte"),
+    ] {
+        let samples = vec![
+            sample(
+                b"a".to_vec(),
+                &[("k", MetaValue::Int(1)), (key, MetaValue::Int(1))],
+            ),
+            sample(
+                b"b".to_vec(),
+                &[("k", MetaValue::Int(2)), (key, MetaValue::Int(2))],
+            ),
+        ];
+        let err = write_with(
+            &pool,
+            dir.path(),
+            "keys",
+            options(Compression::NONE, 1024),
+            samples,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidSample { sample_index: 0, reason, .. }
+                if reason.contains(&format!("{key:?}")) && reason.contains(why)),
+            "{err}"
+        );
+        assert!(!dir.path().join("keys").exists());
+    }
+}
+
+#[test]
 fn leftovers_of_dead_writers_are_removed_and_others_kept() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join(".c.tmp-1-2/shards")).unwrap();

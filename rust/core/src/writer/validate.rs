@@ -84,6 +84,23 @@ impl CacheWriter {
                 dtype,
             })
             .collect();
+        // A cache whose metadata could never become its samples-metadata table is refused now,
+        // not at the table's first use.
+        for f in &fields {
+            if f.name == crate::samples::CACHE_ID || f.name == crate::samples::WEIGHT {
+                return Err(self.invalid(format!(
+                    "metadata key {:?} is a column of the samples-metadata table (cache_id | \
+                     sample_id | <metadata> | weight); rename the key",
+                    f.name
+                )));
+            }
+            if f.name.contains('\0') {
+                return Err(self.invalid(format!(
+                    "metadata key {:?} holds a NUL byte, which a column name cannot hold",
+                    f.name
+                )));
+            }
+        }
         if let Some(f) = fields.iter().find(|f| f.name == SAMPLE_ID) {
             if !matches!(f.dtype, FieldType::Int | FieldType::Str) {
                 return Err(self.invalid(format!(
