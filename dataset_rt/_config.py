@@ -6,6 +6,7 @@ written, with a message naming the field.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import operator
@@ -68,6 +69,19 @@ def check_seconds(where: str, value: object, *, zero: bool, high: float) -> floa
             f"invalid {where}: expected a number of seconds {bound}{limit}, got {value!r}"
         )
     return seconds + 0.0  # -0.0 -> 0.0
+
+
+def state_json(state: object) -> str:
+    """``state`` as the JSON text the native ``load_state_json`` reads. What is not JSON (a
+    numpy number, bytes, a set, a mapping that is not a ``dict``) is no state that
+    ``state_dict()`` returns: ``StateError``, as the native checks give for the rest."""
+    try:
+        return json.dumps(state, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise _native.StateError(
+            f"not a state: {error}; a state is the dict that state_dict() returned, of JSON "
+            "types only (saved and loaded as it was)"
+        ) from None
 
 
 def check_epoch(where: str, epoch: object) -> int:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy  # noqa: F401
 
 from dataset_rt import _native
-from dataset_rt._config import as_index, check_epoch, is_bool
+from dataset_rt._config import as_index, check_epoch, is_bool, state_json
 from dataset_rt._native import CachedSample
 
 if TYPE_CHECKING:
@@ -206,7 +206,7 @@ class Dataset:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the next pass continue at the exact next sample of ``state``; refuses a state
         of another dataset, weight table, seed or epoch length."""
-        self._native.load_state_json(json.dumps(state))
+        self._native.load_state_json(state_json(state))
 
     def samples_metadata(self) -> pl.DataFrame:
         """``cache_id | sample_id | <metadata...> | weight`` as a Polars DataFrame, handed over

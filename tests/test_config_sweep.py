@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -289,6 +290,26 @@ def test_absurd_states_are_refused(dataset, owner: str) -> None:
         assert target.state_dict() == good
     target.load_state_dict({**good, "epoch": LAST_EPOCH})
     assert target.state_dict()["epoch"] == LAST_EPOCH
+
+
+@TIMEOUT
+@pytest.mark.parametrize("owner", ["dataset", "loader"])
+def test_states_that_are_not_json_are_state_errors(dataset, owner: str) -> None:
+    """state_dict() returns plain JSON types: anything else is a StateError, as every other
+    refused state is, so that `except StateError` catches it."""
+    np = pytest.importorskip("numpy")
+    target = dataset if owner == "dataset" else DataLoader(dataset, 4)
+    good = target.state_dict()
+    for state in [
+        {**good, "position": np.int64(3)},
+        {**good, "fingerprint": good["fingerprint"].encode()},
+        {**good, "seed": {1, 2}},
+        {**good, "epoch": math.nan},
+        types.MappingProxyType(good),
+    ]:
+        with pytest.raises(StateError, match="not a state"):
+            target.load_state_dict(state)
+        assert target.state_dict() == good
 
 
 # --- runtime and configs -----------------------------------------------------------------------

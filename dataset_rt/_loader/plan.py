@@ -14,7 +14,7 @@ from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
 from dataset_rt import _native
-from dataset_rt._config import check_epoch, check_int, check_seconds, is_bool
+from dataset_rt._config import check_epoch, check_int, check_seconds, is_bool, state_json
 from dataset_rt._loader import lifecycle, results
 from dataset_rt._loader.passes import LoaderIterator
 from dataset_rt._native import CachedSample, ConfigError
@@ -269,7 +269,7 @@ class DataLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the next ``iter(loader)`` continue at the exact next sample of ``state``."""
         self._require_owner()
-        self._plan.load_state_json(json.dumps(state))
+        self._plan.load_state_json(state_json(state))
 
     def close(self) -> None:
         """Stops the current pass's processes (with ``persistent_workers``, the pipeline's)
