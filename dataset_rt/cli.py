@@ -282,6 +282,13 @@ def _list_files(root: Path, *, follow_symlinks: bool) -> list[tuple[str, tuple[s
             entries = sorted(listing, key=lambda e: e.name)
         for entry in entries:
             entry_path = Path(entry.path)
+            try:
+                entry.name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise PackRefused(
+                    f"{_shown(entry_path)}: the name is not UTF-8; a file's path is its "
+                    "sample_id, a str: rename the file"
+                ) from None
             entry_rel = (*rel, entry.name)
             entry_real = None if real is None else (*real, entry.name)
             if entry.is_symlink():

@@ -566,6 +566,18 @@ def test_pack_refuses_link_loops_and_broken_links(
     assert not (tmp_path / "c").exists()
 
 
+def test_pack_refuses_a_name_that_is_not_utf8_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    image_folder(src)
+    Path(os.fsdecode(bytes(src / "cat") + b"/f\xffe.txt")).write_bytes(b"x")
+    assert pack_quiet(src, tmp_path / "c") == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert f"{src / 'cat'}/f\\xffe.txt: the name is not UTF-8" in err, err
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.timeout(60)
 def test_pack_refuses_a_fifo_without_blocking(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
