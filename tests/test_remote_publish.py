@@ -38,6 +38,7 @@ from dataset_rt import (
     DatasetRuntime,
     ReaderConfig,
     RemoteConfig,
+    ShardCompression,
     WriterConfig,
     _native,
 )
@@ -82,13 +83,23 @@ class Source:
             yield CacheInput(data=payload(i) + self.salt.encode(), metadata={"label": i % 3})
 
 
-def write_cache(base: Path, name: str = "train", n: int = 24, salt: str = "") -> Path:
+def write_cache(
+    base: Path,
+    name: str = "train",
+    n: int = 24,
+    salt: str = "",
+    compression: ShardCompression | None = None,
+) -> Path:
     """A small cache of several shards at ``base / name``."""
     with DatasetRuntime(num_workers=2) as runtime:
         result = runtime.from_cache_sources(
             Source(name, n, salt),
             base,
-            writer_config=WriterConfig(show_progress=False, shard_size_bytes=512),
+            writer_config=WriterConfig(
+                show_progress=False,
+                shard_size_bytes=512,
+                shard_compression=compression or ShardCompression(),
+            ),
         )
     assert isinstance(result, CacheSourcesDatasetSuccess), result
     return base / name

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import polars as pl
 import pytest
@@ -46,6 +46,7 @@ from dataset_rt import (
     DatasetRuntime,
     ReaderConfig,
     RemoteConfig,
+    ShardCompression,
     WriterConfig,
     _native,
 )
@@ -233,6 +234,33 @@ def test_the_shared_memory_loader_reads_a_remote_dataset_as_a_local_one(
         collate_fn=list,
         multiprocessing_context=start,
         persistent_workers=workers > 0,
+    )
+    with loader:
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            assert [x for batch in loader for x in batch] == expected[epoch]
+
+
+@pytest.mark.parametrize("algo", ["none", "lz4"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_sizes_its_slots_from_a_remote_cache(
+    runtime: DatasetRuntime,
+    store: Store,  # noqa: F811
+    tmp_path: Path,
+    workers: int,
+    algo: Literal["none", "lz4"],
+) -> None:
+    """A cache read in place has no shard files to reference: every record travels in the
+    slots (an LZ4 one decompressed), which are sized from the largest one, read and verified
+    first through the record source. Batches of 6 samples of 20 KB exceed the smallest slot."""
+    compression = ShardCompression(algo=algo)
+    original = write_cache(tmp_path / "src", n=40, salt="x" * 20_000, compression=compression)
+    _native.push_cache(original, store.url("train"), RemoteConfig())
+    url = store.url("train")[: -len("/train")]
+    expected = read_epochs(open_dataset(runtime, original.parent, tmp_path, False))
+    remote = open_dataset(runtime, url, tmp_path, True)
+    loader = DataLoader(
+        remote.dataset, batch_size=6, num_workers=workers, transform=record, collate_fn=list
     )
     with loader:
         for epoch in (0, 1):

@@ -12,7 +12,7 @@ use dataset_rt_core::metadata::{FieldType, MetaRef};
 
 use dataset_rt_shm::layout::*;
 
-use crate::{protocol, Error, Result};
+use crate::{protocol, Result};
 
 /// Bytes `offset .. offset + len` of shard file `shard` of the entry's cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -289,42 +289,45 @@ pub fn metadata_len<'a>(row: impl Iterator<Item = (&'a str, MetaRef<'a>)>) -> u6
 }
 
 /// The largest payload of `cache` that travels in a slot, proved by reading it, or `None` when
-/// none does. Only records stored LZ4 are carried in the slot (decompressed); a record stored
-/// uncompressed travels as a reference to its shard file, which takes no payload bytes there.
+/// none does. Records stored LZ4 are carried in the slot (decompressed), and so is every record
+/// of a cache read in place from a URL (copied out of the fetched bytes: it has no shard file);
+/// a local record stored uncompressed travels as a reference to its shard file, which takes no
+/// payload bytes there.
 /// Every index entry's `flags` and `raw_len` are unverified until its record is read; the
-/// largest LZ4 one decides the slot size, so that record is verified (checksum, header against
-/// the index) and decoded before anything is allocated from it, and its decoded length must be
-/// its `raw_len`. Every other sample's `raw_len` is no larger, so slots sized from this one hold
-/// any batch of verified samples, and a sample whose forged index entry claims less than it
-/// holds (a smaller `raw_len`, or no LZ4 flag) is caught when the producer reads it, which
-/// checks its header against the index. `verify_record` refuses an LZ4 record that claims more
-/// than its stored bytes can decode to, so a forged size cannot make this allocate more than
-/// the record's real bytes decode to.
+/// largest one carried in a slot decides its size, so that record is verified (checksum, header
+/// against the index) and decoded before anything is allocated from it, and its decoded length
+/// must be its `raw_len`. Every other sample's `raw_len` is no larger, so slots sized from this
+/// one hold any batch of verified samples, and a sample whose forged index entry claims less
+/// than it holds (a smaller `raw_len`, or no LZ4 flag) is caught when the producer reads it,
+/// which checks its header against the index. Reading it (`Cache::payload`: from the shard's
+/// map, or through the record source of a cache read in place from a URL) refuses an LZ4 record
+/// that claims more than its stored bytes can decode to, so a forged size cannot make this
+/// allocate more than the record's real bytes decode to.
 fn verified_max_slot_payload(cache: &Cache) -> Result<Option<u64>> {
+    let in_slot = |row: u64| cache.is_fetched() || cache.entry(row).flags & FLAG_LZ4 != 0;
     let Some(row) = (0..cache.len())
-        .filter(|&row| cache.entry(row).flags & FLAG_LZ4 != 0)
+        .filter(|&row| in_slot(row))
         .max_by_key(|&row| cache.entry(row).raw_len)
     else {
         return Ok(None);
     };
-    let (e, header, start) = cache.verify_record(row)?;
+    // Verified and decoded from the shard's map, or fetched through the record source of a
+    // cache read in place from a URL (which has no map).
+    let payload = cache.payload(row)?;
+    let e = cache.entry(row);
     let raw_len = u64::from(e.raw_len);
-    let corrupt = |reason: String| -> Error {
-        dataset_rt_core::Error::CorruptRecord {
+    if payload.len() as u64 != raw_len {
+        return Err(dataset_rt_core::Error::CorruptRecord {
             cache: cache.name().to_owned(),
             shard: cache.shard_path(e.shard),
             offset: e.offset,
             sample: row,
-            reason,
+            reason: format!(
+                "the payload decodes to {} bytes, the index says {raw_len}",
+                payload.len()
+            ),
         }
-        .into()
-    };
-    let payload = cache.decode_payload(row, &e, &header, start)?;
-    if payload.len() as u64 != raw_len {
-        return Err(corrupt(format!(
-            "the payload decodes to {} bytes, the index says {raw_len}",
-            payload.len()
-        )));
+        .into());
     }
     Ok(Some(raw_len))
 }
