@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from loader_helpers import (  # noqa: F401
@@ -213,6 +214,21 @@ def test_ctrl_c_as_iter_creates_a_resource_leaves_nothing(base, monkeypatch, whe
     monkeypatch.undo()
     with DataLoader(dataset, batch_size=2, num_workers=1) as again:
         assert sum(len(b) for b in again) == N
+
+
+def test_a_cache_path_that_is_not_utf8_is_a_config_error_leaving_nothing(tmp_path):
+    """The producer gets the dataset's paths as JSON text: a path that is not UTF-8 is refused
+    with a ConfigError naming the reason (it panicked, and left the pass's segments), and
+    nothing of the pass stays in /dev/shm (the autouse check)."""
+    from dataset_rt import ConfigError
+
+    base = Path(os.fsdecode(bytes(tmp_path) + b"/dir-\xff"))
+    dataset = load(base, 20)
+    assert len(list(dataset)) == 20  # in process, the path is no problem
+    with DataLoader(dataset, batch_size=4) as loader:
+        with pytest.raises(ConfigError, match="UTF-8"):
+            iter(loader)
+        assert own_segments() == []
 
 
 def test_corrupt_record_is_raised_in_order(tmp_path):

@@ -243,13 +243,22 @@ impl Plan {
                 spec.weights_file = Some(path);
             }
             let path = private_dir.join("spec.json");
-            std::fs::write(&path, serde_json::to_vec(&spec).expect("plain data")).map_err(
-                |source| ShmError::Io {
-                    op: "write",
-                    path,
-                    source,
-                },
-            )?;
+            // JSON holds text: a cache path that is not UTF-8 cannot travel in it.
+            let text = serde_json::to_vec(&spec).map_err(|e| {
+                dataset_rt_core::Error::config(
+                    "cache path for the DataLoader",
+                    format!(
+                        "{e}: the loader hands the paths of the dataset's files to its producer \
+                         process as UTF-8 text; move or rename the cache (or \
+                         RemoteConfig.local_dir) to a path that is UTF-8, or read it in process"
+                    ),
+                )
+            })?;
+            std::fs::write(&path, text).map_err(|source| ShmError::Io {
+                op: "write",
+                path,
+                source,
+            })?;
             Ok(())
         })();
         if let Err(e) = written {
