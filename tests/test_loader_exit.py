@@ -259,13 +259,21 @@ def parent_sigterm(setting: str) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def busy(sample):
+    """Keeps each worker in its transform most of the time, holding the batch it took: a
+    worker killed between two batches holds none, and the other would deliver them all."""
+    time.sleep(0.002)
+    return sample.metadata["i"]
+
+
 @pytest.mark.parametrize("setting", ["handler", "ignored", "blocked"])
 def test_children_do_not_inherit_the_training_scripts_sigterm_setting(base, setting):
     from dataset_rt import DataLoader
     from dataset_rt._native import LoaderError
 
     dataset = load(base, N)
-    with parent_sigterm(setting), DataLoader(dataset, batch_size=2, num_workers=2) as loader:
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, transform=busy)
+    with parent_sigterm(setting), loader:
         it = iter(loader)
         next(it)
         children = [it.pids["producer"], *it.pids["workers"]]
