@@ -131,9 +131,13 @@ impl From<Error> for dataset_rt_core::Error {
             Error::Core(e) => e,
             Error::Config { field, reason } => Core::config(field, reason),
             Error::Url { .. } => Core::config("URL", message),
+            // The core's error names the operation and the URL itself.
             Error::Request {
-                op, url, failure, ..
-            } => Core::io(op, url, std::io::Error::new(failure.io_kind(), message)),
+                op,
+                url,
+                failure,
+                reason,
+            } => Core::io(op, url, std::io::Error::new(failure.io_kind(), reason)),
             Error::AlreadyPublished { url, .. } => Core::io(
                 "publish",
                 url,

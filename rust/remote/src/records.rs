@@ -89,6 +89,11 @@ pub struct RemoteRecords {
     /// Downloads started by this process and not finished (so that a read waits for them rather
     /// than downloading the same range again).
     in_flight: Arc<(Mutex<HashSet<RangeKey>>, Condvar)>,
+    /// Downloads started ahead that failed for good, with when. A read of their records within
+    /// [`FetchPolicy::timeout`] of the failure reports it instead of spending every attempt
+    /// again: against a store that stopped answering, the pass ends after one download's
+    /// attempts, not after one per record. A later read tries again.
+    failed: Arc<Mutex<HashMap<RangeKey, Failed>>>,
     /// The cache's name (for errors).
     name: String,
     /// The URL of the cache and the options it was opened with (its [`RecordSource::locator`]).
@@ -103,6 +108,15 @@ pub struct RemoteRecords {
     ahead: Mutex<Ahead>,
     /// This cache's share of the local budget (in proportion to its stored bytes).
     budget_share: u64,
+}
+
+/// A download started ahead that failed for good: its request error, and when.
+struct Failed {
+    at: Instant,
+    op: &'static str,
+    url: String,
+    failure: crate::error::RequestFailure,
+    reason: String,
 }
 
 /// The records the pass needs soon, by where they lie, so that a request for a record also
@@ -475,6 +489,19 @@ impl RemoteRecords {
         }
     }
 
+    /// The failure of this process's download of `key` started ahead, when it is recent (see
+    /// [`RemoteRecords::failed`]).
+    fn recent_failure(&self, key: &RangeKey) -> Option<Error> {
+        let failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        let f = failed.get(key)?;
+        (f.at.elapsed() < self.fetcher.fetcher.policy().timeout).then(|| Error::Request {
+            op: f.op,
+            url: f.url.clone(),
+            failure: f.failure,
+            reason: format!("{} (the download that held it, started ahead)", f.reason),
+        })
+    }
+
     /// Waits while this process downloads `key`, at most as long as a download may take.
     fn wait_for_download(&self, key: &RangeKey) {
         let (set, done) = &*self.in_flight;
@@ -499,6 +526,10 @@ impl RangeSource for RemoteRecords {
     }
 
     fn begin_pass(&self, _shuffled: bool) {
+        self.failed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         self.ahead
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -581,10 +612,33 @@ impl RangeSource for RemoteRecords {
         };
         let fetcher = Arc::clone(&self.fetcher);
         let verify = Arc::clone(&self.verify);
+        let failed = Arc::clone(&self.failed);
         let name = self.name.clone();
         runtime.spawn_blocking(move || {
             if let Err(e) = fetcher.fetch_blocking(&missing, Some(verify.as_ref())) {
                 log::debug!("prefetch of {} ranges of {name} failed: {e}", missing.len());
+                if let Error::Request {
+                    op,
+                    url,
+                    failure,
+                    reason,
+                } = e
+                {
+                    // Every range of the call that is not stored failed with it (the call
+                    // stops at its first failed request).
+                    let mut failed = failed.lock().unwrap_or_else(|e| e.into_inner());
+                    let at = Instant::now();
+                    for key in missing.iter().filter(|k| !fetcher.cache.contains(k)) {
+                        let f = Failed {
+                            at,
+                            op,
+                            url: url.clone(),
+                            failure,
+                            reason: reason.clone(),
+                        };
+                        failed.insert(key.clone(), f);
+                    }
+                }
             }
             finish(&missing);
         });
@@ -647,11 +701,16 @@ impl RangeSource for RemoteRecords {
 impl RecordSource for RemoteRecords {
     fn read(&self, range: &Range, sample: u64) -> dataset_rt_core::Result<RecordBytes> {
         let (key, block) = self.key(range);
+        self.wait_for_download(&key);
+        if !self.fetcher.cache.contains(&key) {
+            if let Some(e) = self.recent_failure(&key) {
+                return Err(e.into());
+            }
+        }
         let Some(block) = block else {
             return Ok(Box::new(self.download(&key, range, sample)?));
         };
-        // A record of a block: read in place from the stored block, once it is there.
-        self.wait_for_download(&key);
+        // A record of a block: read in place from the stored block.
         let from = range.offset - block.start;
         if let Some(bytes) = self.node_cache().get_slice(&key, from, range.len)? {
             if check_record_bytes(self.version, &bytes).is_ok() {
@@ -905,6 +964,7 @@ fn open_in_place(
         damaged_blocks: Mutex::default(),
         version,
         in_flight: Arc::default(),
+        failed: Arc::default(),
         name: name.clone(),
         url: published.url.clone(),
         options: options.clone(),

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -537,4 +538,31 @@ fn a_record_request_takes_the_neighbours_the_pass_needs_soon_into_room_nothing_n
     assert!(fetched * 100 <= record_bytes * 105);
     let used = bytes_under(&s.node);
     assert!(used <= budget, "{used} bytes in a budget of {budget}");
+}
+
+#[test]
+fn a_download_ahead_that_failed_is_reported_by_its_reads_not_tried_again() {
+    // A store that fails every request once the cache is open (as one that stopped answering
+    // would, after every attempt): each download is tried with its attempts once, by the
+    // planner's read-ahead, and the reads waiting for it report its failure. Before, each read
+    // tried the download again, and a pass against a silent store lasted one download's
+    // attempts per record.
+    let s = setup();
+    let (_, remote) = open(&s, None);
+    *s.store.every_get.lock().unwrap() = Some(Fault::Transient);
+    s.store.asked.lock().unwrap().clear();
+    let err = epoch(&remote, 0).unwrap_err();
+    let mut asked: HashMap<String, usize> = HashMap::new();
+    for got in s.store.asked.lock().unwrap().iter() {
+        *asked.entry(got.clone()).or_default() += 1;
+    }
+    assert!(!asked.is_empty());
+    for (range, times) in &asked {
+        assert!(*times <= 3, "{range:?} was asked for {times} times");
+    }
+    // The error names the request once, with its attempts.
+    let text = err.to_string();
+    assert_eq!(text.matches("GET s3://").count(), 1, "{text}");
+    assert!(text.contains("3 of at most 3 attempts"), "{text}");
+    assert!(matches!(err, CoreError::Io { .. }), "{err:?}");
 }

@@ -80,6 +80,8 @@ pub struct FaultStore {
     pub puts: AtomicU64,
     pub gets: AtomicU64,
     pub get_ranges: Mutex<Vec<(String, Range<u64>)>>,
+    /// Every GET asked for, failed ones too: the key and the range, in words.
+    pub asked: Mutex<Vec<String>>,
     pub in_flight: AtomicU64,
     pub max_in_flight: AtomicU64,
 }
@@ -100,6 +102,7 @@ impl FaultStore {
             puts: AtomicU64::new(0),
             gets: AtomicU64::new(0),
             get_ranges: Mutex::default(),
+            asked: Mutex::default(),
             in_flight: AtomicU64::new(0),
             max_in_flight: AtomicU64::new(0),
         })
@@ -163,6 +166,10 @@ impl ObjectStore for FaultStore {
         self.max_in_flight.fetch_max(now, Ordering::SeqCst);
         let _leave = Leave(&self.in_flight);
         self.gets.fetch_add(1, Ordering::SeqCst);
+        self.asked
+            .lock()
+            .unwrap()
+            .push(format!("{location} {:?}", options.range));
         let fault = self
             .get_faults
             .lock()
