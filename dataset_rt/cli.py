@@ -497,7 +497,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         print(f"no cache is published at {args.url} or directly under it")
     for cache in [] if args.json else caches:
         if cache["error"] is not None:
-            print(f"{cache['url']}: unreadable manifest: {cache['error']}")
+            print(f"{cache['url']}: cannot be opened: {cache['error']}")
         else:
             kind = f"cache set of {cache['parts']} parts, " if cache["parts"] else ""
             print(

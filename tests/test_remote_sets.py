@@ -192,6 +192,10 @@ def test_a_set_appears_only_with_its_manifest_and_refuses_a_replaced_part(
     [result] = broken.results
     assert isinstance(result, CacheMalformed)
     assert "part 1" in result.message and "replaced" in result.message
+    # `ls` says so too, and fails.
+    [listed] = _native.list_caches(base, node)
+    assert listed["error"] is not None and "replaced" in listed["error"]
+    assert main(["ls", base]) == EXIT_FAILED
 
 
 def test_sets_and_caches_on_one_url_share_the_budget(

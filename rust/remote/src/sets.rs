@@ -221,10 +221,24 @@ pub(crate) async fn set_summary(
         Err(e) => return Ok(Some(Err(e))),
     };
     let mut total = bytes.len() as u64;
-    for entry in &manifest.parts {
+    for (index, entry) in manifest.parts.iter().enumerate() {
         let part = remote.join(&entry.name)?;
         match cache_summary(&part, store, &entry.name).await? {
-            Some(Ok(summary)) => total += summary.bytes,
+            Some(Ok(summary)) => {
+                // A part replaced after the set was published: the set does not open.
+                let manifest_path = remote.show(&key);
+                if let Err(e) = dataset_rt_core::cache_set::check_part(
+                    name,
+                    Path::new(&manifest_path),
+                    index,
+                    entry,
+                    &summary.fingerprint,
+                    summary.num_samples,
+                ) {
+                    return Ok(Some(Err(e)));
+                }
+                total += summary.bytes;
+            }
             Some(Err(e)) => return Ok(Some(Err(e))),
             None => {
                 return Ok(Some(Err(dataset_rt_core::Error::malformed(

@@ -160,6 +160,12 @@ fn a_part_replaced_after_publication_is_refused() {
         text.contains("part 1") && text.contains("replaced"),
         "{text}"
     );
+    // `ls` reads every part's manifest: it lists the set as broken, for the same reason.
+    let listed = ls(&remote(&store, "s3://bucket/data")).unwrap();
+    let Err(why) = &listed[0].summary else {
+        panic!("a set with a replaced part is listed as whole");
+    };
+    assert!(why.contains("part 1") && why.contains("replaced"), "{why}");
 }
 
 #[test]
