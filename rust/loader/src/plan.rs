@@ -174,6 +174,11 @@ impl Plan {
                 .collect(),
             shards: ShardTable::of(ds)?,
             fingerprint: ds.fingerprint().to_owned(),
+            cache_fingerprints: ds
+                .caches
+                .iter()
+                .map(|c| c.manifest.fingerprint.clone())
+                .collect(),
             weights_fingerprint: weights.fingerprint.clone(),
             weights_file: None,
             seed: opts.seed,

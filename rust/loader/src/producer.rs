@@ -47,6 +47,9 @@ pub struct ProducerSpec {
     pub shards: ShardTable,
     /// The dataset's fingerprint: the producer refuses caches that changed under the loader.
     pub fingerprint: String,
+    /// Each cache's fingerprint, so that a refusal names the cache that changed.
+    #[serde(default)]
+    pub cache_fingerprints: Vec<String>,
     pub weights_fingerprint: String,
     /// The weight table as little-endian f64, one per sample; `None` = uniform.
     pub weights_file: Option<PathBuf>,
@@ -372,6 +375,46 @@ fn prepare(
     Ok((opts, order))
 }
 
+/// Why the caches that `spec` names are refused: which of them changed since the training
+/// process opened them (republished, or written again), by name and location.
+fn changed_caches(spec: &ProducerSpec, ds: &Dataset) -> String {
+    let location = |c: usize| match spec.remote.get(c) {
+        Some(Some(locator)) => serde_json::from_str::<serde_json::Value>(locator)
+            .ok()
+            .and_then(|v| v["url"].as_str().map(str::to_owned))
+            .unwrap_or_default(),
+        _ => spec.cache_dirs[c].display().to_string(),
+    };
+    let changed: Vec<String> = ds
+        .caches
+        .iter()
+        .enumerate()
+        .filter(|(c, cache)| spec.cache_fingerprints.get(*c) != Some(&cache.manifest.fingerprint))
+        .map(|(c, cache)| {
+            let was = spec.cache_fingerprints.get(c).map_or("?", String::as_str);
+            format!(
+                "cache {:?} at {} has fingerprint {} now, {was} when the dataset was opened",
+                cache.name(),
+                location(c),
+                cache.manifest.fingerprint
+            )
+        })
+        .collect();
+    format!(
+        "the caches changed under the loader ({}): open the dataset again to read what they \
+         hold now",
+        if changed.is_empty() {
+            format!(
+                "fingerprint {} is not the dataset's {}",
+                ds.fingerprint(),
+                spec.fingerprint
+            )
+        } else {
+            changed.join("; ")
+        }
+    )
+}
+
 /// Opens the caches and checks them and the weight table against the spec.
 fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
     let caches = spec
@@ -387,12 +430,7 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let ds = Dataset::new(caches);
     if ds.fingerprint() != spec.fingerprint {
-        return Err(CoreError::State(format!(
-            "the caches changed under the loader: fingerprint {} is not the dataset's {}",
-            ds.fingerprint(),
-            spec.fingerprint
-        ))
-        .into());
+        return Err(CoreError::State(changed_caches(spec, &ds)).into());
     }
     // The same caches in the same order (the fingerprint): a bit of the training process's
     // set names the same sample here.

@@ -104,6 +104,11 @@ fn setup_sized(raw: u64, lz4: u64) -> Setup {
         remote: Vec::new(),
         shards: ShardTable::of(&ds).unwrap(),
         fingerprint: ds.fingerprint().to_owned(),
+        cache_fingerprints: ds
+            .caches
+            .iter()
+            .map(|c| c.manifest.fingerprint.clone())
+            .collect(),
         weights_fingerprint: WeightTable::uniform().fingerprint,
         weights_file: None,
         seed: SEED,
@@ -645,4 +650,38 @@ fn a_replaced_index_or_metadata_file_is_refused_by_the_producer() {
             other => panic!("{other:?}"),
         }
     }
+}
+
+#[test]
+fn a_cache_written_again_under_the_loader_is_named_by_the_producer() {
+    let s = setup();
+    // The second cache is written again with other samples where it was.
+    let dir = s.ds.caches[1].dir.clone();
+    std::fs::remove_dir_all(&dir).unwrap();
+    write(
+        dir.parent().unwrap(),
+        "lz4",
+        1,
+        9,
+        Compression::new("lz4", 1.0).unwrap(),
+    );
+    let ring = create_ring(&s, 64 * 1024);
+    let (produced, got, _) = run_pass(&s, &ring);
+    assert!(got.is_empty());
+    let text = produced.unwrap_err().to_string();
+    let now = Cache::open(&dir, Validation::Structure).unwrap();
+    for part in [
+        "the caches changed under the loader".to_owned(),
+        format!("cache \"lz4\" at {}", dir.display()),
+        format!("fingerprint {} now", now.manifest.fingerprint),
+        format!(
+            "{} when the dataset was opened",
+            s.ds.caches[1].manifest.fingerprint
+        ),
+        "open the dataset again".to_owned(),
+    ] {
+        assert!(text.contains(&part), "{part:?} missing from: {text}");
+    }
+    // The cache that did not change is not named.
+    assert!(!text.contains("\"raw\""), "{text}");
 }
