@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -169,6 +170,15 @@ def test_loader_arguments_work_or_are_refused(dataset, name: str, no_leaks) -> N
 def test_loader_refuses_at_construction_naming_the_argument(dataset, name: str, value) -> None:
     with pytest.raises(ConfigError, match=rf"DataLoader\.{name}"):
         DataLoader(dataset, **{"batch_size": 4, name: value})
+
+
+@pytest.mark.parametrize("field", ["io_depth", "read_ahead_bytes", "prefetch_size", "seed"])
+@pytest.mark.parametrize("value", [2**64, 2**70])
+def test_an_int_past_64_bits_is_called_too_large(field: str, value: int) -> None:
+    # Not "expected an int >= 1", which the value is.
+    expected = re.escape(f"invalid ReaderConfig.{field}: {value} is too large")
+    with pytest.raises(ConfigError, match=expected):
+        ReaderConfig(**{field: value})
 
 
 def test_result_bytes_names_its_limit(dataset) -> None:

@@ -22,6 +22,17 @@ fn unsigned(field: &str, value: &Bound<'_, PyAny>, min: u64) -> PyResult<u64> {
     }
     match value.extract::<u64>() {
         Ok(v) if v >= min => Ok(v),
+        // An int past 64 bits: too large for any field, whatever its own bound.
+        Err(_)
+            if value.is_instance_of::<pyo3::types::PyInt>()
+                && value.gt(u64::MAX).unwrap_or(false) =>
+        {
+            Err(ConfigError::new_err(format!(
+                "invalid {field}: {} is too large (at most {})",
+                value.repr().map(|r| r.to_string()).unwrap_or_default(),
+                u64::MAX
+            )))
+        }
         _ => Err(bad()),
     }
 }
