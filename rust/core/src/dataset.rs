@@ -227,10 +227,29 @@ impl Dataset {
     /// the bytes of a truncated shard (zeros in its last page, `SIGBUS` past it) are never
     /// handed out. An index out of range is left to the caller, which refuses it.
     pub fn check_shards_of(&self, globals: &[u64]) -> Result<()> {
+        self.check_record_shards(globals.iter().filter(|&&g| g < self.len()).map(|&g| {
+            let (c, row) = self.locate(g);
+            (c as u32, self.caches[c].entry(row).shard, row)
+        }))
+    }
+
+    /// [`Dataset::check_shards_of`] for records whose shards are known, as (cache, shard, row)
+    /// in order (a loader's slot entries): no index lookup. A record that names no cache or
+    /// shard of the dataset is left to the caller, which refuses it.
+    pub fn check_record_shards(
+        &self,
+        records: impl IntoIterator<Item = (u32, u32, u64)>,
+    ) -> Result<()> {
         let mut checked = CheckedShards::<64>::default();
-        for &global in globals.iter().filter(|&&g| g < self.len()) {
-            let (c, row) = self.locate(global);
-            checked.check(self, c, row)?;
+        for (c, shard, row) in records {
+            let c = c as usize;
+            let known = self
+                .caches
+                .get(c)
+                .is_some_and(|cache| (shard as usize) < cache.num_shards());
+            if known {
+                checked.check_shard(self, c, shard, row)?;
+            }
         }
         Ok(())
     }

@@ -166,6 +166,19 @@ fn samples_about_to_be_handed_out_are_checked_against_their_shards_sizes() {
         .unwrap_err()
         .to_string();
     assert_names_shard_and_sample(&text, ds, 1, in_1 + 1);
+    // The same check by (cache, shard, row), as a loader's slot entries give them: records of
+    // no cache or shard of the dataset are left to the caller.
+    let record = |global: u64| {
+        let (c, row) = ds.locate(global);
+        (c as u32, ds.caches[c].entry(row).shard, row)
+    };
+    ds.check_record_shards([record(in_0), record(in_2), (7, 0, 0), (0, 999, 0)])
+        .unwrap();
+    let text = ds
+        .check_record_shards([record(in_2), record(in_1 + 1), record(in_1)])
+        .unwrap_err()
+        .to_string();
+    assert_names_shard_and_sample(&text, ds, 1, in_1 + 1);
 }
 
 #[test]

@@ -9,7 +9,7 @@ use arrow_array::ffi_stream::FFI_ArrowArrayStream;
 use arrow_array::RecordBatchIterator;
 use dataset_rt_core::cache::Cache;
 use dataset_rt_core::dataset::{
-    self as core, CheckedShards, EpochReader, Fetched, Payload, ReadOptions, State, WeightTable,
+    self as core, EpochReader, Fetched, Payload, ReadOptions, State, WeightTable,
 };
 use dataset_rt_core::metadata::MetaRef;
 use dataset_rt_core::pool::Pool;
@@ -766,19 +766,7 @@ impl SampleMaker {
     /// The same check for records whose shards are known, (cache, shard, row) in order: one
     /// `fstat` per shard, and no index lookup.
     pub(crate) fn check_shards(&self, records: &[(u32, u32, u64)]) -> dataset_rt_core::Result<()> {
-        let mut checked = CheckedShards::<64>::default();
-        for &(cache, shard, row) in records {
-            let c = cache as usize;
-            if self
-                .dataset
-                .caches
-                .get(c)
-                .is_some_and(|c| (shard as usize) < c.num_shards())
-            {
-                checked.check_shard(&self.dataset, c, shard, row)?;
-            }
-        }
-        Ok(())
+        self.dataset.check_record_shards(records.iter().copied())
     }
 
     /// The validated size of every shard of every cache (the bound of slot references).

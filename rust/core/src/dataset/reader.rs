@@ -54,7 +54,13 @@ impl<const N: usize> CheckedShards<N> {
     }
 
     /// Checks shard `shard` of cache `c`, where sample `row`'s record lies.
-    pub fn check_shard(&mut self, dataset: &Dataset, c: usize, shard: u32, row: u64) -> Result<()> {
+    pub(crate) fn check_shard(
+        &mut self,
+        dataset: &Dataset,
+        c: usize,
+        shard: u32,
+        row: u64,
+    ) -> Result<()> {
         let key = (c as u32, shard);
         let seen = self.seen[..self.len]
             .iter()
