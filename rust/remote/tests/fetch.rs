@@ -47,6 +47,15 @@ fn quick() -> FetchPolicy {
     }
 }
 
+/// A fetcher whose attempts time out after 200 ms.
+fn impatient(store: Arc<dyn ObjectStore>) -> RangeFetcher {
+    let policy = FetchPolicy {
+        timeout: Duration::from_millis(200),
+        ..quick()
+    };
+    fetcher(store, policy)
+}
+
 fn req(start: u64, end: u64) -> RangeRequest {
     RangeRequest::new("shards/000000.bin", start..end)
 }
@@ -131,13 +140,7 @@ fn transient_faults_are_retried_and_recover() {
 #[test]
 fn a_timed_out_request_is_tried_again_once_the_endpoint_has_answered() {
     let faults = FaultStore::new(memory_with_object(4096));
-    let f = fetcher(
-        faults.clone(),
-        FetchPolicy {
-            timeout: Duration::from_millis(200),
-            ..quick()
-        },
-    );
+    let f = impatient(faults.clone());
     // The endpoint answers a first request, then leaves one unanswered.
     f.fetch_blocking(&[req(0, 10)], None).unwrap();
     faults.script([Fault::Delay(Duration::from_secs(5))]);
@@ -152,13 +155,7 @@ fn a_timed_out_request_is_tried_again_once_the_endpoint_has_answered() {
 fn an_endpoint_that_never_answered_is_an_error_after_one_attempt() {
     let faults = FaultStore::new(memory_with_object(4096));
     *faults.every_get.lock().unwrap() = Some(Fault::Delay(Duration::from_secs(5)));
-    let f = fetcher(
-        faults.clone(),
-        FetchPolicy {
-            timeout: Duration::from_millis(200),
-            ..quick()
-        },
-    );
+    let f = impatient(faults.clone());
     let started = std::time::Instant::now();
     let err = f.fetch_blocking(&[req(0, 10)], None).unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(2));
