@@ -688,6 +688,27 @@ impl Cache {
         self.manifest.shards.len()
     }
 
+    /// The end of the payload at `offset..offset + len` of shard `shard` (sample `row`'s), within
+    /// the shard's validated size. A reader checked the record against that size, so this holds;
+    /// it is checked where a view of the map is cut, because a short view would be silently
+    /// wrong.
+    pub fn payload_end(&self, shard: u32, offset: u64, len: u64, row: u64) -> Result<u64> {
+        let size = self.shard_len(shard);
+        match offset.checked_add(len) {
+            Some(end) if end <= size => Ok(end),
+            _ => Err(Error::CorruptRecord {
+                cache: self.name().to_owned(),
+                shard: self.shard_path(shard),
+                offset: self.entry(row).offset,
+                sample: row,
+                reason: format!(
+                    "the payload at {offset}..{offset} + {len} lies past the end of the shard's \
+                     {size} bytes"
+                ),
+            }),
+        }
+    }
+
     /// Checks with one `fstat` that shard `shard`'s file is not shorter than its validated size,
     /// before records of it are read or handed out. The map keeps the validated length whatever
     /// the file becomes: reading a page past a truncated file's end raises SIGBUS, and the rest

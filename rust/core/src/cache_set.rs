@@ -92,6 +92,27 @@ pub fn part_name(set: &str, index: usize) -> String {
     format!("{set}.part-{index:06}")
 }
 
+/// The caches of one dataset are its plain sources and its sets' parts (`SET.part-NNNNNN`):
+/// a plain source named like a part would be written, then refused as a second cache of that
+/// name. `plain` are the plain sources' names, `sets` each set's name and part count.
+pub fn check_part_names(plain: &[&str], sets: &[(&str, usize)]) -> Result<()> {
+    for &(set, parts) in sets {
+        for index in 0..parts {
+            let part = part_name(set, index);
+            if plain.contains(&part.as_str()) {
+                return Err(Error::config(
+                    "source name",
+                    format!(
+                        "source {part:?} has the name of part {index} of cache set {set:?}: the \
+                         dataset's caches must have unique names; nothing was written"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Where the parts of set `set` are written until the set is published.
 pub fn staging_dir(base: &Path, set: &str) -> PathBuf {
     base.join(format!(".{set}.set-parts"))

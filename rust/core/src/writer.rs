@@ -36,7 +36,9 @@ use lock::{sync_dir, tmp_dir_name};
 use records::{encode, CommitState, Shared, Sink};
 use validate::{place, KeySlots};
 
-pub use lock::{check_base_dir, reap_dead_leftovers, validate_name, CacheLock, MAX_NAME_BYTES};
+pub use lock::{
+    check_base_dir, reap_dead_leftovers, validate_name, validate_names, CacheLock, MAX_NAME_BYTES,
+};
 
 /// Default target size of one shard file.
 pub const DEFAULT_SHARD_SIZE: u64 = 256 << 20;

@@ -6,13 +6,13 @@ use std::sync::Arc;
 
 use dataset_rt_core::cache::Validation;
 use dataset_rt_core::cache_set::{
-    combined_fingerprint, is_set_dir, part_name, staging_dir, CacheSet, Opened, PartResult,
-    PartState, SetBuild, SetLedger, SetStart, SET_MANIFEST_FILE,
+    check_part_names, combined_fingerprint, is_set_dir, part_name, staging_dir, CacheSet, Opened,
+    PartResult, PartState, SetBuild, SetLedger, SetStart, SET_MANIFEST_FILE,
 };
 use dataset_rt_core::dataset::Dataset;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::writer::{CacheLock, SampleInput, WriterOptions};
+use dataset_rt_core::writer::{validate_names, CacheLock, SampleInput, WriterOptions};
 use dataset_rt_core::Error;
 use dataset_rt_testkit::{dir_entries, sample, write_cache, writer_options};
 
@@ -193,6 +193,37 @@ fn bad_names_and_part_counts_are_refused_before_anything_is_created() {
         assert!(err.contains(expected), "{name:?}: {err}");
     }
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn the_caches_of_one_call_have_unique_valid_names_and_no_source_takes_a_parts_name() {
+    let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    validate_names(&names(&["a", "b", "s.part-000000"]), "source name", "why").unwrap();
+    for (given, what, expected) in [
+        (
+            names(&["a", "b", "a"]),
+            "source name",
+            "invalid source name: two sources are named \"a\": why",
+        ),
+        (
+            names(&["ok", "../up"]),
+            "cache name",
+            "invalid cache name: \"../up\" is not a plain directory name",
+        ),
+        (names(&[".hidden"]), "cache name", "invalid cache name"),
+    ] {
+        let err = validate_names(&given, what, "why").unwrap_err().to_string();
+        assert!(err.starts_with(expected), "{given:?}: {err}");
+    }
+    // A plain source named like a part of a set in the same call.
+    check_part_names(&["a", "s.part-000002"], &[("s", 2)]).unwrap();
+    let err = check_part_names(&["a", "s.part-000001"], &[("t", 3), ("s", 2)])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("source \"s.part-000001\" has the name of part 1 of cache set \"s\""),
+        "{err}"
+    );
 }
 
 /// Builds a published set and rewrites its `set.json` with `edit` applied to the JSON value.

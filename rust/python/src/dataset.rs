@@ -85,35 +85,6 @@ pub(crate) fn subview<'py>(
 }
 
 impl PySide {
-    /// The end of a mapped payload's range, checked against its shard view's size: the view
-    /// has the validated size and the core checked the record against it, so this holds; it is
-    /// checked because a short slice would be silently wrong.
-    fn mapped_end(
-        dataset: &core::Dataset,
-        fetched: &Fetched,
-        shard: u32,
-        offset: u64,
-        len: u64,
-    ) -> PyResult<u64> {
-        let cache = &dataset.caches[fetched.cache as usize];
-        let view_len = cache.shard_len(shard);
-        match offset.checked_add(len) {
-            Some(end) if end <= view_len => Ok(end),
-            _ => Err(crate::errors::to_py(
-                dataset_rt_core::Error::CorruptRecord {
-                    cache: cache.name().to_owned(),
-                    shard: cache.shard_path(shard),
-                    offset: cache.entry(fetched.row).offset,
-                    sample: fetched.row,
-                    reason: format!(
-                        "the payload at {offset}..{offset} + {len} lies past the end of the \
-                         shard's view of {view_len} bytes"
-                    ),
-                },
-            )),
-        }
-    }
-
     /// A fetched sample's payload: a zero-copy slice of its shard's view, or bytes when it was
     /// decompressed.
     fn payload<'py>(
@@ -124,8 +95,9 @@ impl PySide {
     ) -> PyResult<Bound<'py, PyAny>> {
         Ok(match fetched.payload {
             Payload::Mapped { shard, offset, len } => {
-                let end = Self::mapped_end(dataset, fetched, shard, offset, len)?;
                 let c = fetched.cache as usize;
+                let end =
+                    (dataset.caches[c].payload_end(shard, offset, len, fetched.row)).py_err()?;
                 let view = self.shard_view(py, &dataset.caches[c], c, shard, Some(fetched.row))?;
                 subview(&view, offset, end)?
             }
@@ -540,7 +512,8 @@ impl BatchParts {
             globals.push(dataset.cache_start(f.cache as usize) + f.row);
             match f.payload {
                 Payload::Mapped { shard, offset, len } => {
-                    let end = PySide::mapped_end(dataset, f, shard, offset, len)?;
+                    let cache = &dataset.caches[f.cache as usize];
+                    let end = cache.payload_end(shard, offset, len, f.row).py_err()?;
                     let key = (f.cache, shard);
                     let b = match last {
                         Some((k, b)) if k == key => b,
@@ -548,7 +521,6 @@ impl BatchParts {
                             Some(&b) => b,
                             None => {
                                 let c = f.cache as usize;
-                                let cache = &dataset.caches[c];
                                 let view = py_side.shard_view(py, cache, c, shard, Some(f.row))?;
                                 buffers.push(view.unbind());
                                 let b = buffers.len() as u64 - 1;

@@ -9,14 +9,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use dataset_rt_core::cache::{Cache, Validation};
-use dataset_rt_core::cache_set::{part_name, Opened};
+use dataset_rt_core::cache_set::{check_part_names, Opened};
 use dataset_rt_core::dataset::ReadOptions;
 use dataset_rt_core::metadata::MetaValue;
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::progress::WriteProgress;
 use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::writer::{
-    check_base_dir, reap_dead_leftovers, validate_name, CacheLock, CacheWriter, InterruptCheck,
+    check_base_dir, reap_dead_leftovers, validate_names, CacheLock, CacheWriter, InterruptCheck,
     MetaKey, Payload, SharedBytes, Staged, WriterOptions,
 };
 use dataset_rt_core::Error;
@@ -109,15 +109,22 @@ impl Runtime {
             .enumerate()
             .map(|(i, s)| source_name(i, s))
             .collect::<PyResult<Vec<_>>>()?;
-        check_names(
+        validate_names(
             &names,
-            "source",
+            "source name",
             "each source writes base_cache_dir/name, so names must be unique; nothing was written",
-        )?;
+        )
+        .py_err()?;
 
         // A set's name and parts are checked with the names, before anything is written.
         let sets = SetSource::find(&sources, &names)?;
-        check_part_names(&names, &sets)?;
+        let plain: Vec<&str> = (names.iter().zip(&sets))
+            .filter_map(|(name, set)| set.is_none().then_some(name.as_str()))
+            .collect();
+        let set_parts: Vec<(&str, usize)> = (sets.iter().flatten())
+            .map(|set| (set.name.as_str(), set.parts.len()))
+            .collect();
+        check_part_names(&plain, &set_parts).py_err()?;
 
         check_base_dir(&base_cache_dir).py_err()?;
 
@@ -172,11 +179,12 @@ impl Runtime {
         self.pool.check_usable().py_err()?;
         let reading = reader.reading(Some(split))?;
         let names = cache_names(names)?;
-        check_names(
+        validate_names(
             &names,
-            "cache",
+            "cache name",
             "a dataset holds each cache once; nothing was opened",
-        )?;
+        )
+        .py_err()?;
         check_base_dir(&base_cache_dir).py_err()?;
 
         let mut outcomes = Vec::with_capacity(names.len());
@@ -222,11 +230,12 @@ impl Runtime {
         self.pool.check_usable().py_err()?;
         let reading = reader.reading(Some(split))?;
         let names = cache_names(names)?;
-        check_names(
+        validate_names(
             &names,
-            "cache",
+            "cache name",
             "a dataset holds each cache once; nothing was opened",
-        )?;
+        )
+        .py_err()?;
         let options = remote.options()?;
         let base = base_url.trim_end_matches('/');
         let urls: Vec<String> = names.iter().map(|name| format!("{base}/{name}")).collect();
@@ -269,49 +278,6 @@ impl Runtime {
         }
         self.dataset(py, caches, outcomes, reading.read, reading.verify)
     }
-}
-
-/// Every name is a valid directory name, and no name comes twice (`what` names the items,
-/// `why` says why names must be unique and what was not done).
-fn check_names(names: &[String], what: &str, why: &str) -> PyResult<()> {
-    let mut seen = HashSet::new();
-    for name in names {
-        validate_name(name).map_err(|e| match e {
-            Error::InvalidConfig { reason, .. } => {
-                ConfigError::new_err(format!("invalid {what} name: {reason}"))
-            }
-            other => to_py(other),
-        })?;
-        if !seen.insert(name) {
-            return Err(ConfigError::new_err(format!(
-                "two {what}s are named {name:?}: {why}"
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// The dataset's caches are the plain sources and the sets' parts (`SET.part-NNNNNN`): a plain
-/// source named like a part would be written, then refused as a second cache of that name.
-fn check_part_names(names: &[String], sets: &[Option<SetSource<'_>>]) -> PyResult<()> {
-    let plain: HashSet<&String> = names
-        .iter()
-        .zip(sets)
-        .filter_map(|(name, set)| set.is_none().then_some(name))
-        .collect();
-    for set in sets.iter().flatten() {
-        for index in 0..set.parts.len() {
-            let part = part_name(&set.name, index);
-            if plain.contains(&part) {
-                return Err(ConfigError::new_err(format!(
-                    "source {part:?} has the name of part {index} of cache set {:?}: the \
-                     dataset's caches must have unique names; nothing was written",
-                    set.name
-                )));
-            }
-        }
-    }
-    Ok(())
 }
 
 /// `open_caches`' names: one `str`, or a non-empty list or tuple of them.

@@ -26,6 +26,27 @@ pub(super) fn tmp_dir_name(name: &str, pid: u32, nanos: u128) -> String {
     format!(".{name}.tmp-{pid}-{nanos}")
 }
 
+/// The names of the caches one call writes or opens: each a valid cache name
+/// ([`validate_name`]), none twice. `what` is "source name" or "cache name"; `why` says why the
+/// names must be unique and what was not done.
+pub fn validate_names(names: &[String], what: &'static str, why: &str) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    for name in names {
+        validate_name(name).map_err(|e| match e {
+            Error::InvalidConfig { reason, .. } => Error::config(what, reason),
+            other => other,
+        })?;
+        if !seen.insert(name) {
+            let items = what.trim_end_matches(" name");
+            return Err(Error::config(
+                what,
+                format!("two {items}s are named {name:?}: {why}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A cache name must be one plain directory name.
 pub fn validate_name(name: &str) -> Result<()> {
     let bad = name.is_empty()
