@@ -10,18 +10,29 @@ use pyo3::prelude::*;
 
 use crate::errors::{ConfigError, IntoPyResult};
 
+/// An int field of at least `min` (numpy's ints too, never a bool).
 fn unsigned(field: &str, value: &Bound<'_, PyAny>, min: u64) -> PyResult<u64> {
-    let bad = || {
-        ConfigError::new_err(format!(
-            "invalid {field}: expected an int >= {min}, got {}",
-            value.repr().map(|r| r.to_string()).unwrap_or_default()
-        ))
-    };
+    match int_field(field, value, &format!("an int >= {min}"))? {
+        v if v >= min => Ok(v),
+        _ => Err(expected(field, value, &format!("an int >= {min}"))),
+    }
+}
+
+fn expected(field: &str, value: &Bound<'_, PyAny>, what: &str) -> PyErr {
+    ConfigError::new_err(format!(
+        "invalid {field}: expected {what}, got {}",
+        value.repr().map(|r| r.to_string()).unwrap_or_default()
+    ))
+}
+
+/// An int field that fits 64 bits (numpy's ints too, never a bool); `what` says the field's
+/// domain, which its caller checks.
+pub(crate) fn int_field(field: &str, value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     if value.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(bad());
+        return Err(expected(field, value, what));
     }
     match value.extract::<u64>() {
-        Ok(v) if v >= min => Ok(v),
+        Ok(v) => Ok(v),
         // An int past 64 bits: too large for any field, whatever its own bound.
         Err(_)
             if value.is_instance_of::<pyo3::types::PyInt>()
@@ -33,7 +44,7 @@ fn unsigned(field: &str, value: &Bound<'_, PyAny>, min: u64) -> PyResult<u64> {
                 u64::MAX
             )))
         }
-        _ => Err(bad()),
+        Err(_) => Err(expected(field, value, what)),
     }
 }
 

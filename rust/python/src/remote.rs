@@ -16,8 +16,9 @@ use dataset_rt_remote::{
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::config::boolean;
+use crate::config::{boolean, int_field};
 use crate::errors::{remote_to_py, ConfigError};
+use crate::runtime::type_name;
 
 /// A `RemoteConfig`, read field by field from the dataclass's attributes: the one place the
 /// bindings list its fields.
@@ -52,29 +53,6 @@ fn text(field: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String
         .transpose()
 }
 
-/// An int field (numpy's ints too, never a bool); its domain is checked by
-/// `RemoteOptions::validate`, whose message says the bounds; `expected` says them here.
-fn count(field: &str, value: &Bound<'_, PyAny>, expected: &str) -> PyResult<u64> {
-    let bad = || {
-        ConfigError::new_err(format!(
-            "invalid {field}: expected {expected}, got {}",
-            value.repr().map(|r| r.to_string()).unwrap_or_default()
-        ))
-    };
-    if value.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(bad());
-    }
-    value.extract::<u64>().map_err(|_| bad())
-}
-
-fn type_name(value: &Bound<'_, PyAny>) -> String {
-    value
-        .get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_else(|_| "value".into())
-}
-
 impl RemoteFields<'_> {
     /// The checked options: the types here, the domains by `RemoteOptions::validate`.
     pub fn options(&self) -> PyResult<RemoteOptions> {
@@ -95,14 +73,14 @@ impl RemoteFields<'_> {
             .max_local_bytes
             .as_ref()
             .map(|v| {
-                count(
+                int_field(
                     "RemoteConfig.max_local_bytes",
                     v,
                     &format!("an int of at least {MIN_LOCAL_BYTES} (64 MiB) or None"),
                 )
             })
             .transpose()?;
-        let max_requests = count(
+        let max_requests = int_field(
             "RemoteConfig.max_requests",
             &self.max_requests,
             &format!("an int from 1 to {MAX_MAX_REQUESTS}"),
