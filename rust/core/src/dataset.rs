@@ -113,6 +113,33 @@ fn hash_id(id: MetaRef<'_>) -> u128 {
 }
 
 impl Dataset {
+    /// Checks that `caches` make one dataset read with `opts`: their names are unique (a
+    /// sample is identified by its cache's name; a set's parts are named after it, but a cache
+    /// may still carry a part's name), and a fixed number of samples per epoch has samples to
+    /// draw from.
+    pub fn check_caches(caches: &[Arc<Cache>], opts: &ReadOptions) -> Result<()> {
+        let total: u64 = caches.iter().map(|c| c.len()).sum();
+        if let Some(per_epoch) = opts.epoch_len.filter(|&l| l > 0 && total == 0) {
+            return Err(Error::config(
+                "ReaderConfig.samples_per_epoch",
+                format!("{per_epoch} samples per epoch, but the loaded caches hold no samples"),
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(c) = caches.iter().find(|c| !seen.insert(c.name())) {
+            return Err(Error::config(
+                "dataset",
+                format!(
+                    "two caches of this dataset are named {:?} ({} and another): a sample is \
+                     identified by its cache's name, so names must be unique; nothing was opened",
+                    c.name(),
+                    c.dir.display()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     pub fn new(caches: Vec<Arc<Cache>>) -> Self {
         let mut starts = Vec::with_capacity(caches.len() + 1);
         let mut total = 0u64;

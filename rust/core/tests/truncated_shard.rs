@@ -209,7 +209,10 @@ fn a_payload_past_its_shards_validated_size_is_refused_where_a_view_is_cut() {
     let size = cache.shard_len(1);
     assert_eq!(cache.payload_end(1, size - 10, 10, 3).unwrap(), size);
     for (offset, len) in [(size - 10, 11), (u64::MAX, 2)] {
-        let text = cache.payload_end(1, offset, len, 3).unwrap_err().to_string();
+        let text = cache
+            .payload_end(1, offset, len, 3)
+            .unwrap_err()
+            .to_string();
         assert!(
             text.contains(&cache.shard_path(1).display().to_string())
                 && text.contains("sample 3")

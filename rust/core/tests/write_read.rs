@@ -12,7 +12,7 @@ use dataset_rt_core::metadata::{FieldType, MetaRef, MetaValue};
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::writer::{SampleInput, WriterOptions};
 use dataset_rt_core::Error;
-use dataset_rt_testkit::{flip_byte, lz4, sample, try_write_cache};
+use dataset_rt_testkit::{flip_byte, lz4, sample, try_write_cache, writer_options};
 use proptest::prelude::*;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -595,4 +595,45 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn caches_make_one_dataset_only_with_unique_names_and_samples_for_a_fixed_epoch() {
+    use dataset_rt_core::dataset::{Dataset, ReadOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    let open = |base: &Path, n: u64| {
+        let samples = (0..n).map(|i| sample(vec![i as u8; 8], &[]));
+        let dir = try_write_cache(&pool, base, "c", writer_options(), samples).unwrap();
+        Arc::new(Cache::open(&dir, Validation::Full).unwrap())
+    };
+    let (a, b) = (
+        open(&tmp.path().join("a"), 3),
+        open(&tmp.path().join("b"), 0),
+    );
+    let opts = ReadOptions::new(1, true);
+    Dataset::check_caches(std::slice::from_ref(&a), &opts).unwrap();
+    let text = Dataset::check_caches(&[a.clone(), b.clone()], &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains("two caches of this dataset are named \"c\"")
+            && text.contains(&b.dir.display().to_string()),
+        "{text}"
+    );
+    // No samples: an epoch of a fixed length has nothing to draw from; an epoch of all of
+    // them (none) is fine.
+    Dataset::check_caches(std::slice::from_ref(&b), &opts).unwrap();
+    let fixed = ReadOptions {
+        epoch_len: Some(5),
+        ..ReadOptions::new(1, true)
+    };
+    let text = Dataset::check_caches(std::slice::from_ref(&b), &fixed)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains("ReaderConfig.samples_per_epoch: 5 samples per epoch"),
+        "{text}"
+    );
+    Dataset::check_caches(std::slice::from_ref(&a), &fixed).unwrap();
 }

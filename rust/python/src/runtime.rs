@@ -3,7 +3,6 @@
 //! loads, sharing that load and that dataset. A source that is a cache set is built by
 //! `cache_set.rs`; a published set loads here as its parts.
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -537,24 +536,7 @@ impl Runtime {
         if caches.is_empty() {
             return Ok((None, outcomes));
         }
-        let total: u64 = caches.iter().map(|c| c.len()).sum();
-        if total == 0 && read.epoch_len.is_some_and(|l| l > 0) {
-            return Err(ConfigError::new_err(format!(
-                "invalid ReaderConfig.samples_per_epoch: {} samples per epoch, but the loaded \
-                 caches hold no samples",
-                read.epoch_len.unwrap_or(0)
-            )));
-        }
-        // The parts of a set are named after it, but a cache may still carry a part's name.
-        let mut seen = HashSet::new();
-        if let Some(c) = caches.iter().find(|c| !seen.insert(c.name().to_owned())) {
-            return Err(ConfigError::new_err(format!(
-                "two caches of this dataset are named {:?} ({} and another): a sample is \
-                 identified by its cache's name, so names must be unique; nothing was opened",
-                c.name(),
-                c.dir.display()
-            )));
-        }
+        dataset_rt_core::dataset::Dataset::check_caches(&caches, &read).py_err()?;
         let dataset = Dataset::new(py, self.pool.clone(), caches, read, verify)?;
         Ok((Some(dataset), outcomes))
     }
