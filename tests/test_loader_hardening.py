@@ -19,7 +19,7 @@ from loader_helpers import gone, load, load_lz4, no_leaks, own_segments  # noqa:
 import dataset_rt
 from dataset_rt import CorruptRecordError, DatasetRuntime, WriterConfig
 from dataset_rt._loader import DataLoader
-from dataset_rt._native import reap_shm_leftovers
+from dataset_rt._native import RuntimeStateError, reap_shm_leftovers
 from dataset_rt.testing import corrupt_byte, make_source
 
 N = 40
@@ -153,6 +153,36 @@ def test_an_iterator_outlives_its_loader(dataset, num_workers, no_cycle_collecto
     assert got == expected
     del it
     assert [p for p in [pids["producer"], *pids["workers"]] if not gone(p)] == []
+
+
+@pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_iterating_a_loader_inside_its_own_loop_raises_rather_than_cutting_the_epoch(
+    dataset, num_workers, persistent
+):
+    with DataLoader(
+        dataset, batch_size=4, num_workers=num_workers, persistent_workers=persistent
+    ) as loader:
+        seen = 0
+        with pytest.raises(
+            RuntimeStateError, match=r"closed after 2 of its \d+ batches by a later"
+        ):
+            for step, batch in enumerate(loader):
+                seen += len(batch)
+                if step == 1:
+                    next(iter(loader))  # an example batch, as a logging hook would take
+        assert seen == 8  # the loop did not end quietly, short of its epoch
+        # An iterator replaced before its first batch raises too: zip(loader, loader).
+        with pytest.raises(RuntimeStateError):
+            list(zip(loader, loader, strict=False))
+        # A pass received to its end is not replaced: it ends as usual.
+        it = iter(loader)
+        batches = len(it)
+        for _ in range(batches):
+            next(it)
+        later = iter(loader)
+        with pytest.raises(StopIteration):
+            next(it)
+        assert len(next(later)) == 4
 
 
 HOLDER = textwrap.dedent(

@@ -31,7 +31,7 @@ from dataset_rt._loader import (
     slots,
     workers,
 )
-from dataset_rt._native import DatasetRTError, LoaderError, WorkerError
+from dataset_rt._native import DatasetRTError, LoaderError, RuntimeStateError, WorkerError
 
 if TYPE_CHECKING:
     from dataset_rt._loader.plan import DataLoader
@@ -74,6 +74,9 @@ class LoaderIterator(Iterator[Any]):
         # False in a forked child (lifecycle.forget_in_child): the pass is the parent's.
         self._owned = True
         self._closed = False
+        # Set when a later iter(loader) closed this pass before the loop received all of it:
+        # its next batch then raises instead of ending the loop quietly, short of an epoch.
+        self._replaced_after: int | None = None
         # Persistent pipeline between passes: the pass was fully received and ended.
         self._idle = False
         self._next = 0
@@ -280,6 +283,13 @@ class LoaderIterator(Iterator[Any]):
         # parent's pass on the way out.
         self._require_owner()
         if self._closed:
+            if self._replaced_after is not None:
+                raise RuntimeStateError(
+                    f"this pass of the DataLoader was closed after {self._replaced_after} of its "
+                    f"{self._total} batches by a later iter(loader): a loader runs one pass at a "
+                    "time, so iterating it inside its own loop ends the loop's pass. Take an "
+                    "example batch before the loop, or from a second DataLoader"
+                )
             raise StopIteration
         try:
             self._release_held()
@@ -571,6 +581,13 @@ class LoaderIterator(Iterator[Any]):
         """Stops the producer and workers (killing those that do not exit within seconds),
         removes the segments and keeps the state at what the loop received."""
         self.shutdown(lifecycle.EXIT_GRACE_S)
+
+    def replace(self) -> None:
+        """Closes the pass for a later ``iter(loader)``: when the loop had not received all of
+        it, its next ``next()`` raises ``RuntimeStateError`` rather than ending the loop."""
+        if not self._closed and self._in_owner() and (self._next < self._total or not self._ring):
+            self._replaced_after = self._next
+        self.close()
 
     def shutdown(self, grace: float) -> None:
         """Sets the stop flag and wakes every party; waits up to ``grace`` seconds in all for

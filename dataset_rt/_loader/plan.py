@@ -244,7 +244,9 @@ class DataLoader:
         iterator = self._iterator
         if iterator is not None and iterator.persistent and iterator._restart():
             return iterator
-        self.close()
+        if iterator is not None:
+            iterator.replace()
+            self._iterator = None
         self._iterator = LoaderIterator(self)
         return self._iterator
 
