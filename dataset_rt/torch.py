@@ -226,11 +226,12 @@ class _RankSplit(torch.utils.data.distributed.DistributedSampler):  # type: igno
         return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
-        """Makes the loader read ``epoch``, unless that is the epoch its state is already in:
-        frameworks call this at each epoch's start, also right after loading a mid-epoch state,
-        which must then be kept."""
+        """Makes the loader's next pass read ``epoch`` from its start, unless that pass reads
+        ``epoch`` already: frameworks call this at each epoch's start, also right after loading
+        a mid-epoch state, whose position must then be kept. A pass of ``epoch`` left early (a
+        sanity check's few batches) is read again from its start, as torch's sampler does."""
         self.epoch = epoch
-        if self._loader.state_dict()["epoch"] != epoch:
+        if self._loader._plan.next_pass_epoch() != epoch:
             self._loader.set_epoch(epoch)
 
 

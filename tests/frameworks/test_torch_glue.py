@@ -67,6 +67,21 @@ def test_sampler_set_epoch_keeps_a_loaded_mid_epoch_state(dataset):
         assert ids(loader) == epoch0
 
 
+@pytest.mark.torch
+def test_sampler_set_epoch_reads_again_an_epoch_whose_pass_was_left_early(dataset):
+    # Lightning's sanity check takes a few validation batches, then the epoch's validation
+    # calls sampler.set_epoch(0) and reads the loader: the whole of epoch 0, not epoch 1.
+    with new_loader(dataset) as loader:
+        epoch0 = ids(loader)
+    with new_loader(dataset) as loader:
+        loader.sampler.set_epoch(0)
+        for _ in zip(range(2), loader, strict=False):
+            pass
+        assert loader.state_dict()["epoch"] == 0  # the state is inside epoch 0
+        loader.sampler.set_epoch(0)
+        assert ids(loader) == epoch0
+
+
 # Not marked `torch`: it skips without torchdata (required under DATASET_RT_REQUIRE_FRAMEWORKS=1).
 def test_follows_the_stateful_dataloader_protocol(dataset):
     stateful = require("torchdata.stateful_dataloader")

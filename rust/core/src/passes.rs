@@ -133,25 +133,40 @@ impl<P: LiveProgress> Passes<P> {
     /// position (refused when the weights changed since it was loaded: its position points
     /// into another order), else the epoch after the last pass, else the chosen epoch's start.
     pub fn next_pass(&self, weights_in_force: &str) -> Result<PassStart> {
-        let (epoch, start) = match (&self.resume, &self.live, &self.ended) {
-            (Some(r), _, _) if r.weights_fingerprint != weights_in_force => {
-                return Err(Error::State(format!(
-                    "the loaded state (epoch {}, position {}) was taken under weight table {}, \
-                     but set_samples_metadata has since put {weights_in_force} in force: apply \
-                     the state's weights again to resume it, or call set_epoch to start a new \
-                     epoch instead",
-                    r.epoch, r.position, r.weights_fingerprint
-                )));
-            }
-            (Some(r), _, _) => (r.epoch, r.position),
-            (None, Some(live), _) => (next_epoch(live.epoch)?, 0),
-            (None, None, Some(ended)) => (next_epoch(ended.progress.epoch)?, 0),
-            (None, None, None) => (self.next_epoch, 0),
-        };
+        if let Some(r) = self
+            .resume
+            .as_ref()
+            .filter(|r| r.weights_fingerprint != weights_in_force)
+        {
+            return Err(Error::State(format!(
+                "the loaded state (epoch {}, position {}) was taken under weight table {}, but \
+                 set_samples_metadata has since put {weights_in_force} in force: apply the \
+                 state's weights again to resume it, or call set_epoch to start a new epoch \
+                 instead",
+                r.epoch, r.position, r.weights_fingerprint
+            )));
+        }
+        let (epoch, start) = self.next_start()?;
         Ok(PassStart {
             epoch,
             start,
             generation: self.generation,
+        })
+    }
+
+    /// The epoch the next pass reads: a loaded state's, else the one after the last pass,
+    /// else the chosen one. A pass left early does not read its epoch again: `set_epoch` does.
+    pub fn next_pass_epoch(&self) -> Result<u64> {
+        Ok(self.next_start()?.0)
+    }
+
+    /// Where the next pass starts, as (epoch, global position).
+    fn next_start(&self) -> Result<(u64, u64)> {
+        Ok(match (&self.resume, &self.live, &self.ended) {
+            (Some(r), _, _) => (r.epoch, r.position),
+            (None, Some(live), _) => (next_epoch(live.epoch)?, 0),
+            (None, None, Some(ended)) => (next_epoch(ended.progress.epoch)?, 0),
+            (None, None, None) => (self.next_epoch, 0),
         })
     }
 
@@ -292,6 +307,28 @@ mod tests {
         });
         // A finished pass leaves the state at the next epoch's start, under the weights in force.
         assert_eq!(snapshot(&passes), (6, 0, None));
+    }
+
+    #[test]
+    fn the_next_pass_epoch_is_a_loaded_states_else_the_one_after_the_last_pass() {
+        let mut passes = Passes::new();
+        assert_eq!(passes.next_pass_epoch().unwrap(), 0);
+        // A pass of epoch 0 left early: the state is inside epoch 0, the next pass reads 1.
+        let (_, pass) = start(&mut passes, "w");
+        pass.set(Progress {
+            epoch: 0,
+            position: 4,
+            finished: false,
+        });
+        assert!(passes.end_if(|p| Rc::ptr_eq(p, &pass)));
+        assert_eq!(snapshot(&passes).0, 0);
+        assert_eq!(passes.next_pass_epoch().unwrap(), 1);
+        // A state loaded in epoch 3 is where the next pass starts.
+        passes.load(3, 9, "w".into());
+        assert_eq!(passes.next_pass_epoch().unwrap(), 3);
+        assert_eq!(passes.next_pass("w").unwrap().start, 9);
+        passes.set_epoch(7);
+        assert_eq!(passes.next_pass_epoch().unwrap(), 7);
     }
 
     #[test]

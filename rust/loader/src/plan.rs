@@ -347,6 +347,11 @@ impl Plan {
             .load(epoch, position, weights_fingerprint);
     }
 
+    /// The epoch the next pass reads ([`passes::Passes::next_pass_epoch`]).
+    pub fn next_pass_epoch(&self) -> dataset_rt_core::Result<u64> {
+        self.passes.lock().unwrap().next_pass_epoch()
+    }
+
     /// The state the training loop reached, read from the live pass's control segment.
     pub fn snapshot(&self) -> Result<passes::Snapshot> {
         Ok(self.passes.lock().unwrap().snapshot()?)

@@ -177,6 +177,11 @@ impl LoaderPlan {
         self.plan.set_epoch(epoch).py_err()
     }
 
+    /// The epoch the next pass reads: a loaded state's, else the one after the last pass.
+    fn next_pass_epoch(&self) -> PyResult<u64> {
+        self.plan.next_pass_epoch().py_err()
+    }
+
     /// The dataset's state format at what the training loop received: read from the live
     /// pass's control segment, with the weight table that pass reads.
     fn state_json(&self) -> PyResult<String> {
