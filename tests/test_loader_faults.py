@@ -96,6 +96,33 @@ def test_sigkill_of_the_training_process_stops_everything(base):
         trainer.stdout.close()
 
 
+UNGUARDED = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from loader_helpers import load
+    from dataset_rt._loader import DataLoader
+    dataset = load(__import__("pathlib").Path({base!r}), {n})
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context="spawn")
+    for batch in loader:  # at the top level, with no `if __name__ == "__main__":`
+        pass
+    """
+)
+
+
+def test_a_spawned_worker_that_fails_importing_the_main_module_is_explained(base, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED.format(tests=os.path.dirname(__file__), base=str(base), n=N))
+    trainer = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True)
+    _, stderr = trainer.communicate(timeout=120)
+    assert trainer.returncode != 0
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("dataset_rt._native.LoaderError: loader worker"), stderr
+    for part in ("before it sent anything", 'if __name__ == "__main__":'):
+        assert part in last, last
+    assert own_segments(trainer.pid) == []
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_sigkill_of_the_producer_raises_within_seconds(base, num_workers):
     dataset = load(base, N)

@@ -96,6 +96,9 @@ class LoaderIterator(Iterator[Any]):
         # and those that exited after saying so.
         self._open: set[int] = set()
         self._done: set[int] = set()
+        # Workers that sent anything since they started (a spawned worker that failed while
+        # importing the main module again never did).
+        self._heard: set[int] = set()
         self._exited: set[int] = set()
         self._buffer: dict[int, tuple[str, Any, list[int]]] = {}
         # The global indices (rows of samples_metadata) of the batch delivered last, as the
@@ -418,6 +421,7 @@ class LoaderIterator(Iterator[Any]):
                 self._open.discard(i)
                 return
             tag, t, payload, indices = pickle.load(stream)
+            self._heard.add(i)
             if tag == "fatal":
                 raise self._worker_failed(i, *payload)
             if tag == "done":
@@ -520,6 +524,13 @@ class LoaderIterator(Iterator[Any]):
                 " before its share of the pass was done (code 0 without a report: something in "
                 "the worker, the transform or a library it calls, ended the process with "
                 "os._exit(0) or exit(0))"
+            )
+        elif i not in self._heard and self._context.get_start_method() == "spawn":
+            why = (
+                " before it sent anything; its traceback is on the standard error. A spawned "
+                "worker starts by importing the main module again: a script that builds and "
+                'iterates the loader at its top level needs `if __name__ == "__main__":` '
+                "around that code, as multiprocessing's guide says"
             )
         return LoaderError(
             f"loader worker {i} (pid {process.pid}) "
