@@ -8,6 +8,7 @@ import gc
 import itertools
 import mmap
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -24,7 +25,7 @@ from loader_helpers import (  # noqa: F401
 )
 
 from dataset_rt._loader import DataLoader, results
-from dataset_rt._native import CachedSample, ConfigError
+from dataset_rt._native import CachedSample, ConfigError, WorkerError
 
 N = 60
 
@@ -571,3 +572,32 @@ def test_persistent_workers_is_honoured_without_a_warning(dataset):
     with loader:
         assert loader.persistent_workers is True
         assert "persistent_workers" not in dataset_rt_torch._IGNORED_ARGUMENTS
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("collate_fn", [None, np.stack])
+def test_a_transforms_error_names_the_sample_it_raised_for(dataset, num_workers, collate_fn):
+    order = [i for i, _ in epoch0(dataset)]
+    victim = order[13]  # the second sample of the fourth batch of 4
+
+    def bad(sample):
+        if sample.metadata["i"] == victim:
+            raise ValueError("cannot decode")
+        return fixed(sample)
+
+    loader = DataLoader(
+        dataset, batch_size=4, num_workers=num_workers, transform=bad, collate_fn=collate_fn
+    )
+    loader.set_epoch(0)
+    with loader, pytest.raises((ValueError, WorkerError)) as info:
+        for _ in loader:
+            pass
+    note = f"raised by the transform of sample 1 of its batch (global index {victim}"
+    if num_workers == 0:
+        assert isinstance(info.value, ValueError)
+        text = "\n".join(getattr(info.value, "__notes__", []))
+    else:
+        assert "batch 3" in str(info.value) and "ValueError: cannot decode" in str(info.value)
+        text = str(info.value)
+    if sys.version_info >= (3, 11):
+        assert note in text, text

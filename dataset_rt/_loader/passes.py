@@ -396,7 +396,7 @@ class LoaderIterator(Iterator[Any]):
         # None: every payload is a view of a shard map, and the slot is already handed back.
         if slot_map is not None:
             self._held = slots.SlotMap(seq, slot_map)
-        batch = workers.apply(samples, self._transform, self._collate_fn)
+        batch = workers.apply(samples, self._transform, self._collate_fn, indices)
         self.last_indices = indices
         return batch
 

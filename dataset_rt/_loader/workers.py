@@ -29,15 +29,58 @@ def apply(
     samples: list[CachedSample],
     transform: Callable[[CachedSample], Any] | None,
     collate_fn: Callable[[list[Any]], Any] | None,
+    indices: list[int] | None = None,
 ) -> Any:
-    if transform is not None and collate_fn is not None and samples:
-        return results.stack_as_transformed(
-            samples, transform, collate_fn, lambda items: collate(items, collate_fn)
-        )
-    items: list[Any] = samples if transform is None else [transform(s) for s in samples]
-    if collate_fn is None:
-        return items
-    return collate(items, collate_fn)
+    """``collate_fn([transform(s) for s in samples])``. An exception that a sample's transform
+    raised gets a note naming that sample (with its global index, from ``indices``)."""
+    try:
+        if transform is not None and collate_fn is not None and samples:
+            return results.stack_as_transformed(
+                samples, transform, collate_fn, lambda items: collate(items, collate_fn)
+            )
+        items: list[Any] = samples if transform is None else [transform(s) for s in samples]
+        if collate_fn is None:
+            return items
+        return collate(items, collate_fn)
+    except Exception as error:
+        if transform is not None:
+            name_failed_sample(error, samples, indices)
+        raise
+
+
+def name_failed_sample(
+    error: BaseException, samples: list[CachedSample], indices: list[int] | None
+) -> None:
+    """Adds a note to ``error`` naming the sample of ``samples`` whose transform raised it: the
+    sample held by the deepest frame of its traceback that holds one (the transform's own, or
+    the loop that called it). Costs nothing until a transform raises; adds nothing when no
+    frame holds a sample (a collate_fn's error), or before Python 3.11 (no notes)."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is None:
+        return
+    positions = {id(s): i for i, s in enumerate(samples)}
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            i = positions.get(id(value))
+            if i is not None and value is samples[i]:
+                found = i
+                break
+        tb = tb.tb_next
+    if found is None:
+        return
+    try:
+        sample_id = samples[found].metadata.get("sample_id")
+    except Exception:  # the note is best effort; the error is what matters
+        sample_id = None
+    named = []
+    if indices is not None and found < len(indices):
+        named.append(f"global index {indices[found]}")
+    if sample_id is not None:
+        named.append(f"sample_id {sample_id!r}")
+    which = f" ({', '.join(named)})" if named else ""
+    add_note(f"raised by the transform of sample {found} of its batch{which}")
 
 
 def collate(items: list[Any], collate_fn: Callable[[list[Any]], Any]) -> Any:
@@ -147,12 +190,12 @@ def consume(
                 CachedSample(v, meta) for v, (_, _, meta, _) in zip(views.views, items, strict=True)
             ]
             if writer is None:
-                result = apply(samples, transform, collate_fn)
+                result = apply(samples, transform, collate_fn, indices)
                 message = results.dumps(("ok", seq, result, indices))
             else:
                 writer.begin()
                 with results.writing(writer):
-                    result = apply(samples, transform, collate_fn)
+                    result = apply(samples, transform, collate_fn, indices)
                     message = writer.encode(seq, result, indices)
         except BaseException:
             if writer is not None:
