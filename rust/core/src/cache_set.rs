@@ -471,14 +471,18 @@ impl SetBuild {
     pub fn publish(self, validation: Validation) -> Result<CacheSet> {
         let name = self.name().to_owned();
         let mut entries = Vec::with_capacity(self.parts);
+        let mut caches = Vec::with_capacity(self.parts);
         for (i, state) in self.part_states(validation)?.into_iter().enumerate() {
             let part = self.part_name(i);
             match state {
-                PartState::Published(cache) => entries.push(PartEntry {
-                    name: part,
-                    num_samples: cache.len(),
-                    fingerprint: cache.manifest.fingerprint.clone(),
-                }),
+                PartState::Published(cache) => {
+                    entries.push(PartEntry {
+                        name: part,
+                        num_samples: cache.len(),
+                        fingerprint: cache.manifest.fingerprint.clone(),
+                    });
+                    caches.push(cache);
+                }
                 PartState::Missing => {
                     return Err(Error::Runtime(format!(
                         "cache set {name:?} cannot be published: part {i} ({}) is not \
@@ -494,6 +498,16 @@ impl SetBuild {
                     )))
                 }
             }
+        }
+        // A set is one dataset: a column of two types would make its metadata table, its
+        // weights and `view` fail for good, and a published set is never rewritten.
+        if let Some(why) = crate::samples::column_type_conflict(caches.iter().map(|c| c.as_ref())) {
+            return Err(Error::Runtime(format!(
+                "cache set {name:?} cannot be published: {why}; the parts of a set share one \
+                 metadata table, so a column has one type in every part: remove the parts of \
+                 one type from {} and build them again with the other",
+                self.staging.display()
+            )));
         }
         self.tidy_staging(&entries)?;
         let json = SetManifest::of_parts(&name, entries).to_bytes();

@@ -9,6 +9,7 @@ use arrow_array::types::{Float32Type, Float64Type, Int64Type};
 use arrow_array::{new_null_array, Array, ArrayRef, Float64Array, RecordBatch, StringArray};
 use arrow_schema::{DataType, Field as ArrowField, Schema, SchemaRef};
 
+use crate::cache::Cache;
 use crate::dataset::{Dataset, WeightTable};
 use crate::error::{Error, Result};
 use crate::metadata::{FieldType, MetaRef, MetadataTable, SAMPLE_ID};
@@ -42,7 +43,38 @@ fn tables(ds: &Dataset) -> Result<Vec<&MetadataTable>> {
     ds.caches.iter().map(|c| c.metadata()).collect()
 }
 
+/// Why `caches` cannot share one metadata table: the first column (other than the sample id,
+/// which may be int in one and str in another) whose type differs between two of them. A
+/// column one cache lacks is null in its rows; a column of two types cannot be.
+pub fn column_type_conflict<'a>(caches: impl IntoIterator<Item = &'a Cache>) -> Option<String> {
+    let mut seen: HashMap<&str, FieldType> = HashMap::new();
+    for cache in caches {
+        let schema = &cache.manifest.metadata_schema;
+        for f in schema.iter().filter(|f| f.name != SAMPLE_ID) {
+            match seen.get(f.name.as_str()) {
+                Some(t) if *t != f.dtype => {
+                    return Some(format!(
+                        "metadata column {:?} is {} in cache {:?} but {} in an earlier cache",
+                        f.name,
+                        f.dtype.as_str(),
+                        cache.name(),
+                        t.as_str()
+                    ))
+                }
+                Some(_) => {}
+                None => {
+                    seen.insert(&f.name, f.dtype);
+                }
+            }
+        }
+    }
+    None
+}
+
 pub fn layout(ds: &Dataset) -> Result<TableLayout> {
+    if let Some(why) = column_type_conflict(ds.caches.iter().map(|c| c.as_ref())) {
+        return Err(Error::SamplesMetadata(why));
+    }
     let tables = tables(ds)?;
     let id_types: Vec<FieldType> = ds
         .caches
@@ -74,17 +106,9 @@ pub fn layout(ds: &Dataset) -> Result<TableLayout> {
                 .schema
                 .index_of(&f.name)
                 .expect("checked on load");
+            // One type per column across the caches: checked above.
             match columns.iter_mut().find(|(n, _, _)| *n == f.name) {
-                Some((_, t, per_cache)) if *t == f.dtype => per_cache[ci] = Some(col),
-                Some((_, t, _)) => {
-                    return Err(Error::SamplesMetadata(format!(
-                        "metadata column {:?} is {} in cache {:?} but {} in an earlier cache",
-                        f.name,
-                        f.dtype.as_str(),
-                        cache.name(),
-                        t.as_str()
-                    )))
-                }
+                Some((_, _, per_cache)) => per_cache[ci] = Some(col),
                 None => {
                     let mut per_cache = vec![None; ds.caches.len()];
                     per_cache[ci] = Some(col);

@@ -68,6 +68,31 @@ fn refused(build: SetBuild, what: &str) -> String {
     }
 }
 
+#[test]
+fn parts_whose_metadata_columns_disagree_on_a_type_are_not_published_as_a_set() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    let build = building(tmp.path(), "s", 2);
+    write_part(&pool, &build, 0); // "label" is an int
+    let cat = (0..3).map(|i| sample(vec![i; 4], &[("label", MetaValue::Str("cat".into()))]));
+    write_cache(&pool, build.staging(), &build.part_name(1), opts(), cat);
+    let staging = build.staging().to_owned();
+    let text = refused(
+        build,
+        "a set whose parts disagree on a column's type was published",
+    );
+    assert!(
+        text.contains("cache set \"s\" cannot be published")
+            && text.contains("metadata column \"label\" is str in cache \"s.part-000001\"")
+            && text.contains("but int in an earlier cache")
+            && text.contains(&staging.display().to_string()),
+        "{text}"
+    );
+    // Nothing was published; the parts stay staged.
+    assert!(!tmp.path().join("s").exists());
+    assert!(staging.join("s.part-000001").exists());
+}
+
 fn malformed_reason(err: Error) -> (String, String) {
     match err {
         Error::Malformed { file, reason, .. } => (
