@@ -314,7 +314,7 @@ def _write_to_url(
                 totals[0] += samples
                 totals[1] += nbytes
             if progress is not None:
-                progress.update(totals[0], totals[1], len(blocks) - len(pending))
+                progress.update(totals[0], totals[1], len(missing) - len(pending))
     except BaseException:
         for ref in pending:
             ray.cancel(ref, force=True)

@@ -17,6 +17,7 @@ from loader_helpers import children, gone, own_segments, wait_until
 from set_helpers import parts
 
 from dataset_rt import (
+    CacheInput,
     CacheLoaded,
     CacheMalformed,
     CacheSet,
@@ -347,6 +348,29 @@ def test_one_progress_line_for_the_whole_set(tmp_path, capsys):
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) >= 1 and all(line.startswith("s: parts ") for line in lines), lines
     assert lines[-1].startswith("s: parts 4/4 | 160 samples") and "written in" in lines[-1]
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_the_progress_line_of_a_rerun_counts_the_parts_kept(tmp_path, capsys, processes):
+    build(tmp_path, CacheSet("s", parts(p1={"fail_at": 3})), processes=processes)
+    capsys.readouterr()
+    # The rerun keeps parts 0, 2 and 3 and writes part 1: every part is done at the end.
+    build(tmp_path, CacheSet("s", parts()), processes=processes, show_progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith("s: parts 4/4 | 40 samples") and "written in" in lines[-1], lines
+
+
+def test_parts_whose_metadata_columns_disagree_on_a_type_are_not_published(tmp_path):
+    mixed = [
+        ListSource("p0", [CacheInput(b"a", {"sample_id": 0, "label": 1})]),
+        ListSource("p1", [CacheInput(b"b", {"sample_id": 0, "label": "cat"})]),
+    ]
+    result = build(tmp_path, CacheSet("s", mixed))
+    written, set_result = result.results[:2], result.results[-1]
+    assert all(isinstance(r, CacheWritten) for r in written), result.results
+    assert isinstance(set_result, CacheWriteError), set_result
+    assert 'metadata column "label" is str in cache "s.part-000001"' in set_result.message
+    assert not (tmp_path / "s").exists()
 
 
 def test_bad_settings_are_refused_naming_what_is_wrong(tmp_path):

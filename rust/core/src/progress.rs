@@ -266,10 +266,14 @@ impl SourceProgress {
     }
 
     /// For a set's line: `samples` and `bytes` written so far by all its writers, and the parts
-    /// done (published before the call included). Redrawn as [`update`](Self::update) does.
-    pub fn update_parts(&mut self, samples: u64, bytes: u64, parts_done: usize) {
+    /// they finished in this call (the line adds those published before it). Redrawn as
+    /// [`update`](Self::update) does.
+    pub fn update_parts(&mut self, samples: u64, bytes: u64, finished_now: usize) {
         if let Some(parts) = &mut self.parts {
-            parts.done = parts_done.min(parts.total);
+            parts.done = parts
+                .published
+                .saturating_add(finished_now)
+                .min(parts.total);
         }
         self.update(samples, bytes);
     }

@@ -394,7 +394,7 @@ impl SetProgress {
     }
 
     /// Samples and raw bytes written so far by all the set's writers in this call, and the
-    /// parts they finished.
+    /// parts they finished (the line adds those published before the call).
     fn update(&self, samples: u64, bytes: u64, parts_done: usize) {
         self.update_line(samples, bytes, parts_done);
     }
