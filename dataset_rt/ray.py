@@ -135,6 +135,21 @@ def write_cache_set(
         raise _native.ConfigError(
             f"write_cache_set: to_input must be callable, got {type(to_input).__name__}"
         )
+    if not isinstance(ray_dataset, ray.data.Dataset):
+        raise _native.ConfigError(
+            "write_cache_set: ray_dataset must be a ray.data.Dataset, got "
+            f"{type(ray_dataset).__name__}"
+        )
+    if not isinstance(name, str):
+        raise _native.ConfigError(
+            f"write_cache_set: name must be a str (the set's directory name), got "
+            f"{type(name).__name__}"
+        )
+    if not isinstance(base_cache_dir, str | os.PathLike):
+        raise _native.ConfigError(
+            "write_cache_set: base_cache_dir must be a str, an os.PathLike or a URL, got "
+            f"{type(base_cache_dir).__name__}"
+        )
     if isinstance(base_cache_dir, str) and is_url(base_cache_dir):
         return _write_to_url(
             ray_dataset, name, base_cache_dir, to_input, writer, threads_per_task, _remote(remote)

@@ -151,6 +151,23 @@ def test_threads_per_task_is_checked_before_anything_is_written(tmp_path, thread
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [("ray_dataset", [{"x": 1}]), ("name", 5), ("name", None), ("base_cache_dir", 5)],
+)
+def test_arguments_of_the_wrong_type_are_named(tmp_path, argument, value):
+    args = {
+        "ray_dataset": ray.data.from_items(rows(), override_num_blocks=BLOCKS),
+        "name": "s",
+        "base_cache_dir": tmp_path / "b",
+        argument: value,
+    }
+    quiet = WriterConfig(show_progress=False)
+    with pytest.raises(ConfigError, match=rf"write_cache_set: {argument} must be"):
+        write_cache_set(**args, to_input=to_input, writer_config=quiet)
+    assert not (tmp_path / "b").exists()
+
+
 def test_ray_publishes_a_set_at_a_url_that_reads_as_the_local_one(tmp_path):
     """Each task publishes its part at the URL; the set appears once all are, by its manifest.
     A failing block publishes no set, and the rerun writes only that block's part."""
