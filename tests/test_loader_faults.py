@@ -210,8 +210,17 @@ class InterruptedPlan:
         return getattr(self._inner, name)
 
 
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own Ctrl-C handler, whatever the test run inherited: a run started in the
+    background of a shell without job control ignores SIGINT, and Python then installs none."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("where", ["segments", "producer", "worker"])
-def test_ctrl_c_as_iter_creates_a_resource_leaves_nothing(base, monkeypatch, where):
+def test_ctrl_c_as_iter_creates_a_resource_leaves_nothing(base, monkeypatch, where, python_ctrl_c):
     """Ctrl-C landing just after a pass's segments, its producer or a worker is created, before
     the pass has recorded it: ``KeyboardInterrupt`` as soon as it is recorded, and ``close()``
     then removes the names and reaps the process (the autouse check), instead of leaving them
