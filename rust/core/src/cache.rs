@@ -650,6 +650,15 @@ impl Cache {
         }
     }
 
+    /// Where the cache is, for errors and logs: its directory, or its URL when the records come
+    /// from object storage.
+    pub fn location(&self) -> String {
+        match &self.records {
+            Some(records) => records.location(),
+            None => self.dir.display().to_string(),
+        }
+    }
+
     /// Whether the records are read through a [`RecordSource`] (object storage), not from maps
     /// of local shard files: such a cache has no shard files, maps or views, and every read
     /// copies its record ([`crate::dataset::Payload::Owned`]).

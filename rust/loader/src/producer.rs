@@ -378,13 +378,6 @@ fn prepare(
 /// Why the caches that `spec` names are refused: which of them changed since the training
 /// process opened them (republished, or written again), by name and location.
 fn changed_caches(spec: &ProducerSpec, ds: &Dataset) -> String {
-    let location = |c: usize| match spec.remote.get(c) {
-        Some(Some(locator)) => serde_json::from_str::<serde_json::Value>(locator)
-            .ok()
-            .and_then(|v| v["url"].as_str().map(str::to_owned))
-            .unwrap_or_default(),
-        _ => spec.cache_dirs[c].display().to_string(),
-    };
     let changed: Vec<String> = ds
         .caches
         .iter()
@@ -395,7 +388,7 @@ fn changed_caches(spec: &ProducerSpec, ds: &Dataset) -> String {
             format!(
                 "cache {:?} at {} has fingerprint {} now, {was} when the dataset was opened",
                 cache.name(),
-                location(c),
+                cache.location(),
                 cache.manifest.fingerprint
             )
         })

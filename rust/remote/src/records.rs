@@ -759,6 +759,10 @@ impl RecordSource for RemoteRecords {
         .to_string()
     }
 
+    fn location(&self) -> String {
+        self.url.clone()
+    }
+
     fn shard_location(&self, shard: u32) -> String {
         self.urls
             .get(shard as usize)

@@ -110,6 +110,12 @@ fn epochs_are_byte_identical_with_requests_in_flight_and_the_second_is_served_lo
     *s.store.every_get.lock().unwrap() = Some(Fault::Delay(Duration::from_millis(15)));
     let (opened, remote) = open(&s, None);
     assert_eq!(remote.fingerprint(), s.local.fingerprint());
+    // Errors name a remote cache by its URL, a local one by its directory.
+    assert_eq!(opened.cache.location(), URL);
+    assert_eq!(
+        s.local.caches[0].location(),
+        s.local.caches[0].dir.display().to_string()
+    );
     let gets_at_open = s.store.gets.load(Ordering::Relaxed);
     let first = epoch(&remote, 0).unwrap();
     assert_eq!(first, epoch(&s.local, 0).unwrap());

@@ -111,6 +111,9 @@ pub trait RecordSource: RangeSource {
     /// Where shard `shard` lives (a URL), for errors and logs.
     fn shard_location(&self, shard: u32) -> String;
 
+    /// Where the cache lives (its URL), for errors and logs.
+    fn location(&self) -> String;
+
     /// What another process of this node gives the backend to open this same source again
     /// (the loader's producer): opaque to the core.
     fn locator(&self) -> String;
