@@ -110,13 +110,11 @@ pub struct RemoteRecords {
     budget_share: u64,
 }
 
-/// A download started ahead that failed for good: its request error, and when.
+/// A download started ahead that failed for good: its request error (an [`Error::Request`],
+/// shared by every range of the download), and when.
 struct Failed {
     at: Instant,
-    op: &'static str,
-    url: String,
-    failure: crate::error::RequestFailure,
-    reason: String,
+    error: Arc<Error>,
 }
 
 /// The records the pass needs soon, by where they lie, so that a request for a record also
@@ -494,11 +492,20 @@ impl RemoteRecords {
     fn recent_failure(&self, key: &RangeKey) -> Option<Error> {
         let failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
         let f = failed.get(key)?;
+        let Error::Request {
+            op,
+            url,
+            failure,
+            reason,
+        } = f.error.as_ref()
+        else {
+            return None;
+        };
         (f.at.elapsed() < self.fetcher.fetcher.policy().timeout).then(|| Error::Request {
-            op: f.op,
-            url: f.url.clone(),
-            failure: f.failure,
-            reason: format!("{} (the download that held it, started ahead)", f.reason),
+            op,
+            url: url.clone(),
+            failure: *failure,
+            reason: format!("{reason} (the download that held it, started ahead)"),
         })
     }
 
@@ -617,26 +624,15 @@ impl RangeSource for RemoteRecords {
         runtime.spawn_blocking(move || {
             if let Err(e) = fetcher.fetch_blocking(&missing, Some(verify.as_ref())) {
                 log::debug!("prefetch of {} ranges of {name} failed: {e}", missing.len());
-                if let Error::Request {
-                    op,
-                    url,
-                    failure,
-                    reason,
-                } = e
-                {
+                if matches!(e, Error::Request { .. }) {
                     // Every range of the call that is not stored failed with it (the call
                     // stops at its first failed request).
+                    let error = Arc::new(e);
                     let mut failed = failed.lock().unwrap_or_else(|e| e.into_inner());
                     let at = Instant::now();
                     for key in missing.iter().filter(|k| !fetcher.cache.contains(k)) {
-                        let f = Failed {
-                            at,
-                            op,
-                            url: url.clone(),
-                            failure,
-                            reason: reason.clone(),
-                        };
-                        failed.insert(key.clone(), f);
+                        let error = Arc::clone(&error);
+                        failed.insert(key.clone(), Failed { at, error });
                     }
                 }
             }
