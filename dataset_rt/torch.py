@@ -231,7 +231,7 @@ class _RankSplit(torch.utils.data.distributed.DistributedSampler):  # type: igno
         a mid-epoch state, whose position must then be kept. A pass of ``epoch`` left early (a
         sanity check's few batches) is read again from its start, as torch's sampler does."""
         self.epoch = epoch
-        if self._loader._plan.next_pass_epoch() != epoch:
+        if self._loader._next_pass_epoch() != epoch:
             self._loader.set_epoch(epoch)
 
 

@@ -261,6 +261,11 @@ class DataLoader:
         self._require_owner()
         self._plan.set_epoch(check_epoch("DataLoader.set_epoch epoch", epoch))
 
+    def _next_pass_epoch(self) -> int:
+        """The epoch the next ``iter(loader)`` reads (for the torch adapter's sampler)."""
+        self._require_owner()
+        return self._plan.next_pass_epoch()
+
     def state_dict(self) -> dict[str, Any]:
         """The dataset's state format at the batches the training loop has received: resume it
         with another ``num_workers``, ``batch_size`` or world size."""
