@@ -190,6 +190,38 @@ def test_a_record_damaged_on_the_server_is_an_error_naming_the_object(
             pass
 
 
+@pytest.mark.parametrize("damage", ["deleted", "cut short", "cut to its header"])
+def test_a_shard_object_missing_or_cut_short_on_the_server_is_a_corrupt_record(
+    runtime: DatasetRuntime,
+    published: tuple[Path, str],
+    store: Store,  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    damage: str,
+) -> None:
+    _, url = published
+    [shard] = [k for k in store.objects() if k.endswith("shards/000001.bin")]
+    data = store.read(shard)
+    if damage == "deleted":
+        store.delete(shard)
+    else:
+        store.write(shard, data[: len(data) // 2 if damage == "cut short" else 16])
+    why = "does not exist" if damage == "deleted" else "shorter than the manifest says"
+    remote = open_dataset(runtime, url, tmp_path, True, shuffle=False)
+    with pytest.raises(CorruptRecordError, match=why) as caught:
+        for _ in remote.dataset:
+            pass
+    assert "000001.bin" in str(caught.value) and "sample" in str(caught.value)
+    for workers in (0, 2):
+        loader = DataLoader(remote.dataset, batch_size=4, num_workers=workers, collate_fn=list)
+        with pytest.raises(CorruptRecordError, match=why):
+            for _ in loader:
+                pass
+    assert main(["verify", f"{url}/train"]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "FAILED" in err and "000001.bin" in err and why in err
+
+
 def test_a_missing_cache_and_a_bad_remote_argument(
     runtime: DatasetRuntime, published: tuple[Path, str], tmp_path: Path
 ) -> None:

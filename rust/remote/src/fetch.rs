@@ -352,7 +352,9 @@ impl RangeFetcher {
         }
     }
 
-    /// One GET of `range`, tried up to `attempts` times while it fails transiently.
+    /// One GET of `range`, tried up to `attempts` times while it fails transiently. Every file
+    /// fetched is one a manifest lists with its size: an object that is missing or shorter than
+    /// the range is damage on the server ([`Error::Verify`]), which no other attempt mends.
     async fn get(
         &self,
         store: &Arc<dyn ObjectStore>,
@@ -385,10 +387,7 @@ impl RangeFetcher {
                 if got.meta.size < range.end {
                     return Err((
                         RequestFailure::Short,
-                        format!(
-                            "the object holds {} bytes, shorter than the manifest says",
-                            got.meta.size
-                        ),
+                        format!("the object holds {} bytes, {SHORTER}", got.meta.size),
                     ));
                 }
                 let bytes = got.bytes().await.map_err(failure_of)?;
@@ -407,14 +406,21 @@ impl RangeFetcher {
         .await
         .map_err(|e| match e {
             Error::Request {
-                failure: RequestFailure::Short,
+                failure: failure @ (RequestFailure::Short | RequestFailure::NotFound),
                 reason,
                 ..
             } => Error::Verify {
                 url: self.remote.show(&key),
                 range: range.clone(),
                 attempts: 1,
-                reason,
+                reason: if failure == RequestFailure::NotFound {
+                    format!("the object does not exist, though the manifest lists it ({reason})")
+                } else if reason.contains(SHORTER) {
+                    reason
+                } else {
+                    // The store refused a range that starts past the object's end.
+                    format!("the object is {SHORTER} ({reason})")
+                },
             },
             other => other,
         })?;
@@ -424,6 +430,9 @@ impl RangeFetcher {
         Ok(bytes)
     }
 }
+
+/// How an error says that an object is shorter than its manifest says.
+const SHORTER: &str = "shorter than the manifest says";
 
 /// A failed attempt: its kind and what happened, in words.
 pub(crate) type AttemptError = (RequestFailure, String);
@@ -567,12 +576,19 @@ fn classify_source(source: &(dyn std::error::Error + 'static)) -> RequestFailure
         }
         // The client's status errors are not public types; their message carries the status.
         let text = err.to_string();
+        // A range that starts past the object's end, from the in-memory and file stores (their
+        // `InvalidGetRange` is not public either).
+        if text.starts_with("Wanted range starting at") && text.contains("but object was only") {
+            return RequestFailure::Short;
+        }
         if let Some(status) = status_in(&text) {
             // S3's list and head requests (and some stores' gets) report a missing bucket or
             // refused credentials this way, not as object_store's NotFound or PermissionDenied.
             return match status {
                 404 => RequestFailure::NotFound,
                 401 | 403 => RequestFailure::Denied,
+                // Range Not Satisfiable: the range starts past the object's end.
+                416 => RequestFailure::Short,
                 408 | 429 => RequestFailure::Transient,
                 400..=499 => RequestFailure::Refused,
                 _ => RequestFailure::Transient,
@@ -649,9 +665,16 @@ mod tests {
             ("429 Too Many Requests", RequestFailure::Transient),
             ("400 Bad Request", RequestFailure::Refused),
             ("503 Slow Down", RequestFailure::Transient),
+            (
+                "416 Range Not Satisfiable: InvalidRange",
+                RequestFailure::Short,
+            ),
         ] {
             let err = generic(&format!("Server returned non-2xx status code: {status}"));
             assert_eq!(classify(&err), failure, "{status}");
         }
+        let past_the_end =
+            generic("Wanted range starting at 90, but object was only 40 bytes long");
+        assert_eq!(classify(&past_the_end), RequestFailure::Short);
     }
 }

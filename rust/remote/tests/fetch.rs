@@ -207,13 +207,19 @@ fn permanent_failures_are_not_retried_and_say_what_to_check() {
     let missing = RangeRequest::new("shards/000009.bin", 0..10);
     let err = f.fetch_blocking(&[missing], None).unwrap_err();
     assert_eq!(faults.gets.load(Ordering::SeqCst), 1);
-    assert_eq!(err.failure(), Some(RequestFailure::NotFound));
+    // Every file fetched is one a manifest lists: a missing one is damage on the server.
+    assert!(matches!(err, Error::Verify { .. }), "{err:?}");
     let text = err.to_string();
     assert!(
         text.contains("s3://bucket/data/train/shards/000009.bin"),
         "{text}"
     );
-    assert!(text.contains("does not exist"), "{text}");
+    assert!(
+        text.contains("does not exist, though the manifest lists it"),
+        "{text}"
+    );
+    let core: dataset_rt_core::Error = err.into();
+    assert_eq!(core.kind(), dataset_rt_core::ErrorKind::Malformed);
     // Refused credentials.
     faults.script([Fault::Denied]);
     let err = f.fetch_blocking(&[req(0, 10)], None).unwrap_err();

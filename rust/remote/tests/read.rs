@@ -203,6 +203,14 @@ fn damage_on_the_server(s: &Setup, cache: &Cache, row: u64) {
 
 /// Flips byte `at` of the object whose key ends with `name` on the server.
 fn flip_on_the_server(s: &Setup, name: &str, at: u64) {
+    edit_on_the_server(s, name, |bytes| {
+        let bytes = bytes.as_mut().unwrap();
+        bytes[at as usize] ^= 0x5a;
+    });
+}
+
+/// Changes the bytes of the object whose key ends with `name` on the server; `None` deletes it.
+fn edit_on_the_server(s: &Setup, name: &str, edit: impl FnOnce(&mut Option<Vec<u8>>)) {
     use dataset_rt_remote::runtime::block_on;
     use futures::TryStreamExt;
     use object_store::{ObjectStore, ObjectStoreExt};
@@ -215,11 +223,61 @@ fn flip_on_the_server(s: &Setup, name: &str, at: u64) {
         .find(|k| k.as_ref().ends_with(name))
         .unwrap();
     let got = block_on(s.store.inner.get(&key)).unwrap().unwrap();
-    let mut bytes = block_on(got.bytes()).unwrap().unwrap().to_vec();
-    bytes[at as usize] ^= 0x5a;
-    block_on(s.store.inner.put(&key, bytes.into()))
-        .unwrap()
-        .unwrap();
+    let mut bytes = Some(block_on(got.bytes()).unwrap().unwrap().to_vec());
+    edit(&mut bytes);
+    match bytes {
+        Some(bytes) => block_on(s.store.inner.put(&key, bytes.into()))
+            .unwrap()
+            .map(drop),
+        None => block_on(s.store.inner.delete(&key)).unwrap(),
+    }
+    .unwrap();
+}
+
+#[test]
+fn a_shard_object_missing_or_cut_short_on_the_server_is_a_corrupt_record_at_its_sample() {
+    let records = Some((SAMPLES * PAYLOAD / 2) as u64);
+    for (budget, cut) in [
+        (None, None),
+        (None, Some(1000)),
+        (records, Some(20_000)),
+        (records, None),
+    ] {
+        let s = setup();
+        let (opened, remote) = open(&s, budget);
+        assert_eq!(opened.records.fetches_blocks(), budget.is_none());
+        edit_on_the_server(&s, "shards/000001.bin", |bytes| match cut {
+            Some(cut) => bytes.as_mut().unwrap().truncate(cut),
+            None => *bytes = None,
+        });
+        // The first record of shard 1 that is not whole on the server.
+        let first_bad = (0..SAMPLES as u64)
+            .find(|&row| {
+                let (shard, offset, len) = opened.cache.record_extent(row).unwrap();
+                shard == 1 && cut.is_none_or(|cut| offset + len > cut as u64)
+            })
+            .unwrap();
+        let (local, _) = in_order_from(&s.local, 0);
+        let (served, err) = in_order_from(&remote, 0);
+        assert_eq!(served[..], local[..served.len()], "{cut:?}");
+        match err {
+            Some(CoreError::CorruptRecord {
+                sample,
+                shard,
+                reason,
+                ..
+            }) => {
+                assert_eq!(sample, first_bad, "{cut:?}: {reason}");
+                assert!(shard.display().to_string().ends_with("shards/000001.bin"));
+                let why = match cut {
+                    Some(_) => "shorter than the manifest says",
+                    None => "does not exist, though the manifest lists it",
+                };
+                assert!(reason.contains(why), "{cut:?}: {reason}");
+            }
+            other => panic!("{cut:?}: expected a corrupt record, got {other:?}"),
+        }
+    }
 }
 
 /// The pass of epoch 0 in storage order from position `start`: the records served before the
