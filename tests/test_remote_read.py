@@ -441,9 +441,10 @@ def test_a_reader_killed_while_reading_leaves_nothing_that_breaks_the_next(
 
 
 class RangeLog:
-    """A proxy in front of the S3 server that logs each GET's path and ``Range`` header."""
+    """A proxy in front of the S3 server that logs each GET's path and ``Range`` header, and
+    holds each GET of a shard for ``shard_delay`` seconds."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, shard_delay: float = 0.0) -> None:
         host, port = target.removeprefix("http://").split(":")
         log: list[tuple[str, str]] = []
         lock = threading.Lock()
@@ -460,6 +461,8 @@ class RangeLog:
                 if self.command == "GET":
                     with lock:
                         log.append((self.path.split("?")[0], self.headers.get("Range") or ""))
+                    if "/shards/" in self.path:
+                        time.sleep(shard_delay)
                 conn = http.client.HTTPConnection(host, int(port), timeout=30)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
                 conn.request(self.command, self.path, body=body, headers=headers)
@@ -486,6 +489,40 @@ class RangeLog:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def test_a_slow_store_is_no_hung_producer_to_the_loader(
+    runtime: DatasetRuntime,
+    s3_env: str,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read from object storage is bounded by the fetch policy, not the loader's heartbeat:
+    a store slower than ``heartbeat_timeout`` delays batches and never ends the pass as a
+    stopped or hung producer (which would hide the store's own error when it fails)."""
+    url = s3_store(s3_env).url("train")
+    original = write_cache(tmp_path / "src", n=40)
+    _native.push_cache(original, url, RemoteConfig())
+    expected = [
+        bytes(s.data) for s in open_dataset(runtime, original.parent, tmp_path, False).dataset
+    ]
+    proxy = RangeLog(s3_env, shard_delay=2.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        remote = open_dataset(runtime, url[: -len("/train")], tmp_path, True)
+        loader = DataLoader(
+            remote.dataset,
+            batch_size=8,
+            num_workers=2,
+            collate_fn=list,
+            transform=lambda s: bytes(s.data),
+            heartbeat_timeout=1.0,
+        )
+        got = [sample for batch in loader for sample in batch]
+    finally:
+        proxy.close()
+    assert got == expected
+    assert any("/shards/" in path for path, _ in proxy.log)
 
 
 SHARING_READER = """

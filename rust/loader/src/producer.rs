@@ -265,6 +265,15 @@ fn fill(
 ) -> Result<()> {
     let (opts, order) = prepare(ring, spec, source, weights)?;
     let ds = source.as_ref().expect("opened by prepare").ds.clone();
+    // A read from object storage waits at most the fetch policy's attempts (about 30 s when
+    // the store stops answering, as long as the default `heartbeat_timeout`), then fails with
+    // the store's error: a thread keeps the heartbeat going so that this error, not a "hung"
+    // producer, reaches the training loop. A stopped process still stops its heartbeat.
+    let _alive = if ds.caches.iter().any(|c| c.is_fetched()) {
+        Some(ring.keep_alive(Party::Producer)?)
+    } else {
+        None
+    };
     let pass = ring.pass();
     let slot_size = ring.geometry().slot_size;
     let beat = ring.clone();
