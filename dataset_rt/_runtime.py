@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from dataset_rt import _native
 from dataset_rt._config import ReaderConfig, RemoteConfig, WriterConfig, check_int, is_url
@@ -146,8 +147,8 @@ class DatasetRuntime:
         EIO) raises its ``OSError`` subclass with ``errno`` set, since the cache itself may be
         fine. Loading a cache also removes temporary directories that dead writers of it left.
         """
-        reader = reader_config if reader_config is not None else ReaderConfig()
-        writer = writer_config if writer_config is not None else WriterConfig()
+        reader = _config("reader_config", reader_config, ReaderConfig)
+        writer = _config("writer_config", writer_config, WriterConfig)
         if not isinstance(sources, (list, tuple)):
             sources = [sources]
         if isinstance(base_cache_dir, str) and is_url(base_cache_dir):
@@ -248,7 +249,7 @@ class DatasetRuntime:
         dataset reads like a local one, sample for sample, in process and through the
         shared-memory ``DataLoader``.
         """
-        reader = reader_config if reader_config is not None else ReaderConfig()
+        reader = _config("reader_config", reader_config, ReaderConfig)
         if isinstance(base_cache_dir, str) and is_url(base_cache_dir):
             dataset, outcomes = self._native.open_remote_caches(
                 names, base_cache_dir, reader, _resolve_rank(reader), _remote(remote)
@@ -300,13 +301,23 @@ def _failed_at_url(
     return _result("write_error", result.name, url, message, None)
 
 
-def _remote(remote: RemoteConfig | None) -> RemoteConfig:
-    config = remote if remote is not None else RemoteConfig()
-    if not isinstance(config, RemoteConfig):
+_Config = TypeVar("_Config", ReaderConfig, WriterConfig, RemoteConfig)
+
+
+def _config(argument: str, value: _Config | None, cls: type[_Config]) -> _Config:
+    """``value``, or the defaults of ``cls`` for ``None``; ``ConfigError`` naming ``argument``
+    for anything else (a dict, another config)."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
         raise _native.ConfigError(
-            f"invalid remote: expected a RemoteConfig or None, got {type(config).__name__}"
+            f"invalid {argument}: expected a {cls.__name__} or None, got {type(value).__name__}"
         )
-    return config
+    return value
+
+
+def _remote(remote: RemoteConfig | None) -> RemoteConfig:
+    return _config("remote", remote, RemoteConfig)
 
 
 def _outcome(
