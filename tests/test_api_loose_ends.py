@@ -216,6 +216,66 @@ def test_open_caches_works_on_a_read_only_base_directory(runtime, tmp_path):
         base.chmod(0o755)
 
 
+def unprivileged() -> list[str]:
+    """The prefix that runs a child without root's bypass of mode bits (skips without
+    setpriv)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: a read-only directory is not read-only")
+    caps = "-dac_override,-dac_read_search,-fowner"
+    return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
+
+
+DENIED_CHILD = textwrap.dedent(
+    """
+    import sys
+    from dataset_rt import CacheInput, DatasetRuntime, WriterConfig
+    class Source:
+        name = sys.argv[2]
+        def __iter__(self):
+            yield CacheInput(b"x")
+    with DatasetRuntime(num_workers=1) as runtime:
+        try:
+            result = runtime.from_cache_sources(
+                Source(), sys.argv[1], writer_config=WriterConfig(show_progress=False)
+            )
+            print(type(result.results[0]).__name__, result.results[0].message)
+        except OSError as e:
+            print(type(e).__name__, e)
+    """
+)
+
+
+@pytest.mark.parametrize(("mode", "name"), [(0o555, "new"), (0o000, "a")])
+def test_a_base_directory_that_denies_access_is_reported_as_denied(runtime, tmp_path, mode, name):
+    """A read-only base directory refuses the lock file of a new cache: the write error says
+    so (not that the lock file does not exist). One that may not be searched holds a published
+    cache that cannot be read: ``PermissionError``, as ``open_caches`` raises, never a write."""
+    base = tmp_path / "base"
+    write(runtime, [samples("a", 4)], base)
+    prefix = unprivileged()
+    base.chmod(mode)
+    try:
+        child = subprocess.run(
+            [*prefix, sys.executable, "-c", DENIED_CHILD, str(base), name],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+    finally:
+        base.chmod(0o755)
+    assert child.returncode == 0, child.stderr
+    out = child.stdout.strip()
+    if mode == 0o555:
+        assert out.startswith("CacheWriteError") and "Permission denied" in out, out
+        assert "No such file" not in out, out
+    else:
+        assert out.startswith("PermissionError") and str(base / "a") in out, out
+    assert sorted(p.name for p in base.iterdir()) == [".a.lock", "a"]
+
+
 @pytest.mark.parametrize(
     ("names", "needle"),
     [

@@ -414,7 +414,12 @@ impl Runtime {
         // A published cache appears by one atomic rename, so an existing one is loaded without
         // the lock: that works on read-only storage too.
         let published = base.join(name);
-        if published.exists() {
+        // A base directory that may not be searched raises, as it does for `open_caches`:
+        // the cache may well be there.
+        let there = published
+            .try_exists()
+            .map_err(|e| to_py(Error::io("open", &published, e)))?;
+        if there {
             return self.load_existing(py, &published, validation, Leftovers::Reap);
         }
         let signals = Signals::default();

@@ -125,9 +125,15 @@ fn open_lock_file(path: &Path) -> Result<File> {
         .open(path)
         .or_else(|e| match e.kind() {
             // Another user's lock file in a shared base directory: flock needs no write access.
-            std::io::ErrorKind::PermissionDenied => {
-                OpenOptions::new().read(true).custom_flags(flags).open(path)
-            }
+            // Without one, the base directory refused to create it: that is the error to tell.
+            std::io::ErrorKind::PermissionDenied => OpenOptions::new()
+                .read(true)
+                .custom_flags(flags)
+                .open(path)
+                .map_err(|other| match other.kind() {
+                    std::io::ErrorKind::NotFound => e,
+                    _ => other,
+                }),
             _ => Err(e),
         });
     let file = match opened {
