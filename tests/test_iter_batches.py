@@ -253,6 +253,21 @@ def test_rows_with_int_and_str_ids_together(tmp_path: Path) -> None:
         assert sorted(np.concatenate([b.indices for b in batches]).tolist()) == list(range(9))
 
 
+def test_a_batch_is_whole_after_its_runtime_is_closed(tmp_path: Path) -> None:
+    """Every member of a batch, first asked for after the runtime was closed, is there: the
+    rows too, though they are built on first access."""
+    with opened(tmp_path, [source("i", 5), source("s", 4, ids="str")]) as dataset:
+        table = dataset.samples_metadata()
+        expected = per_sample(dataset)
+        dataset.set_epoch(0)
+        batches = list(dataset.iter_batches(4))
+    # The runtime is closed here.
+    assert flat(batches) == expected
+    for batch in batches:
+        assert batch.rows.equals(table[batch.indices.tolist()])
+        assert len(batch.spans) == len(batch) and len(batch.buffers) >= 1
+
+
 def test_views_stay_valid(tmp_path: Path) -> None:
     with opened(tmp_path, source()) as dataset:
         expected = per_sample(dataset)

@@ -649,10 +649,16 @@ impl Batch {
         let inner = self.dataset.clone();
         let weights = self.weights.clone();
         let globals = self.parts.globals.clone();
+        // A batch stays whole after its runtime is closed: its rows are then gathered on this
+        // thread, the runtime's having stopped.
         let batch = py
             .detach(|| {
-                self.pool
-                    .run(move || samples::rows(&inner, &weights, &globals))
+                if self.pool.is_closed() {
+                    samples::rows(&inner, &weights, &globals)
+                } else {
+                    self.pool
+                        .run(move || samples::rows(&inner, &weights, &globals))
+                }
             })
             .py_err()?;
         let schema = batch.schema();
