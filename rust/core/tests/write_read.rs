@@ -468,6 +468,7 @@ fn keys_that_could_never_be_table_columns_are_refused_at_the_first_sample() {
         ("weight", "is a column of the samples-metadata table"),
         ("cache_id", "is a column of the samples-metadata table"),
         ("a\0b", "holds a NUL byte"),
+        ("", "is empty: a column needs a name"),
     ] {
         let samples = vec![
             sample(

@@ -94,6 +94,11 @@ impl CacheWriter {
                     f.name
                 )));
             }
+            if f.name.is_empty() {
+                return Err(
+                    self.invalid("metadata key \"\" is empty: a column needs a name".to_owned())
+                );
+            }
             if f.name.contains('\0') {
                 return Err(self.invalid(format!(
                     "metadata key {:?} holds a NUL byte, which a column name cannot hold",
