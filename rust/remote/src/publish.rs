@@ -54,18 +54,25 @@ pub(crate) async fn check_bucket(remote: &Remote, store: &Arc<dyn ObjectStore>) 
     }
     let root = remote.url().root().clone();
     match store.list_with_delimiter(Some(&root)).await {
-        Err(e) if crate::fetch::classify(&e) == RequestFailure::NotFound => Err(Error::Request {
-            op: "open",
-            url: remote.url().to_string(),
-            failure: RequestFailure::NotFound,
-            reason: format!(
-                "the bucket {:?} does not exist (or the endpoint serves no such bucket): check \
-                 the URL's bucket and the endpoint (RemoteConfig.endpoint or AWS_ENDPOINT_URL)",
-                remote.url().bucket()
-            ),
-        }),
+        Err(e) if crate::fetch::classify(&e) == RequestFailure::NotFound => {
+            Err(missing_bucket(remote, "open"))
+        }
         // Anything else is said by the request that follows, with its retries.
         _ => Ok(()),
+    }
+}
+
+/// The error of `op` on `remote` when a LIST found no bucket.
+fn missing_bucket(remote: &Remote, op: &'static str) -> Error {
+    Error::Request {
+        op,
+        url: remote.url().to_string(),
+        failure: RequestFailure::NotFound,
+        reason: format!(
+            "the bucket {:?} does not exist (or the endpoint serves no such bucket): check the \
+             URL's bucket and the endpoint (RemoteConfig.endpoint or AWS_ENDPOINT_URL)",
+            remote.url().bucket()
+        ),
     }
 }
 
@@ -897,7 +904,14 @@ pub async fn ls_async(remote: &Remote) -> Result<Vec<CacheListing>> {
             Some(&root)
         })
         .await
-        .map_err(|e| request_error("LIST", remote.url().to_string(), e))?;
+        .map_err(|e| {
+            let s3 = remote.url().scheme() == crate::location::Scheme::S3;
+            if s3 && crate::fetch::classify(&e) == RequestFailure::NotFound {
+                missing_bucket(remote, "LIST")
+            } else {
+                request_error("LIST", remote.url().to_string(), e)
+            }
+        })?;
     for prefix in &listed.common_prefixes {
         match prefix.filename() {
             Some(name) if !name.starts_with('.') => candidates.push(remote.join(name)?),

@@ -42,20 +42,31 @@ fn client_retry() -> RetryConfig {
 /// A plain `http://` endpoint without permission fails at the first request, with the client's
 /// "builder error": say what to do instead, when the store is made.
 fn check_plain_http(builder: &AmazonS3Builder) -> Result<()> {
+    // The client reads any word but its five of yes as no: a typo would pass for a refusal.
+    let allowed = match builder
+        .get_config_value(&AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp))
+        .map(|v| v.to_ascii_lowercase())
+        .as_deref()
+    {
+        None => false,
+        Some("1" | "true" | "on" | "yes" | "y") => true,
+        Some("0" | "false" | "off" | "no" | "n" | "") => false,
+        Some(other) => {
+            return Err(Error::config(
+                "allow_http",
+                format!(
+                    "AWS_ALLOW_HTTP={other:?} is neither true nor false (1, true, on, yes, y; \
+                     0, false, off, no, n)"
+                ),
+            ))
+        }
+    };
     let Some(endpoint) = builder.get_config_value(&AmazonS3ConfigKey::Endpoint) else {
         return Ok(());
     };
     if !endpoint.to_ascii_lowercase().starts_with("http://") {
         return Ok(());
     }
-    let allowed = builder
-        .get_config_value(&AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp))
-        .is_some_and(|v| {
-            matches!(
-                v.to_ascii_lowercase().as_str(),
-                "1" | "true" | "on" | "yes" | "y"
-            )
-        });
     if allowed {
         return Ok(());
     }

@@ -73,6 +73,14 @@ fn secrets_stay_hidden_and_an_unreachable_endpoint_fails_fast() {
     std::env::set_var("AWS_ALLOW_HTTP", "no");
     let err = Remote::open("s3://bucket/data/train", &options).unwrap_err();
     assert!(err.to_string().contains("RemoteConfig.allow_http"), "{err}");
+    // A word that is neither yes nor no is refused, not read as no.
+    std::env::set_var("AWS_ALLOW_HTTP", "maybe");
+    let err = Remote::open("s3://bucket/data/train", &options).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("AWS_ALLOW_HTTP=\"maybe\" is neither true nor false"),
+        "{err}"
+    );
     std::env::set_var("AWS_ALLOW_HTTP", "1");
     Remote::open("s3://bucket/data/train", &options).unwrap();
     // A malformed endpoint from the environment is refused when the store is made (the client
