@@ -3,7 +3,8 @@ caches."""
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
+import hashlib
 import os
 import shutil
 import tempfile
@@ -179,6 +180,29 @@ class DatasetRuntime:
         in a staging directory, publishes each one written, then opens them all in place."""
         names = [getattr(source, "name", None) for source in sources]
         first = self.open_caches(names, base_url, reader_config=reader, remote=remote)  # type: ignore[arg-type]
+        if not any(isinstance(result, CacheMissing) for result in first.results):
+            return first
+        local_dir = Path(_native.remote_local_dir(remote))
+        (local_dir / ".publish").mkdir(parents=True, exist_ok=True)
+        # The processes of one node that share its local directory write the missing caches of
+        # a URL one at a time: the next one finds them published and writes nothing.
+        digest = hashlib.sha256(base_url.encode()).hexdigest()[:32]
+        with open(local_dir / f".publish-{digest}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._write_and_publish(sources, names, base_url, reader, writer, remote)
+
+    def _write_and_publish(
+        self,
+        sources: list[object],
+        names: list[str | None],
+        base_url: str,
+        reader: ReaderConfig,
+        writer: WriterConfig,
+        remote: RemoteConfig,
+    ) -> CacheSourcesDatasetSuccess | CacheSourcesDatasetError:
+        """Writes the sources whose caches are not published at ``base_url`` (under the node's
+        lock), publishes each one written, and opens them all in place."""
+        first = self.open_caches(names, base_url, reader_config=reader, remote=remote)  # type: ignore[arg-type]
         missing = [
             source
             for source, result in zip(sources, first.results, strict=True)
@@ -187,7 +211,6 @@ class DatasetRuntime:
         if not missing:
             return first
         staging_root = Path(_native.remote_local_dir(remote)) / ".publish"
-        staging_root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix="staging-", dir=staging_root))
         try:
             written = self.from_cache_sources(
@@ -204,11 +227,13 @@ class DatasetRuntime:
                 if r.name in names
             }
             del written
-            for name, result in outcomes.items():
+            for name, result in list(outcomes.items()):
                 if isinstance(result, CacheWritten):
-                    # Another process may have published it meanwhile: that one is read.
-                    with contextlib.suppress(FileExistsError):
+                    try:
                         _native.push_cache(staging / name, f"{base_url}/{name}", remote, False)
+                    except FileExistsError:
+                        # Another node published it meanwhile: that one is read, and loaded.
+                        del outcomes[name]
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         final = self.open_caches(names, base_url, reader_config=reader, remote=remote)  # type: ignore[arg-type]

@@ -362,6 +362,72 @@ def test_from_cache_sources_on_a_url_writes_publishes_and_reads_in_place(
     assert [bytes(s.data) for s in dataset] == [bytes(s.data) for s in local.dataset]
 
 
+RACING_WRITER = """
+import sys, time
+from pathlib import Path
+from dataset_rt import CacheInput, DatasetRuntime, RemoteConfig, WriterConfig
+base, node, marks, seed = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+class Source:
+    name = "x"
+    def __iter__(self):
+        (marks / f"iterated-{seed}").touch()
+        for i in range(30):
+            time.sleep(0.02)
+            yield CacheInput(bytes([seed, i]) * 100)
+(marks / f"ready-{seed}").touch()
+while len(list(marks.glob("ready-*"))) < 2:
+    time.sleep(0.01)
+with DatasetRuntime(num_workers=1) as runtime:
+    result = runtime.from_cache_sources(
+        Source(), base, writer_config=WriterConfig(show_progress=False),
+        remote=RemoteConfig(local_dir=node),
+    )
+    print(type(result.results[0]).__name__, result.dataset.fingerprint)
+"""
+
+
+@pytest.mark.parametrize("nodes", ["one node", "two nodes"])
+def test_writers_racing_for_one_url_publish_one_cache_and_say_who_wrote_it(
+    tmp_path: Path, nodes: str
+) -> None:
+    """Two processes write the same missing cache of one URL at once. On one node (one local
+    directory) the second waits and then loads what the first published, never running its
+    source; on two, both may write, one publishes, and the other says it loaded that one."""
+    base = (tmp_path / "remote").as_uri()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    writers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                RACING_WRITER,
+                base,
+                str(tmp_path / ("node" if nodes == "one node" else f"node{seed}")),
+                str(marks),
+                str(seed),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (1, 2)
+    ]
+    try:
+        outs = [w.communicate(timeout=120) for w in writers]
+    finally:
+        for w in writers:
+            w.kill()
+            w.wait()
+    assert all(w.returncode == 0 for w in writers), [err for _, err in outs]
+    results = sorted(out.split()[0] for out, _ in outs)
+    assert results == ["CacheLoaded", "CacheWritten"], outs
+    assert len({out.split()[1] for out, _ in outs}) == 1, outs  # the same cache
+    iterated = sorted(p.name for p in marks.glob("iterated-*"))
+    if nodes == "one node":
+        assert len(iterated) == 1, iterated
+
+
 def test_weighted_epochs_are_the_local_ones(
     runtime: DatasetRuntime, published: tuple[Path, str], tmp_path: Path
 ) -> None:
