@@ -132,6 +132,24 @@ def test_a_shard_truncated_before_a_loader_pass_is_an_error(runtime, tmp_path, v
     assert "truncated" in text, text
 
 
+@pytest.mark.parametrize("size", [0, 17])
+@pytest.mark.parametrize("reader", ["iter", "iter_batches", "loader 0", "loader 2"])
+def test_an_index_truncated_before_a_pass_is_an_error_naming_it(runtime, tmp_path, size, reader):
+    dataset = write(runtime, tmp_path)
+    assert sum(1 for _ in dataset) == SAMPLES
+    index = tmp_path / "c" / "index.bin"
+    truncate(index, size)
+    with pytest.raises((CacheMalformedError, CorruptRecordError)) as error:
+        if reader == "iter":
+            next(iter(dataset))
+        elif reader == "iter_batches":
+            next(iter(dataset.iter_batches(4)))
+        else:
+            with DataLoader(dataset, 4, num_workers=int(reader[-1])) as loader:
+                next(iter(loader))
+    assert str(index) in str(error.value) and "truncated" in str(error.value), error.value
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("verify", ["always", "once", "never"])
 def test_a_shard_truncated_after_a_loader_read_ahead_is_an_error(

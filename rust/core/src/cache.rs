@@ -39,6 +39,9 @@ pub struct Cache {
     /// The file `metadata_map` maps, kept open: its size is checked before the first use reads
     /// the map (a truncated file would kill the process with `SIGBUS`).
     metadata_file: File,
+    /// The file `index` maps, kept open: its size is checked as a pass begins
+    /// ([`Cache::check_index_size`]).
+    index_file: File,
     /// The identities of the `index.bin` and `metadata.arrow` files that `index` and
     /// `metadata_map` map: another process that opens the cache by its path (the loader's
     /// producer) must read these very files, not ones renamed over them since.
@@ -484,6 +487,7 @@ impl Cache {
             shard_files,
             metadata_map,
             metadata_file: meta_file,
+            index_file,
             index_identity,
             metadata_identity,
             metadata: OnceLock::new(),
@@ -744,6 +748,32 @@ impl Cache {
             Some((sample, offset)) => self.corrupt(shard, offset, sample, reason),
             None => Error::malformed(self.name(), self.shard_path(shard), reason),
         })
+    }
+
+    /// Checks with one `fstat` that `index.bin` is not shorter than when the cache was opened,
+    /// as a pass begins: every sample's read starts at its index entry, in the map, and a page
+    /// of the map past a truncated file's end raises SIGBUS. A [`Error::Malformed`] naming the
+    /// file. (A truncation during the pass is not caught: see the storage format's "Reading
+    /// while files change".)
+    pub fn check_index_size(&self) -> Result<()> {
+        let path = self.dir.join(INDEX_FILE);
+        let want = self.index.len() as u64;
+        let now = match self.index_file.metadata() {
+            Ok(meta) => meta.len(),
+            Err(e) => return Err(Error::io("stat", path, e)),
+        };
+        if now >= want {
+            return Ok(());
+        }
+        Err(Error::malformed(
+            self.name(),
+            path,
+            format!(
+                "the index is {now} bytes now but was {want} bytes when the cache was opened: it \
+                 was truncated while in use (a published cache must not be modified while it is \
+                 read)"
+            ),
+        ))
     }
 
     fn corrupt(&self, shard: u32, offset: u64, sample: u64, reason: impl Into<String>) -> Error {

@@ -113,6 +113,12 @@ fn hash_id(id: MetaRef<'_>) -> u128 {
 }
 
 impl Dataset {
+    /// Checks, as a pass begins, that no cache's `index.bin` is shorter than when it was
+    /// opened ([`Cache::check_index_size`]): one `fstat` per cache.
+    pub fn check_index_sizes(&self) -> Result<()> {
+        self.caches.iter().try_for_each(|c| c.check_index_size())
+    }
+
     /// Checks that `caches` make one dataset read with `opts`: their names are unique (a
     /// sample is identified by its cache's name; a set's parts are named after it, but a cache
     /// may still carry a part's name), and a fixed number of samples per epoch has samples to

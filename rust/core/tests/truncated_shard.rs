@@ -122,6 +122,32 @@ fn a_shard_truncated_before_the_pass_is_an_error_naming_it() {
 }
 
 #[test]
+fn an_index_truncated_before_the_pass_is_an_error_naming_it() {
+    for len in [0, 17] {
+        let fixture = fixture(VerifyPolicy::Once);
+        let (ds, pool) = (&fixture.ds, &fixture.pool);
+        let index = ds.caches[0].dir.join("index.bin");
+        set_len(&index, len);
+        // Every read starts at its entry in the index's map: no sample is read, no SIGBUS.
+        let mut got = Vec::new();
+        let text = read_to_error(ds, reader(pool, ds, 8), &mut got).expect("an error");
+        assert!(got.is_empty(), "{got:?}");
+        assert!(
+            text.contains(&index.display().to_string()) && text.contains("truncated while in use"),
+            "{text}"
+        );
+        // Batches too.
+        let mut r = reader(pool, ds, 8);
+        match r.next_chunk() {
+            Some(Err(err)) => {
+                assert_eq!(err.kind(), dataset_rt_core::ErrorKind::Malformed, "{err}")
+            }
+            _ => panic!("a chunk of a truncated index was read"),
+        }
+    }
+}
+
+#[test]
 fn a_shard_truncated_after_its_records_were_read_ahead_is_an_error_naming_it() {
     for policy in POLICIES {
         let fixture = fixture(policy);

@@ -117,6 +117,9 @@ impl Plan {
     /// holds a batch of the largest samples (reads and verifies the largest record of each
     /// cache once, so a corrupt one raises here, before any ring is sized).
     pub fn slot_size(&self, ds: &Dataset, requested: Option<u64>) -> Result<u64> {
+        // The first step of a pass's start: an index cut short since the open is refused
+        // before an entry of it is read (here, or by the producer).
+        ds.check_index_sizes()?;
         if let Some(bytes) = requested {
             return Ok(align(bytes.max(1), PAGE));
         }

@@ -447,6 +447,8 @@ impl EpochReader {
         if let Some(planner) = &planner {
             planner.begin_pass(opts.shuffle);
         }
+        // An index cut short since the open is refused before any entry of it is read.
+        let deferred = dataset.check_index_sizes().err();
         EpochReader {
             pool,
             dataset,
@@ -475,7 +477,7 @@ impl EpochReader {
             costs: VecDeque::new(),
             on_fetched: None,
             failed: false,
-            deferred: None,
+            deferred,
             planner,
             ahead: VecDeque::new(),
             plan_chunk: plan_chunk(opts.io_depth),
