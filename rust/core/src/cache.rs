@@ -19,6 +19,25 @@ use crate::metadata::{FieldType, MetadataTable};
 /// 255 times its size. A record that claims more is refused before anything is allocated.
 pub const LZ4_MAX_RATIO: u64 = 255;
 
+/// Why `file`, `validated` bytes long when its cache was opened and mapped at that length, may
+/// no longer be read through its map (one `fstat`): `None` while it is no shorter. The map
+/// keeps its length whatever the file becomes, and a page of it past a truncated file's end
+/// raises SIGBUS. `what` names the file in the reason ("the shard", ...).
+fn truncated_since_open(
+    file: &File,
+    validated: u64,
+    what: &str,
+) -> std::io::Result<Option<String>> {
+    let now = file.metadata()?.len();
+    Ok((now < validated).then(|| {
+        format!(
+            "the {what} is {now} bytes now but was {validated} bytes when the cache was opened: \
+             it was truncated while in use (a published cache must not be modified while it is \
+             read)"
+        )
+    }))
+}
+
 /// A published cache, opened and validated.
 pub struct Cache {
     pub dir: PathBuf,
@@ -517,17 +536,10 @@ impl Cache {
     fn load_metadata(&self) -> std::result::Result<MetadataTable, String> {
         let map = &self.metadata_map;
         // Truncated since the open, reading the map past the new end would be SIGBUS.
-        let now = self
-            .metadata_file
-            .metadata()
+        if let Some(reason) = truncated_since_open(&self.metadata_file, map.len() as u64, "file")
             .map_err(|e| format!("stat failed: {e}"))?
-            .len();
-        if now < map.len() as u64 {
-            return Err(format!(
-                "the file is {now} bytes now but was {} bytes when the cache was opened: it was \
-                 truncated while in use (a published cache must not be modified while it is read)",
-                map.len()
-            ));
+        {
+            return Err(reason);
         }
         if let Some(reason) = checksum_mismatch(map, &self.manifest.metadata.checksum) {
             return Err(reason);
@@ -732,18 +744,12 @@ impl Cache {
         if self.records.is_some() {
             return Ok(()); // nothing is mapped: every read checks the bytes it got
         }
-        let want = self.shard_len(shard);
-        let now = match self.shard_files[shard as usize].metadata() {
-            Ok(meta) => meta.len(),
-            Err(e) => return Err(Error::io("stat", self.shard_path(shard), e)),
-        };
-        if now >= want {
+        let file = &self.shard_files[shard as usize];
+        let Some(reason) = truncated_since_open(file, self.shard_len(shard), "shard")
+            .map_err(|e| Error::io("stat", self.shard_path(shard), e))?
+        else {
             return Ok(());
-        }
-        let reason = format!(
-            "the shard is {now} bytes now but was {want} bytes when the cache was opened: it was \
-             truncated while in use (a published cache must not be modified while it is read)"
-        );
+        };
         Err(match record {
             Some((sample, offset)) => self.corrupt(shard, offset, sample, reason),
             None => Error::malformed(self.name(), self.shard_path(shard), reason),
@@ -757,23 +763,11 @@ impl Cache {
     /// while files change".)
     pub fn check_index_size(&self) -> Result<()> {
         let path = self.dir.join(INDEX_FILE);
-        let want = self.index.len() as u64;
-        let now = match self.index_file.metadata() {
-            Ok(meta) => meta.len(),
-            Err(e) => return Err(Error::io("stat", path, e)),
-        };
-        if now >= want {
-            return Ok(());
+        match truncated_since_open(&self.index_file, self.index.len() as u64, "index") {
+            Ok(None) => Ok(()),
+            Ok(Some(reason)) => Err(Error::malformed(self.name(), path, reason)),
+            Err(e) => Err(Error::io("stat", path, e)),
         }
-        Err(Error::malformed(
-            self.name(),
-            path,
-            format!(
-                "the index is {now} bytes now but was {want} bytes when the cache was opened: it \
-                 was truncated while in use (a published cache must not be modified while it is \
-                 read)"
-            ),
-        ))
     }
 
     fn corrupt(&self, shard: u32, offset: u64, sample: u64, reason: impl Into<String>) -> Error {
