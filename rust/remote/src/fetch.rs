@@ -381,7 +381,24 @@ impl RangeFetcher {
                     range: Some(GetRange::Bounded(range.clone())),
                     ..GetOptions::default()
                 };
-                let got = store.get_opts(&key, options).await.map_err(failure_of)?;
+                // Every file fetched is one a manifest lists with its size: missing, or shorter
+                // than the range, it is damage on the server.
+                let got = store
+                    .get_opts(&key, options)
+                    .await
+                    .map_err(|e| match failure_of(e) {
+                        (RequestFailure::NotFound, why) => (
+                            RequestFailure::NotFound,
+                            format!(
+                                "the object does not exist, though the manifest lists it ({why})"
+                            ),
+                        ),
+                        (RequestFailure::Short, why) => (
+                            RequestFailure::Short,
+                            format!("the object is {SHORTER} ({why})"),
+                        ),
+                        other => other,
+                    })?;
                 // The server's own size for the object: shorter than the range is damage, which
                 // no other attempt mends (a body cut short in transit is retried below).
                 if got.meta.size < range.end {
@@ -406,21 +423,14 @@ impl RangeFetcher {
         .await
         .map_err(|e| match e {
             Error::Request {
-                failure: failure @ (RequestFailure::Short | RequestFailure::NotFound),
+                failure: RequestFailure::Short | RequestFailure::NotFound,
                 reason,
                 ..
             } => Error::Verify {
                 url: self.remote.show(&key),
                 range: range.clone(),
                 attempts: 1,
-                reason: if failure == RequestFailure::NotFound {
-                    format!("the object does not exist, though the manifest lists it ({reason})")
-                } else if reason.contains(SHORTER) {
-                    reason
-                } else {
-                    // The store refused a range that starts past the object's end.
-                    format!("the object is {SHORTER} ({reason})")
-                },
+                reason,
             },
             other => other,
         })?;
