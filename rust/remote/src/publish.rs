@@ -54,17 +54,17 @@ pub(crate) async fn check_bucket(remote: &Remote, store: &Arc<dyn ObjectStore>) 
     }
     let root = remote.url().root().clone();
     match store.list_with_delimiter(Some(&root)).await {
-        Err(e) if crate::fetch::classify(&e) == RequestFailure::NotFound => {
-            Err(missing_bucket(remote, "open"))
-        }
+        Err(e) => missing_bucket(remote, "open", &e).map_or(Ok(()), Err),
         // Anything else is said by the request that follows, with its retries.
-        _ => Ok(()),
+        Ok(_) => Ok(()),
     }
 }
 
-/// The error of `op` on `remote` when a LIST found no bucket.
-fn missing_bucket(remote: &Remote, op: &'static str) -> Error {
-    Error::Request {
+/// The error of `op` on `remote` when `err`, the failure of a LIST of it, says that its bucket
+/// does not exist (S3 only); `None` otherwise.
+fn missing_bucket(remote: &Remote, op: &'static str, err: &object_store::Error) -> Option<Error> {
+    let s3 = remote.url().scheme() == crate::location::Scheme::S3;
+    (s3 && crate::fetch::classify(err) == RequestFailure::NotFound).then(|| Error::Request {
         op,
         url: remote.url().to_string(),
         failure: RequestFailure::NotFound,
@@ -73,7 +73,7 @@ fn missing_bucket(remote: &Remote, op: &'static str) -> Error {
              URL's bucket and the endpoint (RemoteConfig.endpoint or AWS_ENDPOINT_URL)",
             remote.url().bucket()
         ),
-    }
+    })
 }
 
 /// A published cache's identity: the xxh3-128 of its manifest's bytes, as 32 hex digits. The
@@ -905,12 +905,8 @@ pub async fn ls_async(remote: &Remote) -> Result<Vec<CacheListing>> {
         })
         .await
         .map_err(|e| {
-            let s3 = remote.url().scheme() == crate::location::Scheme::S3;
-            if s3 && crate::fetch::classify(&e) == RequestFailure::NotFound {
-                missing_bucket(remote, "LIST")
-            } else {
-                request_error("LIST", remote.url().to_string(), e)
-            }
+            missing_bucket(remote, "LIST", &e)
+                .unwrap_or_else(|| request_error("LIST", remote.url().to_string(), e))
         })?;
     for prefix in &listed.common_prefixes {
         match prefix.filename() {
