@@ -183,13 +183,16 @@ class DatasetRuntime:
         if not any(isinstance(result, CacheMissing) for result in first.results):
             return first
         local_dir = Path(_native.remote_local_dir(remote))
-        (local_dir / ".publish").mkdir(parents=True, exist_ok=True)
+        staging_root = local_dir / ".publish"
+        staging_root.mkdir(parents=True, exist_ok=True)
         # The processes of one node that share its local directory write the missing caches of
         # a URL one at a time: the next one finds them published and writes nothing.
         digest = hashlib.sha256(base_url.encode()).hexdigest()[:32]
         with open(local_dir / f".publish-{digest}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            return self._write_and_publish(sources, names, base_url, reader, writer, remote)
+            return self._write_and_publish(
+                sources, names, base_url, reader, writer, remote, staging_root
+            )
 
     def _write_and_publish(
         self,
@@ -199,9 +202,11 @@ class DatasetRuntime:
         reader: ReaderConfig,
         writer: WriterConfig,
         remote: RemoteConfig,
+        staging_root: Path,
     ) -> CacheSourcesDatasetSuccess | CacheSourcesDatasetError:
         """Writes the sources whose caches are not published at ``base_url`` (under the node's
-        lock), publishes each one written, and opens them all in place."""
+        lock) in a staging directory under ``staging_root``, publishes each one written, and
+        opens them all in place."""
         first = self.open_caches(names, base_url, reader_config=reader, remote=remote)  # type: ignore[arg-type]
         missing = [
             source
@@ -210,7 +215,6 @@ class DatasetRuntime:
         ]
         if not missing:
             return first
-        staging_root = Path(_native.remote_local_dir(remote)) / ".publish"
         staging = Path(tempfile.mkdtemp(prefix="staging-", dir=staging_root))
         try:
             written = self.from_cache_sources(
