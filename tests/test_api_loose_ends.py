@@ -178,6 +178,17 @@ CHILD = textwrap.dedent(
 )
 
 
+def unprivileged() -> list[str]:
+    """The prefix that runs a child without root's bypass of mode bits (skips without
+    setpriv)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: a read-only directory is not read-only")
+    caps = "-dac_override,-dac_read_search,-fowner"
+    return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
+
+
 def test_open_caches_works_on_a_read_only_base_directory(runtime, tmp_path):
     base = tmp_path / "base"
     write(runtime, [samples("a", 4)], base)
@@ -185,16 +196,11 @@ def test_open_caches_works_on_a_read_only_base_directory(runtime, tmp_path):
     base.chmod(0o555)
     # Root ignores mode bits: as root, the loading child runs without the capabilities that
     # bypass them (it would write where others cannot).
-    unprivileged: list[str] = []
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("running as root without setpriv: a read-only directory is not read-only")
-        caps = "-dac_override,-fowner"
-        unprivileged = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
+    prefix = unprivileged()
     try:
         before = listing(base)
         child = subprocess.run(
-            [*unprivileged, sys.executable, "-c", CHILD, str(base)],
+            [*prefix, sys.executable, "-c", CHILD, str(base)],
             capture_output=True,
             text=True,
             timeout=60,
@@ -206,7 +212,7 @@ def test_open_caches_works_on_a_read_only_base_directory(runtime, tmp_path):
         assert stat.S_IMODE(base.stat().st_mode) == 0o555
         # The same child really cannot write there.
         refused = subprocess.run(
-            [*unprivileged, sys.executable, "-c", f"open({str(base / 'x')!r}, 'w')"],
+            [*prefix, sys.executable, "-c", f"open({str(base / 'x')!r}, 'w')"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -214,17 +220,6 @@ def test_open_caches_works_on_a_read_only_base_directory(runtime, tmp_path):
         assert "PermissionError" in refused.stderr
     finally:
         base.chmod(0o755)
-
-
-def unprivileged() -> list[str]:
-    """The prefix that runs a child without root's bypass of mode bits (skips without
-    setpriv)."""
-    if os.geteuid() != 0:
-        return []
-    if shutil.which("setpriv") is None:
-        pytest.skip("running as root without setpriv: a read-only directory is not read-only")
-    caps = "-dac_override,-dac_read_search,-fowner"
-    return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
 
 
 DENIED_CHILD = textwrap.dedent(

@@ -423,22 +423,24 @@ def test_shard_compression_fields() -> None:
         WriterConfig(shard_compression="lz4")  # type: ignore[arg-type]
 
 
+WRONG_CONFIGS: list[tuple[str, Any]] = [
+    ("reader_config", {"seed": 1}),
+    ("reader_config", WriterConfig()),
+    ("writer_config", ReaderConfig()),
+    ("writer_config", {"shard_size_bytes": 1 << 20}),
+    ("remote", ReaderConfig()),
+]
+
+
 @pytest.mark.parametrize(
-    ("argument", "value"),
-    [
-        ("reader_config", {"seed": 1}),
-        ("reader_config", WriterConfig()),
-        ("writer_config", ReaderConfig()),
-        ("writer_config", {"shard_size_bytes": 1 << 20}),
-        ("remote", ReaderConfig()),
-    ],
+    ("call", "argument", "value"),
+    [("from_cache_sources", a, v) for a, v in WRONG_CONFIGS]
+    # open_caches takes no writer_config
+    + [("open_caches", a, v) for a, v in WRONG_CONFIGS if a != "writer_config"],
 )
-@pytest.mark.parametrize("call", ["from_cache_sources", "open_caches"])
 def test_a_config_of_another_type_is_refused_naming_the_argument(
     tmp_path: Path, call: str, argument: str, value: Any
 ) -> None:
-    if call == "open_caches" and argument == "writer_config":
-        return  # open_caches takes no writer_config
     with DatasetRuntime(num_workers=1) as runtime:
         first = make_source("a", [b"x"] * 4) if call == "from_cache_sources" else "a"
         base = tmp_path.as_uri() if argument == "remote" else tmp_path
