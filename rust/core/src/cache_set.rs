@@ -26,7 +26,7 @@ use crate::error::{Error, IoContext, Result};
 pub use crate::format::combined_fingerprint;
 use crate::format::{MANIFEST_FILE, WRITER_VERSION};
 use crate::liveness;
-use crate::writer::{reap_dead_leftovers, validate_name, CacheLock, MAX_NAME_BYTES};
+use crate::writer::{reap_dead_leftovers, validate_name, CacheLock, Claim, MAX_NAME_BYTES};
 
 /// The set manifest's file name inside a set directory.
 pub const SET_MANIFEST_FILE: &str = "set.json";
@@ -406,14 +406,11 @@ impl SetBuild {
     ) -> Result<SetStart> {
         validate_set_name(name)?;
         validate_part_count(name, parts)?;
-        let published = base.join(name);
-        if fs::symlink_metadata(&published).is_ok() {
-            return Ok(SetStart::Published(published));
-        }
-        let lock = CacheLock::acquire_interruptible(base, name, interrupt)?;
-        if fs::symlink_metadata(&published).is_ok() {
-            return Ok(SetStart::Published(published));
-        }
+        let lock = match CacheLock::claim(base, name, interrupt)? {
+            Claim::Published(dir) => return Ok(SetStart::Published(dir)),
+            Claim::Write(lock) => lock,
+            Claim::Refused(e) => return Err(e),
+        };
         let staging = staging_dir(base, name);
         fs::create_dir_all(&staging).ctx("create directory", &staging)?;
         Ok(SetStart::Building(SetBuild {

@@ -37,7 +37,8 @@ use records::{encode, CommitState, Shared, Sink};
 use validate::{place, KeySlots};
 
 pub use lock::{
-    check_base_dir, reap_dead_leftovers, validate_name, validate_names, CacheLock, MAX_NAME_BYTES,
+    check_base_dir, reap_dead_leftovers, validate_name, validate_names, CacheLock, Claim,
+    MAX_NAME_BYTES,
 };
 
 /// Default target size of one shard file.

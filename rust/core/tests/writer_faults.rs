@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::writer::{
-    reap_dead_leftovers, validate_name, CacheLock, CacheWriter, InterruptCheck, SampleInput,
+    reap_dead_leftovers, validate_name, CacheLock, CacheWriter, Claim, InterruptCheck, SampleInput,
     WriterOptions, MAX_NAME_BYTES,
 };
 use dataset_rt_core::Error;
@@ -280,6 +280,77 @@ fn an_interrupt_stops_waiting_for_a_lock_another_writer_holds() {
     assert!(matches!(err, Error::Interrupted(_)), "{err:?}");
     drop(held);
     CacheLock::acquire(dir.path(), "c").unwrap();
+}
+
+#[test]
+fn a_claim_writes_what_is_not_published_and_loads_what_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let never = || -> dataset_rt_core::Result<()> { panic!("no other writer holds the lock") };
+    match CacheLock::claim(dir.path(), "c", &never).unwrap() {
+        Claim::Write(lock) => assert_eq!(lock.final_dir(), dir.path().join("c")),
+        _ => panic!("nothing is published, so the claim is to write"),
+    }
+    write_cache(
+        &Pool::new(1).unwrap(),
+        dir.path(),
+        "c",
+        options(),
+        [sample(0)],
+    );
+    match CacheLock::claim(dir.path(), "c", &never).unwrap() {
+        Claim::Published(found) => assert_eq!(found, dir.path().join("c")),
+        _ => panic!("the cache is published, so the claim is to load it"),
+    }
+    let err = CacheLock::claim(dir.path(), "../c", &never)
+        .err()
+        .expect("an invalid name");
+    assert!(err.to_string().contains("../c"), "{err}");
+}
+
+#[test]
+fn a_cache_published_while_a_claim_waits_for_the_lock_is_loaded_not_written_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let held = CacheLock::acquire(dir.path(), "c").unwrap();
+    let base = dir.path().to_owned();
+    let (waiting, waits) = mpsc::channel();
+    let claim = std::thread::spawn(move || {
+        let asked = AtomicBool::new(false);
+        let interrupt = || {
+            if !asked.swap(true, Ordering::SeqCst) {
+                waiting.send(()).unwrap();
+            }
+            Ok(())
+        };
+        CacheLock::claim(&base, "c", &interrupt).unwrap()
+    });
+    waits
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the claim waits for the held lock");
+    std::fs::create_dir(dir.path().join("c")).unwrap();
+    drop(held);
+    match claim.join().unwrap() {
+        Claim::Published(found) => assert_eq!(found, dir.path().join("c")),
+        _ => panic!("the other writer published it, so the claim is to load it"),
+    }
+}
+
+#[test]
+fn a_claim_whose_lock_cannot_be_taken_is_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let held = CacheLock::acquire(dir.path(), "c").unwrap();
+    let stop = || Err(Error::Interrupted("stop".into()));
+    match CacheLock::claim(dir.path(), "c", &stop).unwrap() {
+        Claim::Refused(Error::Interrupted(_)) => {}
+        _ => panic!("the interrupt said stop while another writer held the lock"),
+    }
+    drop(held);
+    // Under a regular file, whether "c" is published cannot be told: an error.
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    let err = CacheLock::claim(&file, "c", &stop)
+        .err()
+        .expect("a file is no base");
+    assert!(err.to_string().contains(&*file.to_string_lossy()), "{err}");
 }
 
 #[test]

@@ -16,7 +16,7 @@ use dataset_rt_core::cache_set::{
 };
 use dataset_rt_core::os;
 use dataset_rt_core::progress::{SourceProgress, WriteProgress};
-use dataset_rt_core::writer::{CacheLock, WriterOptions};
+use dataset_rt_core::writer::{CacheLock, Claim, WriterOptions};
 use dataset_rt_core::Error;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -309,27 +309,24 @@ impl Runtime {
         report: &mut dyn FnMut(u64, u64) -> PyResult<()>,
     ) -> PyResult<(&'static str, Option<String>, u64, u64)> {
         let signals = Signals::default();
-        let lock = match py
-            .detach(|| CacheLock::acquire_interruptible(staging, name, &|| signals.check()))
-        {
-            Ok(lock) => lock,
-            Err(e) => {
+        let claimed = py.detach(|| CacheLock::claim(staging, name, &|| signals.check()));
+        let lock = match claimed {
+            Ok(Claim::Write(lock)) => lock,
+            // Another writer published it meanwhile.
+            Ok(Claim::Published(dir)) => {
+                return Ok(match self.open_cache(py, &dir, Validation::Structure) {
+                    Ok(c) => ("loaded", None, c.len(), c.manifest.raw_payload_bytes),
+                    Err(e) if is_malformed(&e) => ("write_error", Some(e.to_string()), 0, 0),
+                    Err(e) => return Err(to_py(e)),
+                })
+            }
+            Ok(Claim::Refused(e)) | Err(e) => {
                 return match signals.take() {
                     Some(raised) => Err(raised),
                     None => Ok(("write_error", Some(e.to_string()), 0, 0)),
                 }
             }
         };
-        let dir = lock.final_dir();
-        if dir.exists() {
-            // Another writer published it meanwhile.
-            drop(lock);
-            return Ok(match self.open_cache(py, &dir, Validation::Structure) {
-                Ok(c) => ("loaded", None, c.len(), c.manifest.raw_payload_bytes),
-                Err(e) if is_malformed(&e) => ("write_error", Some(e.to_string()), 0, 0),
-                Err(e) => return Err(to_py(e)),
-            });
-        }
         if !source.get_type().hasattr("__iter__").unwrap_or(false) {
             return Ok((
                 "write_error",

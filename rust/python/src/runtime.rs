@@ -15,8 +15,8 @@ use dataset_rt_core::pool::Pool;
 use dataset_rt_core::progress::WriteProgress;
 use dataset_rt_core::verify::VerifyPolicy;
 use dataset_rt_core::writer::{
-    check_base_dir, reap_dead_leftovers, validate_names, CacheLock, CacheWriter, InterruptCheck,
-    MetaKey, Payload, SharedBytes, Staged, WriterOptions,
+    check_base_dir, reap_dead_leftovers, validate_names, CacheLock, CacheWriter, Claim,
+    InterruptCheck, MetaKey, Payload, SharedBytes, Staged, WriterOptions,
 };
 use dataset_rt_core::Error;
 use pyo3::prelude::*;
@@ -411,32 +411,21 @@ impl Runtime {
         validation: Validation,
         progress: Option<&mut WriteProgress>,
     ) -> PyResult<SourceResult> {
-        // A published cache appears by one atomic rename, so an existing one is loaded without
-        // the lock: that works on read-only storage too.
-        let published = base.join(name);
-        // A base directory that may not be searched raises, as it does for `open_caches`:
-        // the cache may well be there.
-        let there = published
-            .try_exists()
-            .map_err(|e| to_py(Error::io("open", &published, e)))?;
-        if there {
-            return self.load_existing(py, &published, validation, Leftovers::Reap);
-        }
         let signals = Signals::default();
-        let lock =
-            match py.detach(|| CacheLock::acquire_interruptible(base, name, &|| signals.check())) {
-                Ok(l) => l,
-                Err(e) => match signals.take() {
-                    Some(raised) => return Err(raised),
-                    None => return Ok((("write_error", Some(e.to_string()), None), Vec::new())),
-                },
-            };
+        // A base directory that may not be searched raises, as it does for `open_caches`: the
+        // cache may well be there.
+        let claimed = py.detach(|| CacheLock::claim(base, name, &|| signals.check()));
+        let lock = match claimed.map_err(to_py)? {
+            Claim::Write(lock) => lock,
+            Claim::Published(dir) => {
+                return self.load_existing(py, &dir, validation, Leftovers::Reap)
+            }
+            Claim::Refused(e) => match signals.take() {
+                Some(raised) => return Err(raised),
+                None => return Ok((("write_error", Some(e.to_string()), None), Vec::new())),
+            },
+        };
         let dir = lock.final_dir();
-        if dir.exists() {
-            // Another writer published it while this one waited for the lock.
-            drop(lock);
-            return self.load_existing(py, &dir, validation, Leftovers::Reap);
-        }
         let iterable = source.get_type().hasattr("__iter__").unwrap_or(false);
         if !iterable {
             return Ok((

@@ -154,6 +154,27 @@ fn open_lock_file(path: &Path) -> Result<File> {
     Ok(file)
 }
 
+/// What [`CacheLock::claim`] found for a name: published already, or this caller's to write.
+pub enum Claim {
+    /// `base/NAME` exists: load it.
+    Published(PathBuf),
+    /// Nothing is published under the name, and the caller holds its lock.
+    Write(CacheLock),
+    /// Nothing is published under the name, and its lock could not be taken (storage that may
+    /// not be written, or `interrupt` said stop): a write fails with this error.
+    Refused(Error),
+}
+
+/// Whether `path` exists, without following a last symbolic link. An error other than "not
+/// found" (a base directory that may not be searched) is an error: the cache may well be there.
+fn published(path: &Path) -> Result<bool> {
+    match fs::symlink_metadata(path) {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(Error::io("open", path, e)),
+    }
+}
+
 /// An exclusive lock on one cache name under a base directory, held while deciding whether to
 /// write and while writing. `flock` is released by the kernel when the holder dies, so a
 /// crashed writer never blocks the next run.
@@ -205,6 +226,28 @@ impl CacheLock {
             base: base.to_owned(),
             name: name.to_owned(),
         })
+    }
+
+    /// The one way to decide between loading and writing `base/NAME`. A published cache or set
+    /// appears by one atomic rename, so one that exists is loaded without the lock (read-only
+    /// storage works); otherwise the lock is taken (asking `interrupt` while another writer
+    /// holds it), and the name is looked at again, since that writer may have published it.
+    /// An error means that whether the name is published could not be told (a base directory
+    /// that may not be searched, an invalid name).
+    pub fn claim(base: &Path, name: &str, interrupt: &dyn Fn() -> Result<()>) -> Result<Claim> {
+        validate_name(name)?;
+        let dir = base.join(name);
+        if published(&dir)? {
+            return Ok(Claim::Published(dir));
+        }
+        let lock = match Self::acquire_interruptible(base, name, interrupt) {
+            Ok(lock) => lock,
+            Err(e) => return Ok(Claim::Refused(e)),
+        };
+        if published(&dir)? {
+            return Ok(Claim::Published(dir));
+        }
+        Ok(Claim::Write(lock))
     }
 
     pub fn final_dir(&self) -> PathBuf {
