@@ -17,12 +17,14 @@ use crate::sampler::{EpochOrder, EpochParams, Weights, SAMPLER_VERSION};
 use crate::verify::{VerifiedSet, VerifyPolicy};
 use per_cache::PerCache;
 
+mod layout;
 mod local_files;
 mod per_cache;
 mod planner;
 mod reader;
 mod state;
 
+pub use layout::BatchLayout;
 pub use local_files::{io_path, IoPath, LocalFiles, WillNeed, DEFAULT_IO_PATH, IO_ENV};
 pub use planner::{
     PlannerStats, Range, RangeSource, ReadPlanner, RecordBytes, RecordSource, FIRST_PROBE_INTERVAL,

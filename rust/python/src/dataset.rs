@@ -2,14 +2,14 @@
 //! Python-owned `mmap` of the shard: zero-copy under the abi3 limited API, and the slice keeps
 //! the map alive for as long as the user holds it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
 
 use arrow_array::ffi_stream::FFI_ArrowArrayStream;
 use arrow_array::RecordBatchIterator;
 use dataset_rt_core::cache::Cache;
 use dataset_rt_core::dataset::{
-    self as core, EpochReader, Fetched, Payload, ReadOptions, State, WeightTable,
+    self as core, BatchLayout, EpochReader, Fetched, Payload, ReadOptions, State, WeightTable,
 };
 use dataset_rt_core::metadata::MetaRef;
 use dataset_rt_core::pool::Pool;
@@ -500,71 +500,25 @@ impl BatchParts {
         dataset: &core::Dataset,
         fetched: &[Fetched],
     ) -> PyResult<Self> {
-        let mut spans = Vec::with_capacity(fetched.len());
-        let mut globals = Vec::with_capacity(fetched.len());
-        let mut buffers: Vec<Py<PyAny>> = Vec::new();
-        // (cache, shard) -> index in `buffers`; consecutive samples of one shard skip the lookup.
-        let mut seen: HashMap<(u32, u32), u64> = HashMap::new();
-        let mut last: Option<((u32, u32), u64)> = None;
-        let mut owned_len = 0u64;
-        let mut any_owned = false;
-        for f in fetched {
-            globals.push(dataset.cache_start(f.cache as usize) + f.row);
-            match f.payload {
-                Payload::Mapped { shard, offset, len } => {
-                    let cache = &dataset.caches[f.cache as usize];
-                    let end = cache.payload_end(shard, offset, len, f.row).py_err()?;
-                    let key = (f.cache, shard);
-                    let b = match last {
-                        Some((k, b)) if k == key => b,
-                        _ => match seen.get(&key) {
-                            Some(&b) => b,
-                            None => {
-                                let c = f.cache as usize;
-                                let view = py_side.shard_view(py, cache, c, shard, Some(f.row))?;
-                                buffers.push(view.unbind());
-                                let b = buffers.len() as u64 - 1;
-                                seen.insert(key, b);
-                                b
-                            }
-                        },
-                    };
-                    last = Some((key, b));
-                    spans.push([b, offset, end]);
-                }
-                Payload::Owned(ref bytes) => {
-                    let len = bytes.len() as u64;
-                    // The buffer index is set once every shard is known.
-                    spans.push([u64::MAX, owned_len, owned_len + len]);
-                    owned_len += len;
-                    any_owned = true;
-                }
-            }
+        let layout = BatchLayout::of(dataset, fetched).py_err()?;
+        let mut buffers = Vec::with_capacity(layout.shards.len() + 1);
+        for &(c, shard, row) in &layout.shards {
+            let cache = &dataset.caches[c as usize];
+            let view = py_side.shard_view(py, cache, c as usize, shard, Some(row))?;
+            buffers.push(view.unbind());
         }
-        let mut owned = None;
-        if any_owned {
-            let b = buffers.len();
-            let arena = PyBytes::new_with(py, owned_len as usize, |out| {
-                let mut at = 0;
-                for f in fetched {
-                    if let Payload::Owned(ref bytes) = f.payload {
-                        out[at..at + bytes.len()].copy_from_slice(bytes);
-                        at += bytes.len();
-                    }
-                }
+        if let Some(len) = layout.owned_len {
+            let arena = PyBytes::new_with(py, len as usize, |out| {
+                BatchLayout::copy_owned(fetched, out);
                 Ok(())
             })?;
             buffers.push(arena.into_any().unbind());
-            for span in spans.iter_mut().filter(|s| s[0] == u64::MAX) {
-                span[0] = b as u64;
-            }
-            owned = Some(b);
         }
         Ok(Self {
-            spans,
+            owned: layout.owned_buffer(),
+            spans: layout.spans,
             buffers: PyTuple::new(py, buffers)?.unbind(),
-            owned,
-            globals,
+            globals: layout.globals,
         })
     }
 
