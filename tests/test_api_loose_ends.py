@@ -316,6 +316,67 @@ def test_a_base_directory_that_is_a_file_says_not_a_directory(runtime, tmp_path,
     assert file.read_bytes() == b"x"
 
 
+@pytest.mark.parametrize("call", ["from_cache_sources", "open_caches"])
+def test_a_file_where_a_cache_should_be_is_a_malformed_cache_and_the_others_go_on(
+    runtime, tmp_path, call
+):
+    base = tmp_path / "base"
+    write(runtime, samples("first"), base)
+    (base / "clash").write_bytes(b"not a cache")
+    if call == "open_caches":
+        write(runtime, samples("last"), base)
+        result = runtime.open_caches(["first", "clash", "last"], base)
+    else:
+        result = write(runtime, [samples("first"), samples("clash"), samples("last")], base)
+    assert isinstance(result, CacheSourcesDatasetSuccess)
+    first, clash, last = result.results
+    assert first == CacheLoaded("first", base / "first", 3)
+    assert isinstance(last, CacheWritten if call == "from_cache_sources" else CacheLoaded)
+    match clash:
+        case CacheMalformed("clash", path, message):
+            assert path == base / "clash"
+            assert "not a directory" in message and str(base / "clash") in message
+        case other:
+            pytest.fail(f"unexpected {other}")
+    assert (base / "clash").read_bytes() == b"not a cache"
+    assert len(result.dataset) == 6
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_cache_opened_by_a_relative_path_is_read_after_the_process_changes_directory(
+    runtime, tmp_path, monkeypatch, num_workers
+):
+    # Hydra, for one, changes the working directory after the data is set up.
+    monkeypatch.chdir(tmp_path)
+    result = write(runtime, samples("c", 7), Path("caches"))
+    assert result.results[0].path == Path("caches") / "c"
+    elsewhere = tmp_path / "run"
+    # The same relative path there names another cache, which must not be read instead.
+    write(runtime, samples("c", 5), elsewhere / "caches")
+    monkeypatch.chdir(elsewhere)
+    loader = dataset_rt.DataLoader(result.dataset, 3, num_workers=num_workers)
+    try:
+        got = [bytes(s.data) for batch in loader for s in batch]
+    finally:
+        loader.close()
+    assert got == [bytes([i]) * (i + 1) for i in range(7)]
+    assert [bytes(s.data) for s in result.dataset] == got
+
+
+def test_a_batch_size_beyond_the_epoch_sizes_slots_for_the_epoch(runtime, tmp_path):
+    result = write(runtime, samples("c", 50), tmp_path)
+    for batch_size in [2**24, 2**40]:
+        loader = dataset_rt.DataLoader(result.dataset, batch_size, num_workers=0)
+        try:
+            it = iter(loader)
+            (batch,) = list(it)
+            assert len(batch) == 50
+            # A batch of 50 of these samples fits a few pages, not gigabytes.
+            assert it.slot_size < 1 << 20, it.slot_size
+        finally:
+            loader.close()
+
+
 # --- bool config fields
 
 

@@ -386,6 +386,15 @@ impl Cache {
         short_shards_ok: bool,
         records: Option<Arc<dyn RecordSource>>,
     ) -> Result<Cache> {
+        // The cache stays where it was when opened, whatever the process's working directory
+        // becomes (Hydra changes it after the data is set up): the loader's producer and its
+        // workers reopen its files by this path. Its files are opened here by the path as given,
+        // which needs no search permission above the working directory.
+        let absolute = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
+        // A file where a cache directory should be is a bad cache, not a failed read.
+        if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
+            return Err(Error::malformed(name, dir, "it is not a directory"));
+        }
         let manifest = read_manifest(dir, name)?;
         let name = manifest.name.clone();
         if records.is_some() && manifest.format_version < 3 {
@@ -393,7 +402,8 @@ impl Cache {
                 &name,
                 dir.join(MANIFEST_FILE),
                 format!(
-                    "format v{} cannot be read from object storage (its index entries lack the                      records' extents): write the cache again with this version, then push it",
+                    "format v{} cannot be read from object storage (its index entries lack \
+                     the records' extents): write the cache again with this version, then push it",
                     manifest.format_version
                 ),
             ));
@@ -497,7 +507,7 @@ impl Cache {
         }
         let shard_files = shard_files.into_iter().map(|(file, _)| file).collect();
         let cache = Cache {
-            dir: dir.to_owned(),
+            dir: absolute,
             manifest,
             index,
             entry_len,

@@ -115,8 +115,14 @@ impl Plan {
 
     /// The slot size of a pass: `requested` rounded up to a page, or, when `None`, one that
     /// holds a batch of the largest samples (reads and verifies the largest record of each
-    /// cache once, so a corrupt one raises here, before any ring is sized).
-    pub fn slot_size(&self, ds: &Dataset, requested: Option<u64>) -> Result<u64> {
+    /// cache once, so a corrupt one raises here, before any ring is sized). A batch holds at
+    /// most the samples one rank reads in an epoch under `opts`, whatever `batch_size` says.
+    pub fn slot_size(
+        &self,
+        ds: &Dataset,
+        opts: &ReadOptions,
+        requested: Option<u64>,
+    ) -> Result<u64> {
         // The first step of a pass's start: an index cut short since the open is refused
         // before an entry of it is read (here, or by the producer).
         ds.check_index_sizes()?;
@@ -130,7 +136,11 @@ impl Plan {
                 *self.max_sample_bytes.get_or_init(|| bytes)
             }
         };
-        Ok(slot_size_for(max_sample, self.batch_size))
+        let rank_samples = opts.split().rank_len(ds.epoch_len(opts), 0);
+        Ok(slot_size_for(
+            max_sample,
+            self.batch_size.min(rank_samples.max(1)),
+        ))
     }
 
     /// The pass that reads `epoch` from global position `start` with `consumers` workers.

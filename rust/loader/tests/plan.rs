@@ -65,19 +65,52 @@ fn the_slot_count_is_prefetch_factor_per_worker_with_one_more_without_workers() 
 fn the_slot_size_is_a_page_multiple_that_holds_a_batch_of_the_largest_slot_entries() {
     let s = setup();
     let plan = Plan::new(4, false, 1);
-    assert_eq!(plan.slot_size(&s.ds, Some(1)).unwrap(), PAGE);
-    assert_eq!(plan.slot_size(&s.ds, Some(PAGE + 1)).unwrap(), 2 * PAGE);
-    let sized = plan.slot_size(&s.ds, None).unwrap();
+    let one = opts(0, 1, RankPolicy::Pad);
+    assert_eq!(plan.slot_size(&s.ds, &one, Some(1)).unwrap(), PAGE);
+    assert_eq!(
+        plan.slot_size(&s.ds, &one, Some(PAGE + 1)).unwrap(),
+        2 * PAGE
+    );
+    let sized = plan.slot_size(&s.ds, &one, None).unwrap();
     let largest = max_sample_bytes(&s.ds).unwrap();
     // Raw records travel as references: a sample is its offsets entry and its metadata
     // ({"i": int}), not its payload (190 bytes at most).
     assert_eq!(largest, 56 + 18);
     assert_eq!(sized, slot_size_for(largest, 4));
     assert!(sized >= MIN_SLOT_SIZE && sized % PAGE == 0);
-    // Huge batches of the largest sample still fit.
+    // Large batches of the largest sample still fit.
     let plan = Plan::new(1000, false, 1);
-    let sized = plan.slot_size(&s.ds, None).unwrap();
-    assert!(sized >= 1000 * largest && sized % PAGE == 0, "{sized}");
+    let sized = plan
+        .slot_size(&s.ds, &opts(0, 1, RankPolicy::Pad), None)
+        .unwrap();
+    assert!(sized >= SAMPLES * largest && sized % PAGE == 0, "{sized}");
+}
+
+#[test]
+fn a_batch_size_beyond_the_epoch_sizes_slots_for_the_samples_one_rank_reads() {
+    let s = setup();
+    let largest = max_sample_bytes(&s.ds).unwrap();
+    let plan = Plan::new(1 << 24, false, 1);
+    // The whole epoch, on one rank: 10 samples; on rank 1 of 3 with padding: 4.
+    for (world, rank_samples) in [(1, SAMPLES), (3, 4)] {
+        let o = opts(1 % world, world, RankPolicy::Pad);
+        let sized = plan.slot_size(&s.ds, &o, None).unwrap();
+        assert_eq!(
+            sized,
+            slot_size_for(largest, rank_samples),
+            "world size {world}"
+        );
+    }
+    assert!(slot_size_for(largest, SAMPLES) < slot_size_for(largest, 1 << 24));
+    // More samples per epoch than the caches hold: slots for the epoch's batches.
+    let o = ReadOptions {
+        epoch_len: Some(1 << 20),
+        ..opts(0, 1, RankPolicy::Pad)
+    };
+    let sized = Plan::new(5000, false, 1)
+        .slot_size(&s.ds, &o, None)
+        .unwrap();
+    assert_eq!(sized, slot_size_for(largest, 5000));
 }
 
 #[test]

@@ -221,7 +221,7 @@ impl LoaderPlan {
     ) -> PyResult<Py<OwnerRing>> {
         let (inner, opts, weights) = self.dataset.get().reading();
         let slot_size = py
-            .detach(|| self.plan.slot_size(&inner, slot_size))
+            .detach(|| self.plan.slot_size(&inner, &opts, slot_size))
             .py_shm()?;
         let mut pass = self
             .plan
