@@ -18,7 +18,7 @@ from loader_helpers import (  # noqa: F401
     views_a_shard_map,
 )
 
-from dataset_rt import DatasetRTError
+from dataset_rt import DatasetRTError, WorkerError
 from dataset_rt._loader import DataLoader, slots
 
 SIZE = 16 * 1024
@@ -134,6 +134,26 @@ def test_lz4_records_still_travel_in_the_slot(tmp_path, num_workers):
 def lz4_where_is(sample):
     i = sample.metadata["i"]
     return i, bytes(sample.data) == payload_lz4(i, 8192), mapped_file(address_of(sample.data))
+
+
+KEPT: list = []
+
+
+def keep_a_view(sample):
+    import numpy as np
+
+    # numpy.frombuffer exports the slot's view past the batch: kept in a module global.
+    KEPT.append(np.frombuffer(sample.data, np.uint8)[2:])
+    return sample.metadata["i"]
+
+
+def test_a_view_of_a_slot_kept_by_a_worker_transform_is_a_worker_error_naming_it(tmp_path):
+    dataset = load_lz4(tmp_path, 20, size=8192)
+    loader = DataLoader(dataset, batch_size=3, num_workers=2, transform=keep_a_view)
+    with loader, pytest.raises(WorkerError, match="still exported") as info:
+        list(loader)
+    assert "batch 0 is still exported" in str(info.value)
+    assert "copy the bytes" in str(info.value)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

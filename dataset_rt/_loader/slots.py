@@ -26,7 +26,7 @@ class BatchViews:
     buffer protocol for Rust), mapped only when the batch has one. Releasing unmaps the slot (a
     worker's case of :mod:`.lifetimes`), so a kept view of it raises ValueError."""
 
-    __slots__ = ("map", "seq", "views", "whole")
+    __slots__ = ("map", "seq", "slot_views", "views", "whole")
 
     def __init__(self, fd: int, seq: int, slot_offset: int, used: int, entries: list[Any]) -> None:
         self.seq = seq
@@ -36,10 +36,13 @@ class BatchViews:
             self.map = mmap.mmap(fd, used, offset=slot_offset, access=mmap.ACCESS_READ)
             self.whole = memoryview(self.map)
         self.views: list[memoryview] = []
+        # The views of the slot, which releasing unmaps (the others are of shard maps).
+        self.slot_views: list[memoryview] = []
         for offset, length, _, view in entries:
             if view is None:
                 assert self.whole is not None
                 view = self.whole[offset : offset + length]
+                self.slot_views.append(view)
             self.views.append(view)
 
     def release(self) -> None:
@@ -57,9 +60,10 @@ class BatchViews:
 
     def _unmap(self) -> None:
         assert self.map is not None and self.whole is not None
-        for view in self.views:
-            if view.obj is self.map:
-                view.release()
+        # A view released by an earlier attempt may be released again; an exported one raises
+        # BufferError, which the caller retries after a collection.
+        for view in self.slot_views:
+            view.release()
         self.whole.release()
         self.map.close()
 
