@@ -43,6 +43,7 @@ from dataset_rt import (
     _native,
 )
 from dataset_rt.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from dataset_rt.testing import make_source
 
 BUCKET = "dataset-rt-test"
 # Dummy credentials, distinctive enough that a message quoting them would be caught.
@@ -631,6 +632,26 @@ def test_bad_urls_are_usage_errors(
         assert says in capsys.readouterr().err
     with pytest.raises(ConfigError, match=says):
         _native.list_caches(url, RemoteConfig())
+
+
+@pytest.mark.parametrize(
+    ("base", "says"),
+    [("file://", "names the root directory"), ("s3://", "not a bucket name")],
+)
+@pytest.mark.parametrize("call", ["open_caches", "from_cache_sources"])
+def test_a_base_url_without_a_place_is_refused_as_given(
+    base: str, says: str, call: str, tmp_path: Path
+) -> None:
+    runtime = DatasetRuntime(1)
+    try:
+        with pytest.raises(ConfigError, match=says) as info:
+            what = "x" if call == "open_caches" else make_source("x", [(b"a", {})])
+            getattr(runtime, call)(what, base)
+    finally:
+        runtime.close()
+    message = str(info.value)
+    assert f"{base!r}".replace("'", '"') in message, message
+    assert ":/x" not in message, message
 
 
 def test_credentials_in_a_url_or_an_endpoint_are_refused_and_never_shown(

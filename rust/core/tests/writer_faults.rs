@@ -417,6 +417,23 @@ fn a_base_directory_that_is_a_file_gets_a_clear_error() {
 }
 
 #[test]
+fn a_refused_name_says_which_rule_it_breaks() {
+    for (name, why) in [
+        ("", "it is empty"),
+        (".hidden", "it starts with '.'"),
+        ("..", "it starts with '.'"),
+        ("a/b", "it contains '/'"),
+        ("a\\b", "it contains a backslash"),
+        ("a\0b", "it contains a NUL byte"),
+    ] {
+        let err = validate_name(name).expect_err(name).to_string();
+        assert!(err.contains(why), "{name:?}: {err}");
+        assert!(err.contains(&format!("{name:?}")), "{name:?}: {err}");
+    }
+    validate_name("a.b-c_d e").unwrap();
+}
+
+#[test]
 fn names_are_limited_so_the_temporary_directory_name_fits() {
     let dir = tempfile::tempdir().unwrap();
     let longest = "n".repeat(MAX_NAME_BYTES);

@@ -19,6 +19,7 @@ use dataset_rt_core::writer::{
     InterruptCheck, MetaKey, Payload, SharedBytes, Staged, WriterOptions,
 };
 use dataset_rt_core::Error;
+use dataset_rt_remote::location::RemoteUrl;
 use pyo3::prelude::*;
 use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyMemoryView,
@@ -236,6 +237,9 @@ impl Runtime {
         )
         .py_err()?;
         let options = remote.options()?;
+        // The base is checked as given: "file://" joined first would be reported as the URL it
+        // folds into ("file:/name").
+        RemoteUrl::parse(&base_url).map_err(crate::errors::remote_to_py)?;
         let base = base_url.trim_end_matches('/');
         let urls: Vec<String> = names.iter().map(|name| format!("{base}/{name}")).collect();
         // One local budget for all of them: each is told the bytes of the others.

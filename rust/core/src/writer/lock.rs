@@ -49,16 +49,25 @@ pub fn validate_names(names: &[String], what: &'static str, why: &str) -> Result
 
 /// A cache name must be one plain directory name.
 pub fn validate_name(name: &str) -> Result<()> {
-    let bad = name.is_empty()
-        || name == "."
-        || name == ".."
-        || name.starts_with('.')
-        || name.contains(['/', '\\', '\0']);
-    if bad {
+    let why = if name.is_empty() {
+        Some("it is empty")
+    } else if name.starts_with('.') {
+        Some("it starts with '.'")
+    } else if name.contains('/') {
+        Some("it contains '/'")
+    } else if name.contains('\\') {
+        Some("it contains a backslash")
+    } else if name.contains('\0') {
+        Some("it contains a NUL byte")
+    } else {
+        None
+    };
+    if let Some(why) = why {
         return Err(Error::config(
             "source name",
             format!(
-                "{name:?} is not a plain directory name (non-empty, no '/', not starting with '.')"
+                "{name:?} is not a plain directory name: {why} (a name is non-empty, does not \
+                 start with '.', and has no '/', backslash or NUL byte)"
             ),
         ));
     }
