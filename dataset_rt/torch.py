@@ -151,13 +151,17 @@ def _collate_tensors(
 ) -> torch.Tensor:
     # In a loader worker, the stacked batch is written once, straight into the worker's result
     # memory, and reaches the training loop without another copy (as torch's own collate
-    # stacks into shared memory inside its workers). Anything else is torch's business.
+    # stacks into shared memory inside its workers). Only a batch of one dtype: an `out=` of
+    # the first tensor's dtype would cast the others to it, where torch.stack promotes. Anything
+    # else is torch's business.
     elem = batch[0]
     if (
         elem.layout == torch.strided
         and elem.device.type == "cpu"
         and not elem.is_nested
-        and all(t.shape == elem.shape and not t.requires_grad for t in batch)
+        and all(
+            t.shape == elem.shape and t.dtype == elem.dtype and not t.requires_grad for t in batch
+        )
     ):
         numel = elem.numel() * len(batch)
         buffer = results.result_buffer(numel * elem.element_size())

@@ -4,6 +4,7 @@ lifetime of what the loop holds, and the documented fallback when the memory is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import mmap
@@ -470,13 +471,11 @@ def test_transform_then_torch_default_collate_writes_rows_as_they_come():
         assert writer.owned(halves.data_ptr(), halves.nbytes) is not None
 
         # From a result unlike the first on, the collate gets the rows as tensors: its own
-        # errors, and for mixed dtypes the one torch's collate gives in its workers (it stacks
-        # into memory of the first tensor's dtype too).
+        # errors, and for mixed dtypes torch.stack's promotion (not the first tensor's dtype).
         def widening(k):
-            return torch.full((2,), k, dtype=torch.int16 if k < 2 else torch.float64)
+            return torch.full((2,), k + 0.25, dtype=torch.int16 if k < 2 else torch.float64)
 
-        with pytest.raises(TypeError, match="can't be cast to the desired output type Short"):
-            workers.apply(list(range(4)), widening, default_collate)
+        widened = workers.apply(list(range(4)), widening, default_collate)
         with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
             workers.apply(list(range(4)), lambda k: torch.zeros(2 + k // 3), default_collate)
         # A tensor that needs grad is torch's business (its stack refuses out=).
@@ -493,6 +492,8 @@ def test_transform_then_torch_default_collate_writes_rows_as_they_come():
     assert stacked.dtype == torch.int16 and stacked.shape == (8, 2, 3)
     assert torch.equal(stacked, torch.stack([torch.full((2, 3), k) for k in range(8)]).short())
     assert grads.requires_grad and grads.tolist() == [[1, 1], [2, 2]]
+    assert widened.dtype == torch.float64
+    assert torch.equal(widened, torch.stack([widening(k) for k in range(4)]))
 
 
 @pytest.mark.torch
@@ -522,6 +523,79 @@ def test_torch_default_collate_stacks_into_result_memory_once(dataset):
     assert all(in_result_memory(b.data_ptr(), b.nbytes) for b in batches)
     # Outside a worker it is torch's collate.
     assert default_collate([torch.ones(2), torch.zeros(2)]).tolist() == [[1, 1], [0, 0]]
+
+
+def _mixed_dtypes(kind, wide_ids):
+    """A transform whose samples in ``wide_ids`` give a wider dtype than the others (whose
+    values the narrower one cannot hold), as a tensor or a numpy array, alone or nested."""
+    import torch
+
+    narrow, wide, value = {
+        "int32-int64": (torch.int32, torch.int64, lambda i: 2**40 + i),
+        "float32-float64": (torch.float32, torch.float64, lambda i: i + 0.1),
+        "int64-float32": (torch.int64, torch.float32, lambda i: i + 0.5),
+    }[kind]
+
+    def transform(sample, as_numpy=False, nested=False):
+        i = sample.metadata["i"]
+        leaf = (
+            torch.tensor([value(i), i], dtype=wide)
+            if i in wide_ids
+            else torch.tensor([i, i], dtype=narrow)
+        )
+        if as_numpy:
+            leaf = leaf.numpy()
+        return {"x": (leaf, i), "i": i} if nested else leaf
+
+    return transform, torch.promote_types(narrow, wide)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kind", ["int32-int64", "float32-float64", "int64-float32"])
+def test_torch_default_collate_promotes_mixed_dtypes_as_torch_stack_for_any_num_workers(
+    dataset, num_workers, kind
+):
+    torch = pytest.importorskip("torch")
+    from dataset_rt.torch import DataLoader as TorchDataLoader
+
+    ids = [i for i, _ in epoch0(dataset)]
+    # The fourth sample of each batch of 6 is the wide one: the first is always narrow.
+    wide_ids = {i for k, i in enumerate(ids) if k % 6 == 3}
+    base, promoted = _mixed_dtypes(kind, wide_ids)
+    for as_numpy, nested in [(False, False), (True, False), (False, True), (True, True)]:
+        transform = functools.partial(base, as_numpy=as_numpy, nested=nested)
+        dataset.set_epoch(0)
+        items = [transform(s) for s in dataset]
+        dataset.set_epoch(0)
+        expected = [
+            torch.utils.data.default_collate(items[k : k + 6]) for k in range(0, len(items), 6)
+        ]
+        with TorchDataLoader(
+            dataset, batch_size=6, num_workers=num_workers, transform=transform
+        ) as loader:
+            batches = list(loader)
+        assert len(batches) == len(expected) == N // 6
+        for got, want in zip(batches, expected, strict=True):
+            if nested:
+                assert got["i"].tolist() == want["i"].tolist()
+                assert got["x"][1].tolist() == want["x"][1].tolist()
+                got, want = got["x"][0], want["x"][0]
+            assert want.dtype == promoted  # every batch mixes the two dtypes
+            assert got.dtype == want.dtype, (as_numpy, nested)
+            assert torch.equal(got, want), (as_numpy, nested)
+    # numpy.stack as the collate promotes as numpy does, with workers or not.
+    transform = functools.partial(base, as_numpy=True)
+    dataset.set_epoch(0)
+    items = [transform(s) for s in dataset]
+    dataset.set_epoch(0)
+    with DataLoader(
+        dataset, batch_size=6, num_workers=num_workers, transform=transform, collate_fn=np.stack
+    ) as loader:
+        arrays = list(loader)
+    for k, got in enumerate(arrays):
+        want = np.stack(items[6 * k : 6 * k + 6])
+        assert got.dtype == want.dtype and np.array_equal(got, want)
 
 
 @pytest.mark.torch
