@@ -284,11 +284,17 @@ class _WorkerInit:
             self.user(index)
 
 
-# The options that torch's DataLoader lets one reassign and this one does not: the loader reads
-# them at construction (torch's own guard covers batch_size, drop_last, dataset, sampler,
-# batch_sampler and persistent_workers).
+# The options that may not be reassigned: the loader reads them at construction. torch's own
+# guard covers batch_size, drop_last, dataset, sampler, batch_sampler and persistent_workers
+# with a plain ValueError; all of them are refused here first, as ConfigError in torch's words.
 _FIXED_AFTER_INIT = frozenset(
     {
+        "batch_size",
+        "drop_last",
+        "dataset",
+        "sampler",
+        "batch_sampler",
+        "persistent_workers",
         "num_workers",
         "collate_fn",
         "timeout",
@@ -302,15 +308,7 @@ _FIXED_AFTER_INIT = frozenset(
     }
 )
 # None of the options may be deleted (torch's guard does not cover deletion).
-_KEPT_AFTER_INIT = _FIXED_AFTER_INIT | {
-    "batch_size",
-    "drop_last",
-    "dataset",
-    "sampler",
-    "batch_sampler",
-    "persistent_workers",
-    "worker_init_fn",
-}
+_KEPT_AFTER_INIT = _FIXED_AFTER_INIT | {"worker_init_fn"}
 
 
 class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
@@ -444,11 +442,10 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         )
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # torch refuses batch_size, drop_last, dataset, sampler, batch_sampler and
-        # persistent_workers once its constructor has run; the loader's other options are
-        # refused here in the same words (the loader read them at construction). worker_init_fn
-        # is the exception: Lightning sets it under seed_everything(workers=True), and it
-        # applies from the next pass that starts workers.
+        # Every option is refused once torch's constructor has run, as ConfigError in torch's
+        # words (the loader read them at construction; torch's own guard would raise a plain
+        # ValueError for some). worker_init_fn is the exception: Lightning sets it under
+        # seed_everything(workers=True), and it applies from the next pass that starts workers.
         if getattr(self, "_DataLoader__initialized", False):
             if name == "worker_init_fn":
                 self._shm._replace_worker_init_fn(_WorkerInit(_callable(name, value)))

@@ -476,17 +476,24 @@ def test_loader_options_cannot_be_reassigned(dataset) -> None:
         for name in OPTIONS:
             before = getattr(loader, name)
             with pytest.raises(
-                ValueError,
+                ConfigError,
                 match=f"^{name} attribute should not be set after DataLoader is initialized$",
             ):
                 setattr(loader, name, before)
             assert getattr(loader, name) is before
             with pytest.raises(
-                ValueError,
+                ConfigError,
                 match=f"^{name} attribute should not be deleted after DataLoader is initialized$",
             ):
                 delattr(loader, name)
             assert getattr(loader, name) is before
+        # An argument the loader keeps no attribute for is refused too, not silently ignored.
+        with pytest.raises(
+            ConfigError,
+            match=r"^multiprocessing_context attribute should not be set after DataLoader is "
+            r"initialized$",
+        ):
+            loader.multiprocessing_context = "spawn"
         loader.custom = 1  # other attributes are the caller's
         del loader.custom
         assert [len(b) for b in loader] == [4, 4, 4]
@@ -543,13 +550,13 @@ def test_torch_loader_options_cannot_be_reassigned(dataset, tmp_path: Path) -> N
         ]:
             before = getattr(loader, name)
             with pytest.raises(
-                ValueError,
+                ConfigError,
                 match=f"^{name} attribute should not be set after DataLoader is initialized$",
             ):
                 setattr(loader, name, before)
             assert getattr(loader, name) is before
             with pytest.raises(
-                ValueError,
+                ConfigError,
                 match=f"^{name} attribute should not be deleted after DataLoader is initialized$",
             ):
                 delattr(loader, name)

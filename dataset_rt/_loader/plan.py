@@ -215,7 +215,7 @@ class DataLoader:
         # The options are read when a pass starts, and the plan holds batch_size and drop_last:
         # a new value would apply to some passes, half of one, or none. Refused, as torch
         # refuses it (and in its words); make a new loader instead.
-        if name in OPTIONS and self._initialized:
+        if (name in OPTIONS or name == "multiprocessing_context") and self._initialized:
             raise ConfigError(
                 f"{name} attribute should not be set after {type(self).__name__} is initialized"
             )
