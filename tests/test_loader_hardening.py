@@ -8,10 +8,13 @@ import errno
 import gc
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 from loader_helpers import gone, load, load_lz4, no_leaks, own_segments  # noqa: F401
@@ -183,6 +186,74 @@ def test_iterating_a_loader_inside_its_own_loop_raises_rather_than_cutting_the_e
         with pytest.raises(StopIteration):
             next(it)
         assert len(next(later)) == 4
+
+
+CLOSED_IN_PASS = r"closed \(DataLoader\.close\(\)\) during this pass, after the loop received"
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "persistent"), [(0, False), (1, False), (2, False), (1, True), (2, True)]
+)
+def test_closing_a_loader_inside_its_own_loop_raises_rather_than_cutting_the_epoch(
+    dataset, num_workers, persistent
+):
+    with DataLoader(
+        dataset, batch_size=4, num_workers=num_workers, persistent_workers=persistent
+    ) as loader:
+        seen = 0
+        with pytest.raises(RuntimeStateError, match=CLOSED_IN_PASS + r" 2 of its 10 batches"):
+            for step, batch in enumerate(loader):
+                seen += len(batch)
+                if step == 1:
+                    loader.close()
+        assert seen == 8  # the loop did not end quietly, short of its epoch
+        # A loop that ended as usual, then close(): nothing changes.
+        it = iter(loader)
+        assert sum(len(b) for b in it) == N
+        loader.close()
+        with pytest.raises(StopIteration):
+            next(it)
+        # The loader starts a fresh pass after either close.
+        assert sum(len(b) for b in loader) == N
+
+
+def _slow(sample):
+    time.sleep(0.01)
+    return sample.metadata["i"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_closing_a_loader_from_another_thread_raises_in_the_iterating_thread(dataset, num_workers):
+    loader = DataLoader(dataset, batch_size=2, num_workers=num_workers, transform=_slow)
+    started = threading.Event()
+    caught: list[BaseException] = []
+    received: list[int] = []
+
+    def iterate() -> None:
+        try:
+            for batch in loader:
+                received.append(len(batch))
+                if len(received) == 2:
+                    started.set()
+        except BaseException as error:
+            caught.append(error)
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=iterate, daemon=True)
+    try:
+        thread.start()
+        assert started.wait(30)
+        loader.close()
+        thread.join(30)
+        assert not thread.is_alive(), "the iterating thread hangs"
+    finally:
+        loader.close()
+        thread.join(30)
+    assert len(caught) == 1, f"the loop ended quietly after {len(received)} of 20 batches"
+    assert isinstance(caught[0], RuntimeStateError), repr(caught[0])
+    assert re.search(CLOSED_IN_PASS + rf" {len(received)} of its 20 batches", str(caught[0]))
+    assert 2 <= len(received) < 20
 
 
 HOLDER = textwrap.dedent(

@@ -74,8 +74,10 @@ class LoaderIterator(Iterator[Any]):
         # False in a forked child (lifecycle.forget_in_child): the pass is the parent's.
         self._owned = True
         self._closed = False
-        # Set when a later iter(loader) closed this pass before the loop received all of it:
-        # its next batch then raises instead of ending the loop quietly, short of an epoch.
+        # Set when a later iter(loader) ("iter") or DataLoader.close() ("close") closed this
+        # pass before the loop received all of it: its next batch then raises instead of
+        # ending the loop quietly, short of an epoch.
+        self._cut_short_by: str | None = None
         self._replaced_after: int | None = None
         # Persistent pipeline between passes: the pass was fully received and ended.
         self._idle = False
@@ -286,13 +288,9 @@ class LoaderIterator(Iterator[Any]):
         # parent's pass on the way out.
         self._require_owner()
         if self._closed:
-            if self._replaced_after is not None:
-                raise RuntimeStateError(
-                    f"this pass of the DataLoader was closed after {self._replaced_after} of its "
-                    f"{self._total} batches by a later iter(loader): a loader runs one pass at a "
-                    "time, so iterating it inside its own loop ends the loop's pass. Take an "
-                    "example batch before the loop, or from a second DataLoader"
-                )
+            cut_short = self._cut_short()
+            if cut_short is not None:
+                raise cut_short
             raise StopIteration
         try:
             self._release_held()
@@ -314,13 +312,43 @@ class LoaderIterator(Iterator[Any]):
             return batch
         except StopIteration:
             raise
+        except Exception as error:
+            self.close()
+            # DataLoader.close() from another thread, while this one waited for the batch: what
+            # failed here (a closed pipe, the ring gone) is its consequence.
+            cut_short = self._cut_short()
+            if cut_short is not None and not isinstance(error, RuntimeStateError):
+                raise cut_short from error
+            raise
         except BaseException:
             self.close()
             raise
 
+    def _cut_short(self) -> RuntimeStateError | None:
+        """The error for a pass that a later ``iter(loader)`` or ``DataLoader.close()`` closed
+        before the loop received all of it; ``None`` for any other pass."""
+        if self._cut_short_by == "iter":
+            return RuntimeStateError(
+                f"this pass of the DataLoader was closed after {self._replaced_after} of its "
+                f"{self._total} batches by a later iter(loader): a loader runs one pass at a "
+                "time, so iterating it inside its own loop ends the loop's pass. Take an "
+                "example batch before the loop, or from a second DataLoader"
+            )
+        if self._cut_short_by == "close":
+            return RuntimeStateError(
+                "the DataLoader was closed (DataLoader.close()) during this pass, after the loop "
+                f"received {self._next} of its {self._total} batches: the pass cannot go on. "
+                "Leave the loop (break) before closing the loader, or close it after the loop"
+            )
+        return None
+
     # ---- waiting, with the checks that turn a dead, failed or hung party into an exception ----
 
     def _check(self, seq: int, started: float) -> None:
+        if self._closed:  # by DataLoader.close() from another thread, say
+            raise self._cut_short() or LoaderError(
+                f"the pass was closed while batch {seq} was awaited"
+            )
         ring = self._ring
         assert ring is not None and self._producer is not None
         if not self._unlinked and ring.all_attached():
@@ -598,6 +626,15 @@ class LoaderIterator(Iterator[Any]):
         it, its next ``next()`` raises ``RuntimeStateError`` rather than ending the loop."""
         if not self._closed and self._in_owner() and (self._next < self._total or not self._ring):
             self._replaced_after = self._next
+            self._cut_short_by = "iter"
+        self.close()
+
+    def close_by_loader(self) -> None:
+        """Closes the pass for ``DataLoader.close()``: when the loop had not received all of
+        it, its next ``next()`` (or the one waiting in another thread) raises
+        ``RuntimeStateError`` rather than ending the loop short of its epoch."""
+        if not self._closed and self._in_owner() and self._next < self._total:
+            self._cut_short_by = "close"
         self.close()
 
     def shutdown(self, grace: float) -> None:

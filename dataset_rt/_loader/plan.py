@@ -284,7 +284,7 @@ class DataLoader:
         if os.getpid() != self._owner:
             return
         if self._iterator is not None:
-            self._iterator.close()
+            self._iterator.close_by_loader()
             self._iterator = None
 
     def __enter__(self) -> DataLoader:
