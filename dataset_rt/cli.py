@@ -7,7 +7,8 @@ and ``demo`` (the quickstart on an embedded synthetic dataset). Reading, validat
 transferring caches happens in Rust; this module parses arguments and prints.
 
 Exit status: 0 success; 1 a cache failed validation or an operation failed; 2 a usage error or a
-path that is not a cache.
+path that is not a cache; 141 (128 + SIGPIPE) the standard output was closed early, as by
+``| head -1``, which ends the command quietly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import argparse
 import errno
 import json
 import os
+import select
+import signal
 import stat
 import sys
 from collections.abc import Callable, Iterator
@@ -40,11 +43,15 @@ from dataset_rt._results import (
 )
 from dataset_rt._runtime import DatasetRuntime
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_PIPE", "EXIT_USAGE", "main"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+# The standard output was closed early (`| head -1`): what the shell reports for a process
+# killed by SIGPIPE. SIGPIPE itself stays ignored (Python's setting, which the native runtime's
+# sockets rely on); the write's EPIPE ends the command instead.
+EXIT_PIPE = 128 + signal.SIGPIPE
 
 _PREVIEW_BYTES = 32
 
@@ -520,8 +527,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 # --- main ------------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that a closed standard output (``--help | head -1``) ends the
+    command as it ends every other one: argparse would drop the error and exit 0."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if message:
+            file = file or sys.stderr
+            try:
+                file.write(message)
+                file.flush()
+            except AttributeError:  # no standard stream at all (pythonw)
+                pass
+            except BrokenPipeError:
+                raise
+            except OSError:
+                pass
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dataset-rt",
         description="Inspect, verify, build and publish DatasetRT caches.",
         epilog="Exit status: 0 success, 1 validation or operation failed, 2 usage error or "
@@ -727,7 +752,44 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    """Runs the command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+    A standard output closed early (``| head -1``) ends it quietly with ``EXIT_PIPE``."""
+    try:
+        status = _main(argv)
+        # Here, not at the interpreter's exit, so that a closed pipe is seen here.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return EXIT_PIPE
+    return status
+
+
+def _stdout_closed() -> bool:
+    """Whether the standard output is a pipe (or socket) whose reader has gone: a write's
+    ``BrokenPipeError`` may come from elsewhere (a worker's pipe), which is an error to report."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # replaced by an object without a descriptor
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _stdout_to_devnull() -> None:
+    """Python's recipe for a closed standard output (the signal module's "Note on SIGPIPE"):
+    whatever is still buffered goes to /dev/null, so the interpreter's flush at exit does not
+    raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, ValueError, OSError):
+        pass
+    finally:
+        os.close(devnull)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -744,6 +806,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         _error(str(error))
         return EXIT_USAGE
+    except BrokenPipeError as error:
+        if _stdout_closed():
+            raise
+        _error(str(error))
+        return EXIT_FAILED
     except (DatasetRTError, OSError) as error:
         _error(str(error))
         return EXIT_FAILED

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,6 +29,9 @@ from dataset_rt import (
 from dataset_rt.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 
 REPO_ROOT = Path(dataset_rt.__file__).resolve().parents[1]
+# What the shell reports for a process killed by SIGPIPE, and the command's status when its
+# output is closed early.
+EXIT_PIPE = 128 + signal.SIGPIPE
 
 
 def payload(i: int) -> bytes:
@@ -744,6 +748,97 @@ def test_python_m_dataset_rt_runs_every_command(tmp_path: Path) -> None:
     missing = run_module("verify", str(tmp_path / "missing"), cwd=tmp_path)
     assert missing.returncode == EXIT_USAGE
     assert "no DatasetRT cache" in missing.stderr
+
+
+@pytest.fixture(scope="module")
+def many_records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache whose `head -n 1000` and `inspect --json` outputs exceed a one-page pipe."""
+    return write_cache(tmp_path_factory.mktemp("pipe"), n=1000, shard_size=1024)
+
+
+def start_module(*args: str, stdout: int, cwd: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "dataset_rt", *args],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+    )
+
+
+def finish(process: subprocess.Popen[bytes]) -> tuple[int, bytes]:
+    """The exit status and standard error of ``process``, killed if it has not ended in 60 s."""
+    try:
+        _, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+        raise
+    return process.returncode, err
+
+
+@pytest.mark.parametrize(
+    "args", [["inspect", "--json"], ["head", "-n", "1000"]], ids=["inspect-json", "head"]
+)
+def test_output_piped_into_head_ends_quietly_with_the_sigpipe_status(
+    many_records: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """`dataset-rt ... | head -1`: the reader takes one line and closes the pipe while the
+    command still has output to write."""
+    import fcntl
+
+    assert main([*args, str(many_records)]) == EXIT_OK
+    whole = capsys.readouterr().out.encode()
+    read_end, write_end = os.pipe()
+    try:
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)  # the command blocks after one page
+        assert len(whole) > 2 * 4096
+        process = start_module(*args, str(many_records), stdout=write_end, cwd=tmp_path)
+    finally:
+        os.close(write_end)
+    try:
+        line = b""
+        while not line.endswith(b"\n"):
+            byte = os.read(read_end, 1)
+            assert byte, "the output ended before its first line"
+            line += byte
+    finally:
+        os.close(read_end)
+    status, err = finish(process)
+    assert line == whole.splitlines(keepends=True)[0]
+    assert (status, err.decode()) == (EXIT_PIPE, "")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["inspect", "CACHE"],
+        ["inspect", "--json", "CACHE"],
+        ["verify", "CACHE"],
+        ["head", "CACHE"],
+        ["view", "CACHE", "--limit", "2"],
+        ["--version"],
+        ["--help"],
+        ["pack", "SRC", "OUT", "--quiet"],
+    ],
+    ids=lambda args: "-".join(a for a in args if a.isalpha() or a.startswith("--")),
+)
+def test_every_command_writing_to_a_closed_pipe_ends_quietly_with_the_sigpipe_status(
+    many_records: Path, tmp_path: Path, args: list[str]
+) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_bytes(b"a")
+    where = {"CACHE": str(many_records), "SRC": str(tmp_path / "src"), "OUT": str(tmp_path / "o")}
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader: the command's first write to its output fails
+    try:
+        process = start_module(*[where.get(a, a) for a in args], stdout=write_end, cwd=tmp_path)
+    finally:
+        os.close(write_end)
+    status, err = finish(process)
+    assert (status, err.decode()) == (EXIT_PIPE, "")
 
 
 def test_usage(capsys: pytest.CaptureFixture[str]) -> None:
