@@ -300,6 +300,12 @@ def _list_files(root: Path, *, follow_symlinks: bool) -> list[tuple[str, tuple[s
             entry_real = None if real is None else (*real, entry.name)
             if entry.is_symlink():
                 target = Path(os.path.realpath(entry_path))
+                # Broken first, wherever it points: --follow-symlinks could not pack it either.
+                if not target.exists():
+                    raise refuse_link(
+                        entry_path,
+                        f"to {os.readlink(entry_path)}, which does not exist; remove the link",
+                    )
                 if _inside(target, root):
                     entry_real = target.relative_to(root).parts
                 elif follow_symlinks:
@@ -311,11 +317,6 @@ def _list_files(root: Path, *, follow_symlinks: bool) -> list[tuple[str, tuple[s
                         "lies in the folder (a link could pull in any file, such as "
                         "/proc/self/environ). Replace the link with the file, or pass "
                         "--follow-symlinks to pack what links point to",
-                    )
-                if not target.exists():
-                    raise refuse_link(
-                        entry_path,
-                        f"to {os.readlink(entry_path)}, which does not exist; remove the link",
                     )
                 if target.is_dir():
                     walk(entry_path, entry_rel, entry_real, seen)

@@ -569,6 +569,19 @@ def test_pack_refuses_link_loops_and_broken_links(
     assert "which does not exist" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
 
+    # A broken link that points outside is refused as broken, with or without
+    # --follow-symlinks: following it could not pack it either.
+    (src / "cat" / "gone").unlink()
+    (src / "dog" / "broken").symlink_to("/nonexistent")
+    assert pack_quiet(src, tmp_path / "c", *flags) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert (
+        f"{src / 'dog' / 'broken'} is a symbolic link to /nonexistent, which does not exist; "
+        "remove the link"
+    ) in err
+    assert "--follow-symlinks" not in err
+    assert not (tmp_path / "c").exists()
+
 
 def test_pack_refuses_a_name_that_is_not_utf8_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
