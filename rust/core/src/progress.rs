@@ -17,8 +17,9 @@ use indicatif::{
 
 /// Redraws per second on a terminal.
 const REFRESH_HZ: u8 = 2;
-/// How often a terminal's line takes new figures (indicatif then rate-limits the redraws).
-const UPDATE_EVERY: Duration = Duration::from_millis(100);
+/// How often a terminal's line takes new figures: paced here, as indicatif's rate limiter allows
+/// bursts, so that it is redrawn at most twice a second.
+const UPDATE_EVERY: Duration = Duration::from_millis(1000 / REFRESH_HZ as u64);
 /// How often a log gets a line: indicatif's rate limiter allows bursts, so logs are paced here.
 const LOG_EVERY: Duration = Duration::from_secs(1);
 
@@ -250,8 +251,8 @@ impl SourceProgress {
         msg
     }
 
-    /// Called often; takes new figures at most every 100 ms on a terminal (the draw target
-    /// rate-limits further) and every second in a log.
+    /// Called often; takes new figures at most twice a second on a terminal (the first at
+    /// once) and once a second in a log (the first after a second).
     pub fn update(&mut self, samples: u64, bytes: u64) {
         self.last_counts = (samples, bytes);
         let now = Instant::now();

@@ -17,7 +17,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ahash::AHashSet;
 
@@ -46,6 +46,10 @@ pub const DEFAULT_SHARD_SIZE: u64 = 256 << 20;
 /// A batch handed to one worker closes at this many payload bytes or samples.
 const BATCH_BYTES: usize = 1 << 20;
 const BATCH_SAMPLES: usize = 256;
+/// ... or once its first sample has waited this long for more: a slow source's samples are
+/// committed (and its progress shown) within a second, not after `prefetch_size` of them. What
+/// is written does not depend on where batches end.
+const BATCH_LINGER: Duration = Duration::from_millis(500);
 
 #[derive(Clone, Copy, Debug)]
 pub struct WriterOptions {
@@ -162,6 +166,8 @@ pub struct CacheWriter {
     pushed: u64,
     batch: Vec<Pending>,
     batch_bytes: usize,
+    /// When the batch being gathered got its first sample.
+    batch_started: Instant,
     batches_submitted: u64,
     published: bool,
     interrupt: Option<InterruptCheck>,
@@ -231,6 +237,7 @@ impl CacheWriter {
             pushed: 0,
             batch: Vec::new(),
             batch_bytes: 0,
+            batch_started: Instant::now(),
             batches_submitted: 0,
             published: false,
             interrupt: None,
@@ -384,12 +391,16 @@ impl CacheWriter {
                 id
             }
         };
+        if self.batch.is_empty() {
+            self.batch_started = Instant::now();
+        }
         self.batch_bytes += data.as_slice().len();
         self.batch.push((self.pushed, data, sample_id, values));
         self.pushed += 1;
         Ok(
             self.batch.len() >= BATCH_SAMPLES.min(self.opts.prefetch_size)
-                || self.batch_bytes >= BATCH_BYTES,
+                || self.batch_bytes >= BATCH_BYTES
+                || self.batch_started.elapsed() >= BATCH_LINGER,
         )
     }
 

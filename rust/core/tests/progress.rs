@@ -3,7 +3,7 @@
 use std::io;
 use std::sync::{Arc, Mutex};
 use std::thread::sleep;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dataset_rt_core::progress::{ProgressSink, TermLike, WriteProgress};
 
@@ -12,6 +12,8 @@ struct Recorder {
     terminal: bool,
     columns: u16,
     out: Mutex<String>,
+    /// When each line was cleared to be drawn again (a terminal's redraws).
+    clears: Mutex<Vec<Instant>>,
 }
 
 impl Recorder {
@@ -20,6 +22,7 @@ impl Recorder {
             terminal,
             columns,
             out: Mutex::new(String::new()),
+            clears: Mutex::new(Vec::new()),
         })
     }
 
@@ -73,6 +76,7 @@ impl TermLike for Recorder {
     fn clear_line(&self) -> io::Result<()> {
         if self.terminal {
             self.push("\r\x1b[2K");
+            self.clears.lock().unwrap().push(Instant::now());
         }
         Ok(())
     }
@@ -114,6 +118,27 @@ fn a_terminal_line_fits_the_width_and_ends_with_a_newline() {
     let last = draws.last().unwrap();
     assert!(last.trim_end().contains("written in"), "{last:?}");
     assert_eq!(last.matches('\n').count(), 1, "{last:?}");
+}
+
+#[test]
+fn a_terminal_line_is_redrawn_at_most_twice_a_second() {
+    let sink = Recorder::new(true, 120);
+    let mut progress = WriteProgress::new(1);
+    write_source(&mut progress, Arc::clone(&sink), 0, 2_300);
+    let clears = sink.clears.lock().unwrap().clone();
+    // The redraws while running; the last clear draws the finished line.
+    let running = &clears[..clears.len() - 1];
+    assert!(running.len() >= 3, "{} redraws in 2.3 s", running.len());
+    for (i, &at) in running.iter().enumerate() {
+        let within = running[i..]
+            .iter()
+            .take_while(|&&t| t - at < Duration::from_secs(1))
+            .count();
+        assert!(
+            within <= 2,
+            "{within} redraws within a second of redraw {i}"
+        );
+    }
 }
 
 #[test]
@@ -205,7 +230,8 @@ fn a_set_has_one_line_with_its_parts_and_an_eta_over_the_parts_left() {
     for step in 1..=30u64 {
         // The parts finished in this call: the line adds the one published before.
         line.update_parts(step * 100, step * 409_600, (step / 10) as usize);
-        sleep(Duration::from_millis(10));
+        // 1.5 s in all: a terminal takes new figures twice a second.
+        sleep(Duration::from_millis(50));
     }
     line.finish(3000, 12_288_000, "written");
     let text = sink.text();

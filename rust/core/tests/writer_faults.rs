@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dataset_rt_core::pool::Pool;
 use dataset_rt_core::writer::{
@@ -414,6 +414,66 @@ fn a_base_directory_that_is_a_file_gets_a_clear_error() {
         assert!(msg.contains("is not a directory"), "{msg}");
         assert!(msg.contains(&*file.to_string_lossy()), "{msg}");
     }
+}
+
+/// Every file of the cache at `dir`, by name, with its bytes.
+fn files(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    for entry in walk(dir) {
+        let bytes = std::fs::read(&entry).unwrap();
+        out.push((entry.strip_prefix(dir).unwrap().to_owned(), bytes));
+    }
+    out.sort();
+    out
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_slow_sources_samples_are_committed_within_a_second_and_written_as_a_fast_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Pool::new(1).unwrap();
+    let opts = WriterOptions {
+        prefetch_size: 64,
+        ..options()
+    };
+    let mut writer = cache_writer(&pool, &dir.path().join("slow"), "c", opts);
+    writer.push(sample(0)).unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    // Far fewer samples than a batch holds, but the first has waited long enough.
+    writer.push(sample(1)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while writer.progress().0 < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(writer.progress().0, 2, "committed before the batch is full");
+    for i in 2..10 {
+        writer.push(sample(i)).unwrap();
+    }
+    let slow = writer.finish().unwrap().dir;
+    let fast = write_cache(
+        &pool,
+        &dir.path().join("fast"),
+        "c",
+        opts,
+        (0..10).map(sample),
+    );
+    assert_eq!(
+        files(&slow),
+        files(&fast),
+        "the same bytes, wherever batches ended"
+    );
 }
 
 #[test]
