@@ -11,7 +11,7 @@ import math
 import numbers
 import operator
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from dataset_rt import _native
@@ -39,6 +39,25 @@ def as_index(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def plain_values(config: object) -> None:
+    """Replaces the numpy scalars a config was given (``numpy.int64(7)``, ``numpy.True_``,
+    ``numpy.float32(0.5)``) by the Python values they stand for, once the config is checked: a
+    config's attributes are plain values, which ``json`` and ``dataclasses.asdict`` users save."""
+    for f in fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        if type(value).__module__ != "numpy":
+            continue
+        if is_bool(value):
+            plain: object = bool(value)
+        elif (index := as_index(value)) is not None:
+            plain = index
+        elif isinstance(value, numbers.Real):
+            plain = float(value)
+        else:
+            continue
+        object.__setattr__(config, f.name, plain)
 
 
 def check_int(where: str, value: object, low: int, high: int) -> int:
@@ -117,6 +136,7 @@ class ShardCompression:
                 f'invalid ShardCompression.algo: expected "none" or "lz4", got {self.algo!r}'
             )
         _native.check_compression(self.algo, self.ratio)
+        plain_values(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -168,6 +188,7 @@ class ReaderConfig:
 
     def __post_init__(self) -> None:
         _native.check_reader_config(self)
+        plain_values(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,6 +221,7 @@ class WriterConfig:
                 f"{type(self.shard_compression).__name__}"
             )
         _native.check_writer_config(self)
+        plain_values(self)
 
 
 def is_url(text: str) -> bool:
@@ -238,3 +260,4 @@ class RemoteConfig:
 
     def __post_init__(self) -> None:
         _native.check_remote_config(self)
+        plain_values(self)

@@ -71,8 +71,9 @@ class Batch:
 
     @property
     def data(self) -> list[memoryview | bytes]:
-        """The payloads, one per sample, in order."""
-        return self._native.data
+        """The payloads, one per sample, in order: a new list on each access (of the same
+        objects), so that changing one list changes nothing of the batch."""
+        return list(self._native.data)
 
     @property
     def buffers(self) -> tuple[memoryview | bytes, ...]:
@@ -114,6 +115,35 @@ class Batch:
         return self._rows
 
 
+class BatchIterator(Iterator[Batch]):
+    """One pass of :meth:`Dataset.iter_batches`: its batches, and like ``iter(dataset)``'s
+    iterator ``len()`` and ``epoch``. ``len()`` is the batches left in the pass (the last one
+    may be short unless ``drop_last``)."""
+
+    __slots__ = ("_native", "_size")
+
+    def __init__(self, native: _native.BatchIterator, size: int) -> None:
+        self._native = native
+        self._size = size
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        return Batch(next(self._native))
+
+    def __len__(self) -> int:
+        return -(-len(self._native) // self._size)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch this pass reads."""
+        return self._native.epoch
+
+    def __repr__(self) -> str:
+        return f"BatchIterator(epoch={self.epoch}, batches_left={len(self)})"
+
+
 class Dataset:
     """Samples of one or more caches, read in a deterministic order.
 
@@ -130,7 +160,7 @@ class Dataset:
     def __iter__(self) -> Iterator[CachedSample]:
         return self._native.__iter__()
 
-    def iter_batches(self, batch_size: int, *, drop_last: bool = False) -> Iterator[Batch]:
+    def iter_batches(self, batch_size: int, *, drop_last: bool = False) -> BatchIterator:
         """One pass, ``batch_size`` samples at a time: the same order, rank split, epochs and
         state as ``for sample in dataset``. ``state_dict()`` counts the samples of the batches
         yielded; a state loaded at any position resumes at its exact next sample, and the first
@@ -148,7 +178,7 @@ class Dataset:
             )
         if not is_bool(drop_last):
             raise TypeError(f"iter_batches: drop_last must be a bool, got {drop_last!r}")
-        return map(Batch, self._native.iter_batches(size, drop_last=bool(drop_last)))
+        return BatchIterator(self._native.iter_batches(size, drop_last=bool(drop_last)), size)
 
     def __len__(self) -> int:
         """This rank's samples per epoch."""

@@ -181,6 +181,26 @@ def test_an_int_past_64_bits_is_called_too_large(field: str, value: int) -> None
         ReaderConfig(**{field: value})
 
 
+def test_configs_keep_plain_values_for_numpy_scalars() -> None:
+    import dataclasses
+    import json
+
+    import numpy as np
+
+    configs = [
+        ReaderConfig(seed=np.int64(5), shuffle=np.True_, prefetch_size=np.uint16(8)),
+        WriterConfig(prefetch_size=np.int32(4), show_progress=np.False_),
+        ShardCompression(algo="lz4", ratio=np.float32(0.5)),
+    ]
+    for config in configs:
+        values = dataclasses.asdict(config)
+        json.dumps(values)  # numpy scalars would not serialize
+        for name, value in values.items():
+            assert type(value).__module__ == "builtins", (name, type(value))
+    assert (configs[0].seed, configs[0].shuffle, configs[0].prefetch_size) == (5, True, 8)
+    assert configs[2].ratio == 0.5
+
+
 def test_result_bytes_names_its_limit(dataset) -> None:
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     with pytest.raises(ConfigError, match=rf"result_bytes: expected an int from 0 to {physical}"):

@@ -16,6 +16,7 @@ import pytest
 
 from dataset_rt import (
     Batch,
+    CachedSample,
     ConfigError,
     CorruptRecordError,
     Dataset,
@@ -111,6 +112,37 @@ def test_payload_types(tmp_path: Path) -> None:
         assert all(isinstance(x, bytes) for x in batch.data)
 
 
+def test_changing_the_data_list_changes_nothing_of_the_batch(tmp_path: Path) -> None:
+    with opened(tmp_path, source()) as dataset:
+        batch = next(dataset.iter_batches(3))
+        first = batch.data
+        expected = [bytes(x) for x in first]
+        first.append(b"junk")
+        first[0] = b"zz"
+        assert [bytes(x) for x in batch.data] == expected
+        assert batch.data is not batch.data
+
+
+@pytest.mark.parametrize("compression", [NONE, LZ4], ids=["none", "lz4"])
+def test_samples_pickle_and_copy_as_their_values(tmp_path: Path, compression: Any) -> None:
+    import copy
+    import pickle
+
+    with opened(tmp_path, source(), compression=compression) as dataset:
+        samples = list(dataset)
+    made = CachedSample(memoryview(b"abc"), {"label": 3})
+    for sample in [*samples[:3], made]:
+        for twin in (
+            pickle.loads(pickle.dumps(sample)),
+            copy.copy(sample),
+            copy.deepcopy(sample),
+        ):
+            assert type(twin) is CachedSample
+            assert isinstance(twin.data, bytes) and twin.data == bytes(sample.data)
+            assert twin.metadata == sample.metadata
+            assert twin.metadata is not sample.metadata
+
+
 @pytest.mark.parametrize("compression", [NONE, LZ4], ids=["none", "lz4"])
 @pytest.mark.parametrize("batch_size", [1, 7, N])
 def test_spans_give_the_payloads_of_data(
@@ -192,6 +224,22 @@ def test_passes_advance_epochs_as_per_sample_iteration(tmp_path: Path) -> None:
         assert got == expected
         assert expected[0] != expected[1]
         assert dataset.state_dict()["epoch"] == 3
+
+
+@pytest.mark.parametrize("drop_last", [False, True], ids=["short_last", "drop_last"])
+def test_the_iterator_counts_the_batches_left_and_knows_its_epoch(
+    tmp_path: Path, drop_last: bool
+) -> None:
+    with opened(tmp_path, source()) as dataset:
+        dataset.set_epoch(2)
+        batches = dataset.iter_batches(7, drop_last=drop_last)
+        assert batches.epoch == 2
+        expected = N // 7 if drop_last else -(-N // 7)
+        for left in range(expected, 0, -1):
+            assert len(batches) == left
+            next(batches)
+        assert len(batches) == 0
+        assert list(batches) == []
 
 
 @pytest.mark.parametrize("drop_last", [False, True], ids=["pad", "drop"])

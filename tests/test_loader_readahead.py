@@ -129,10 +129,16 @@ def test_bad_producer_threads_are_refused(runtime, base, value, message):
         DataLoader(dataset, producer_threads=value)
 
 
-@pytest.mark.parametrize("value", [0, -1, True, 1.5])
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, 2**20 + 1, 2**40])
 def test_bad_prefetch_sizes_are_refused(value):
+    # Past 2**20 samples read ahead, memory (not the disk) is what a larger value would buy.
     with pytest.raises(ConfigError, match=re.escape("invalid ReaderConfig.prefetch_size")):
         ReaderConfig(prefetch_size=value)
+
+
+def test_the_largest_prefetch_size_reads_the_epoch(runtime, base):
+    dataset = load(runtime, base, prefetch_size=2**20)
+    assert len([s for s in dataset]) == len(dataset)
 
 
 def test_a_corrupt_lz4_record_read_ahead_is_raised_in_order(runtime, tmp_path):

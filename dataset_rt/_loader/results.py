@@ -70,9 +70,7 @@ class BatchPickler(pickle.Pickler):
             if layout is None:
                 return bytes, (obj.tobytes(),)
             return shaped_view, (obj.tobytes(), *layout)
-        if isinstance(obj, CachedSample):
-            data = obj.data
-            return CachedSample, (data if isinstance(data, bytes) else bytes(data), obj.metadata)
+        # A CachedSample pickles itself: its data as bytes (CachedSample.__reduce__).
         return NotImplemented
 
 

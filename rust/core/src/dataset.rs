@@ -35,7 +35,7 @@ pub use reader::{
 };
 pub use state::{
     next_epoch, resume_point, ReadOptions, State, DEFAULT_IO_DEPTH, DEFAULT_READ_AHEAD_BYTES,
-    LAST_EPOCH, MAX_IO_DEPTH, MAX_READ_AHEAD_BYTES, STATE_VERSION,
+    LAST_EPOCH, MAX_IO_DEPTH, MAX_PREFETCH_SIZE, MAX_READ_AHEAD_BYTES, STATE_VERSION,
 };
 
 /// A sample's payload: a range of a shard (served without a copy) or decompressed bytes.

@@ -783,6 +783,11 @@ fn bad_io_options_are_config_errors_naming_the_field() {
             options(true, 64, 4, (1 << 40) + 1),
             "ReaderConfig.read_ahead_bytes",
         ),
+        (options(true, 0, 4, 1), "ReaderConfig.prefetch_size"),
+        (
+            options(true, (1 << 20) + 1, 4, 1),
+            "ReaderConfig.prefetch_size",
+        ),
     ] {
         match opts.validate() {
             Err(Error::InvalidConfig { what, .. }) => assert_eq!(what, field),
@@ -791,6 +796,7 @@ fn bad_io_options_are_config_errors_naming_the_field() {
     }
     assert!(options(true, 64, 64, 64 << 20).validate().is_ok());
     assert!(options(true, 64, 1 << 16, 1 << 40).validate().is_ok());
+    assert!(options(true, 1 << 20, 64, 1).validate().is_ok());
     let defaults = ReadOptions::new(0, true);
     assert_eq!(
         defaults.io_depth,

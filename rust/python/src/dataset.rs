@@ -729,6 +729,9 @@ impl SampleMaker {
     }
 }
 
+/// What `CachedSample.__reduce__` gives: the class and its arguments (data, metadata).
+type Reduced<'py> = (Bound<'py, PyAny>, (Bound<'py, PyAny>, Bound<'py, PyDict>));
+
 /// One sample: its payload bytes (a memoryview, or bytes when it was decompressed) and metadata.
 #[pyclass(module = "dataset_rt._native", frozen)]
 pub struct CachedSample {
@@ -784,6 +787,21 @@ impl CachedSample {
     #[classattr]
     fn __match_args__() -> (&'static str, &'static str) {
         ("data", "metadata")
+    }
+
+    /// Pickled, copied and sent to another process as its values: the payload as `bytes` (a
+    /// view of a map cannot travel) and a copy of the metadata dict.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Reduced<'py>> {
+        let py = slf.py();
+        let this = slf.get();
+        let data = this.data.bind(py);
+        let data = if data.is_instance_of::<PyBytes>() {
+            data.clone()
+        } else {
+            py.get_type::<PyBytes>().call1((data,))?
+        };
+        let metadata = this.metadata(py)?.bind(py).copy()?;
+        Ok((slf.get_type().into_any(), (data, metadata)))
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {

@@ -18,6 +18,10 @@ pub const DEFAULT_READ_AHEAD_BYTES: u64 = 64 << 20;
 /// The largest [`ReadOptions::io_depth`]: more reads than a device queue takes only pin memory.
 pub const MAX_IO_DEPTH: usize = 1 << 16;
 
+/// The largest [`ReadOptions::prefetch_size`]: every sample read ahead holds memory (its entry,
+/// and its payload when decompressed), so the bound is one that a node has the memory for.
+pub const MAX_PREFETCH_SIZE: usize = 1 << 20;
+
 /// The largest [`ReadOptions::read_ahead_bytes`]: 1 TiB.
 pub const MAX_READ_AHEAD_BYTES: u64 = 1 << 40;
 
@@ -77,10 +81,13 @@ impl ReadOptions {
                 ),
             ));
         }
-        if self.prefetch_size == 0 {
+        if self.prefetch_size == 0 || self.prefetch_size > MAX_PREFETCH_SIZE {
             return Err(Error::config(
                 "ReaderConfig.prefetch_size",
-                "must be at least 1",
+                format!(
+                    "{} is not between 1 and 2**20 = {MAX_PREFETCH_SIZE} (samples read ahead)",
+                    self.prefetch_size
+                ),
             ));
         }
         if self.world_size == 0 {
