@@ -94,13 +94,26 @@ def state_json(state: object) -> str:
     """``state`` as the JSON text the native ``load_state_json`` reads. What is not JSON (a
     numpy number, bytes, a set, a mapping that is not a ``dict``) is no state that
     ``state_dict()`` returns: ``StateError``, as the native checks give for the rest."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            # The native reader would take it for a float: say what is wrong with it instead.
+            if isinstance(value, int) and not is_bool(value) and value >= 2**64:
+                raise _native.StateError(
+                    f"not a state: {key!r} is {value}, above 2**64 - 1; a state is the dict "
+                    "that state_dict() returned (saved and loaded as it was)"
+                )
     try:
-        return json.dumps(state, allow_nan=False)
+        return json.dumps(state, allow_nan=False, default=_not_json)
     except (TypeError, ValueError) as error:
         raise _native.StateError(
             f"not a state: {error}; a state is the dict that state_dict() returned, of JSON "
             "types only (saved and loaded as it was)"
         ) from None
+
+
+def _not_json(value: object) -> object:
+    kind = type(value)
+    raise TypeError(f"{value!r} ({kind.__module__}.{kind.__qualname__}) is not a JSON type")
 
 
 def check_epoch(where: str, epoch: object) -> int:

@@ -340,6 +340,13 @@ def test_states_that_are_not_json_are_state_errors(dataset, owner: str) -> None:
         with pytest.raises(StateError, match="not a state"):
             target.load_state_dict(state)
         assert target.state_dict() == good
+    # Each says what is wrong, in the user's terms.
+    for state, says in [
+        ({**good, "position": 2**64}, "'position' is 18446744073709551616, above 2**64 - 1"),
+        ({**good, "shuffle": np.bool_(True)}, "(numpy.bool"),
+    ]:
+        with pytest.raises(StateError, match=re.escape(says)):
+            target.load_state_dict(state)
 
 
 # --- runtime and configs -----------------------------------------------------------------------
