@@ -362,6 +362,19 @@ fn show(v: Option<MetaRef<'_>>) -> String {
     }
 }
 
+/// The kind of value a column of `data_type` holds, as far as an edited table may differ from
+/// the one `samples_metadata()` gave (a narrower int is still an int); `None` for any other.
+fn kind(data_type: &DataType) -> Option<&'static str> {
+    use DataType::*;
+    match data_type {
+        Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | UInt64 => Some("int"),
+        Float16 | Float32 | Float64 => Some("float"),
+        Utf8 | LargeUtf8 | Utf8View => Some("str"),
+        Boolean => Some("bool"),
+        _ => None,
+    }
+}
+
 /// Validates an edited table (Arrow IPC stream) and returns the weights in global order. Every
 /// physical sample must appear exactly once, identity and stored metadata unchanged, weights
 /// positive and finite. On any violation nothing is returned, so nothing changes.
@@ -384,6 +397,34 @@ pub fn import(ds: &Dataset, ipc: &[u8]) -> Result<WeightTable> {
         return Err(Error::SamplesMetadata(format!(
             "columns must be {expected:?}; missing {missing:?}, unexpected {extra:?} \
              (only `weight` is editable: keep every other column as samples_metadata() returned it)"
+        )));
+    }
+    let changed_types: Vec<String> = layout
+        .schema
+        .fields()
+        .iter()
+        .filter(|f| f.name() != WEIGHT)
+        .filter_map(|f| {
+            let given = schema
+                .field_with_name(f.name())
+                .expect("checked above")
+                .data_type();
+            // A str id column may carry the decimal ids of a cache with int ids.
+            let id_as_text = f.name() == SAMPLE_ID && kind(given) == Some("str");
+            (kind(given) != kind(f.data_type()) && !id_as_text).then(|| {
+                format!(
+                    "{:?} is {given}, where samples_metadata() gave {}",
+                    f.name(),
+                    f.data_type()
+                )
+            })
+        })
+        .collect();
+    if !changed_types.is_empty() {
+        return Err(Error::SamplesMetadata(format!(
+            "column types were changed: {} (only `weight` is editable: keep every other column \
+             as samples_metadata() returned it)",
+            changed_types.join("; ")
         )));
     }
     let idx = |name: &str| schema.index_of(name).expect("checked above");
@@ -412,8 +453,13 @@ pub fn import(ds: &Dataset, ipc: &[u8]) -> Result<WeightTable> {
         let batch = batch.map_err(|e| Error::SamplesMetadata(format!("unreadable batch: {e}")))?;
         let col = |c: usize, name: &str| {
             Col::new(batch.column(c)).ok_or_else(|| {
+                let wanted = layout
+                    .schema
+                    .field_with_name(name)
+                    .map(|f| format!(": keep the {} that samples_metadata() gave", f.data_type()))
+                    .unwrap_or_default();
                 Error::SamplesMetadata(format!(
-                    "column {name:?} has unsupported type {}",
+                    "column {name:?} has unsupported type {}{wanted}",
                     batch.column(c).data_type()
                 ))
             })
