@@ -68,10 +68,35 @@ class CacheSet:
         return f"CacheSet({self.name!r}, {len(self.parts)} parts)"
 
 
+_NO_MAIN_GUARD = (
+    "a script that builds a cache set with WriterConfig(processes > 1) needs the "
+    '`if __name__ == "__main__":` guard around its build: the worker processes start with '
+    "spawn, which imports the main module, and there its build would wait forever for the set "
+    "that the parent process is building"
+)
+
+
+_NEVER_STARTED = (
+    " before it started: see its error on stderr (a script that builds a set with "
+    'WriterConfig(processes > 1) needs the `if __name__ == "__main__":` guard)'
+)
+
+
+def refuse_in_bootstrap() -> None:
+    """Raises ``RuntimeError`` in a process that is itself starting (spawn imports the main
+    module of a script without the ``__main__`` guard), where the native build of a set in
+    worker processes calls it first: the build would wait for the lock of the set its parent
+    is building."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(_NO_MAIN_GUARD)
+
+
 class _Worker:
     """One worker process, its end of the pipe, and the part it is writing."""
 
-    __slots__ = ("conn", "gone", "process", "stopped", "task")
+    __slots__ = ("conn", "gone", "heard", "process", "stopped", "task")
 
     def __init__(self, process: BaseProcess, conn: Connection) -> None:
         self.process = process
@@ -79,6 +104,7 @@ class _Worker:
         self.task: int | None = None
         self.stopped = False  # told that there is no more work
         self.gone = False  # exited, or its pipe closed
+        self.heard = False  # it sent something: it started
 
 
 # Set in a worker process when the parent stops it (SIGTERM): the KeyboardInterrupt that unwinds
@@ -214,7 +240,9 @@ def write_parts(
             target=_worker_main,
             args=(child_end, os.getpid(), threads, staging, writer),
             name="dataset-rt-part-writer",
-            daemon=True,
+            # Not a daemon, so that a part may start processes of its own (a decoding pool);
+            # the worker dies with this process all the same (bind_to_parent, and _stop).
+            daemon=False,
         )
         process.start()
         child_end.close()
@@ -258,6 +286,7 @@ def write_parts(
         try:
             while worker.conn.poll():
                 message = worker.conn.recv()
+                worker.heard = True
                 if message[0] == "progress":
                     _, index, samples, nbytes = message
                     running[index] = (samples, nbytes)
@@ -290,10 +319,13 @@ def write_parts(
                     worker.process.join()
                     index, worker.task = worker.task, None
                     running.pop(index, None)
+                    # One that never started says why on its stderr: most often spawn's
+                    # import of a main module without the guard.
+                    hint = "" if worker.heard else _NEVER_STARTED
                     fail(
                         index,
                         f"the worker process (pid {worker.process.pid}) writing part {index} "
-                        f"{_describe_exit(worker.process)}; the part was not published",
+                        f"{_describe_exit(worker.process)}{hint}; the part was not published",
                     )
             working = sum(1 for w in workers if not (w.gone or w.stopped))
             for _ in range(min(processes - working, len(pending))):

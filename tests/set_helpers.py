@@ -50,6 +50,26 @@ class Part:
             yield CacheInput(payload(self.part, i), {"sample_id": i, "part": self.part})
 
 
+def _square(i: int) -> int:
+    return i * i
+
+
+class PoolPart:
+    """A part that decodes with a process pool of its own, as users' parts do."""
+
+    def __init__(self, part: int, n: int) -> None:
+        self.part = part
+        self.n = n
+
+    def __iter__(self) -> Iterator[CacheInput]:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(2) as pool:
+            squares = pool.map(_square, range(self.n))
+        for i, square in enumerate(squares):
+            yield CacheInput(square.to_bytes(4, "little"), {"sample_id": i, "part": self.part})
+
+
 def parts(count: int = 4, n: int = 40, **options: dict[str, object]) -> list[Part]:
     """``count`` parts of ``n`` samples; ``options["p2"] = {"fail_at": 3}`` changes part 2."""
     return [Part(p, n, **options.get(f"p{p}", {})) for p in range(count)]  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from loader_helpers import children, gone, own_segments, wait_until
-from set_helpers import parts
+from set_helpers import PoolPart, parts
 
 from dataset_rt import (
     CacheInput,
@@ -187,7 +187,7 @@ def test_failing_parts_are_reported_and_a_rerun_writes_only_them(tmp_path, refer
     assert "sample 3" in failed.message and "part 1 cannot read sample 3" in failed.message
     set_error = result.results[-1]
     assert set_error.name == "s"
-    assert "was not published: part(s) 1 of 4 failed" in set_error.message
+    assert "was not published: 1 of its 4 parts failed (part 1)" in set_error.message
     assert "the next build writes only the missing ones" in set_error.message
     assert not (tmp_path / "s").exists()
     staging = tmp_path / ".s.set-parts"
@@ -248,6 +248,46 @@ def test_a_part_that_exits_fails_alone_with_its_cause(tmp_path):
     assert "the source raised SystemExit(3)" in result.results[0].message
     with pytest.raises(SystemExit):
         build(tmp_path / "here", CacheSet("s", parts(3, 8, p0={"exit_at": 2})))
+
+
+def test_a_part_may_start_processes_of_its_own(tmp_path):
+    result = build(tmp_path, CacheSet("s", [PoolPart(p, 6) for p in range(3)]), processes=2)
+    assert kinds(result.results) == ["CacheWritten"] * 4, result.results
+    got = sorted((s.metadata["part"], bytes(s.data)) for s in result.dataset)
+    assert got == sorted((p, (i * i).to_bytes(4, "little")) for p in range(3) for i in range(6))
+
+
+NO_GUARD = """
+import sys
+from dataset_rt import CacheSet, DatasetRuntime, WriterConfig
+from set_helpers import parts
+
+with DatasetRuntime(num_workers=1) as runtime:
+    result = runtime.from_cache_sources(
+        CacheSet("s", parts(2, 5)), sys.argv[1],
+        writer_config=WriterConfig(processes=2, show_progress=False),
+    )
+    for r in result.results:
+        print(type(r).__name__, getattr(r, "message", ""))
+"""
+
+
+def test_a_script_without_the_main_guard_fails_its_parts_instead_of_hanging(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_GUARD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "base")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["CacheWriteError"] * 3, done
+    assert all("before it started" in line and "__main__" in line for line in lines[:2]), lines
+    assert "needs the `if __name__" in done.stderr
+    assert not (tmp_path / "base" / "s").exists()
 
 
 def run_build(base: Path, processes: int, delay: float) -> subprocess.Popen[str]:

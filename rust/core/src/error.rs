@@ -32,7 +32,8 @@ pub enum Error {
     /// A record failed its own checksum or header check while being read.
     #[error(
         "corrupt record in cache {cache:?}: shard {shard} at offset {offset}, sample {sample}: {reason}; \
-         the cache is damaged: delete it and rebuild it from its source"
+         the cache is damaged: delete it (for a part of a cache set, the whole set) and rebuild \
+         it from its source"
     )]
     CorruptRecord {
         cache: String,

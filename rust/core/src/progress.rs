@@ -122,6 +122,7 @@ impl WriteProgress {
             eta,
             parts: None,
             last_counts: (0, 0),
+            last_message: String::new(),
             sink: Arc::clone(&sink),
         };
         if terminal {
@@ -153,6 +154,7 @@ impl WriteProgress {
             total,
             published,
             done: published,
+            last_done_after: Duration::ZERO,
         });
         if line.sink.is_terminal() {
             line.bar.set_message(line.message(0, 0));
@@ -189,6 +191,8 @@ pub struct SourceProgress {
     parts: Option<Parts>,
     /// The samples and bytes of the last update.
     last_counts: (u64, u64),
+    /// The figures drawn last: a log never gets the same line twice.
+    last_message: String,
     sink: Arc<dyn ProgressSink>,
 }
 
@@ -198,6 +202,9 @@ struct Parts {
     total: usize,
     published: usize,
     done: usize,
+    /// When the line's part count last grew (since the line started): the parts written so
+    /// far took that long.
+    last_done_after: Duration,
 }
 
 impl Parts {
@@ -206,10 +213,15 @@ impl Parts {
     }
 
     /// The parts left take the mean time of the parts written so far, which ran side by side.
+    /// The mean time of the parts written so far times the parts left, less the time since the
+    /// last one was done (which the parts being written have had already).
     fn eta(&self, elapsed: Duration) -> Option<Duration> {
         let written = self.done.saturating_sub(self.published) as u32;
         let left = self.total.saturating_sub(self.done) as u32;
-        (written > 0).then(|| elapsed / written * left)
+        (written > 0).then(|| {
+            let since = elapsed.saturating_sub(self.last_done_after);
+            (self.last_done_after / written * left).saturating_sub(since)
+        })
     }
 }
 
@@ -263,7 +275,11 @@ impl SourceProgress {
             _ => {}
         }
         self.last_update = Some(now);
-        self.bar.set_message(self.message(samples, bytes));
+        let message = self.message(samples, bytes);
+        if message != self.last_message {
+            self.bar.set_message(message.clone());
+            self.last_message = message;
+        }
     }
 
     /// For a set's line: `samples` and `bytes` written so far by all its writers, and the parts
@@ -271,10 +287,14 @@ impl SourceProgress {
     /// [`update`](Self::update) does.
     pub fn update_parts(&mut self, samples: u64, bytes: u64, finished_now: usize) {
         if let Some(parts) = &mut self.parts {
-            parts.done = parts
+            let done = parts
                 .published
                 .saturating_add(finished_now)
                 .min(parts.total);
+            if done > parts.done {
+                parts.last_done_after = self.started.elapsed();
+            }
+            parts.done = done;
         }
         self.update(samples, bytes);
     }

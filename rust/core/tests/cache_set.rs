@@ -504,7 +504,9 @@ fn a_failed_or_unreported_part_keeps_the_set_unpublished_and_the_others_staged()
         Err(msg) => msg,
     };
     assert!(
-        msg.contains("part(s) 1, 2 of 3 failed") && msg.contains("the 1 published part(s)"),
+        msg.contains("2 of its 3 parts failed (parts 1, 2)")
+            && msg.contains("the 1 published part is kept")
+            && msg.contains("the next build writes only the missing ones"),
         "{msg}"
     );
     assert_eq!(end.parts[0].result, PartResult::Loaded(5));
@@ -543,7 +545,12 @@ fn a_malformed_part_is_an_outcome_that_says_how_to_rewrite_it() {
     );
     assert_eq!(ledger.published(), 1);
     let end = ledger.conclude(build, Validation::Structure);
-    assert!(end.set.is_err());
+    let set = end.set.as_ref().err().expect("not published");
+    assert!(
+        set.contains("1 of its 2 parts failed (part 1)")
+            && set.contains("remove the malformed parts"),
+        "{set}"
+    );
     match &end.parts[1].result {
         PartResult::Malformed(msg) => assert!(
             msg.contains("manifest.json") && msg.contains(&format!("remove {}", part.display())),

@@ -271,3 +271,46 @@ fn a_set_has_one_line_with_its_parts_and_an_eta_over_the_parts_left() {
     );
     assert!(!last.contains("ETA"), "{last}");
 }
+
+#[test]
+fn a_sets_eta_counts_the_time_the_parts_being_written_have_had() {
+    let sink = Recorder::new(false, 200);
+    let mut progress = WriteProgress::new(1);
+    let mut line = progress.set(sink.clone(), 0, "train", 3, 0);
+    // One part done after 0.6 s: 0.6 s a part, two left. At 1 s the two being written have
+    // had 0.4 s of their 1.2 s, at 2 s all of it: the ETA falls, it never grows to 2 s or 4 s.
+    for step in 0..=22u64 {
+        let finished = usize::from(step >= 6);
+        line.update_parts(step * 100, step * 409_600, finished);
+        sleep(Duration::from_millis(100));
+    }
+    line.finish(2300, 9_420_800, "written");
+    let text = sink.text();
+    let etas: Vec<u64> = text
+        .lines()
+        .filter(|l| l.contains("parts 1/3"))
+        .filter_map(|l| l.split("ETA ").nth(1))
+        .map(|eta| eta.split(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(!etas.is_empty(), "{text}");
+    assert!(etas.iter().all(|&s| s <= 1), "{etas:?} in {text}");
+}
+
+#[test]
+fn a_log_never_gets_the_same_line_twice_while_nothing_moves() {
+    let sink = Recorder::new(false, 200);
+    let mut progress = WriteProgress::new(1);
+    // Workers still starting: nothing written for 2.3 s, then the set is done.
+    let mut line = progress.set(sink.clone(), 0, "train", 2, 0);
+    for _ in 0..23 {
+        line.update_parts(0, 0, 0);
+        sleep(Duration::from_millis(100));
+    }
+    line.finish(10, 40_960, "written");
+    let text = sink.text();
+    let lines: Vec<&str> = text.lines().collect();
+    for pair in lines.windows(2) {
+        assert_ne!(pair[0], pair[1], "duplicated line in {text}");
+    }
+    assert!(lines.last().unwrap().contains("written in"), "{text}");
+}

@@ -148,6 +148,12 @@ impl Runtime {
                 self.load_existing(py, &published, settings.validation, Leftovers::Reap)?;
             return Ok(loaded(result));
         }
+        if settings.processes > 1 {
+            // In a worker that spawn started, running a script without the `__main__` guard,
+            // the build below would wait forever for the lock its parent holds.
+            py.import(SETS_MODULE)?
+                .call_method0("refuse_in_bootstrap")?;
+        }
         let signals = Signals::default();
         let (name, count) = (set.name.as_str(), set.parts.len());
         let begun = py.detach(|| SetBuild::begin(base, name, count, &|| signals.check()));

@@ -131,13 +131,34 @@ impl SetLedger {
                 .map(|(i, _)| i.to_string())
                 .collect();
             let kept = results.len() - failed.len();
+            let malformed = results
+                .iter()
+                .any(|p| matches!(p, PartResult::Malformed(_)));
+            let which = match failed.len() {
+                1 => format!(
+                    "1 of its {} parts failed (part {})",
+                    results.len(),
+                    failed[0]
+                ),
+                n => format!(
+                    "{n} of its {} parts failed (parts {})",
+                    results.len(),
+                    failed.join(", ")
+                ),
+            };
+            let kept = match kept {
+                0 => "no part is published yet".to_owned(),
+                1 => format!("the 1 published part is kept in {}", staging.display()),
+                n => format!("the {n} published parts are kept in {}", staging.display()),
+            };
+            let next = if malformed {
+                "remove the malformed parts (see their results): the next build writes them \
+                 and the missing ones"
+            } else {
+                "the next build writes only the missing ones"
+            };
             Err(format!(
-                "cache set {set_name:?} was not published: part(s) {} of {} failed (see their \
-                 results); the {kept} published part(s) are kept in {} and the next build \
-                 writes only the missing ones",
-                failed.join(", "),
-                results.len(),
-                staging.display()
+                "cache set {set_name:?} was not published: {which}; {kept}, and {next}"
             ))
         };
         let home = if set.is_ok() { &final_dir } else { &staging };
