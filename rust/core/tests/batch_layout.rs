@@ -8,10 +8,8 @@ use std::sync::Arc;
 use dataset_rt_core::cache::{Cache, Validation};
 use dataset_rt_core::dataset::{
     BatchLayout, Dataset, EpochReader, Fetched, Payload, ReadOptions, WeightTable,
-    DEFAULT_IO_DEPTH, DEFAULT_READ_AHEAD_BYTES,
 };
 use dataset_rt_core::pool::Pool;
-use dataset_rt_core::sampler::RankPolicy;
 use dataset_rt_core::writer::WriterOptions;
 use dataset_rt_core::Error;
 use dataset_rt_testkit::{lz4, numbered, write_cache, writer_options};
@@ -58,15 +56,8 @@ fn dataset(dir: &std::path::Path, pool: &Arc<Pool>) -> Arc<Dataset> {
 
 fn options() -> ReadOptions {
     ReadOptions {
-        seed: 11,
-        shuffle: true,
         prefetch_size: 4,
-        epoch_len: None,
-        rank: 0,
-        world_size: 1,
-        policy: RankPolicy::Pad,
-        io_depth: DEFAULT_IO_DEPTH,
-        read_ahead_bytes: DEFAULT_READ_AHEAD_BYTES,
+        ..ReadOptions::new(11, true)
     }
 }
 

@@ -8,7 +8,7 @@ use dataset_rt_core::format::{
 
 /// Every file of a cache directory, in memory. Nothing here is checked: a forgery may make any
 /// of them anything, and the shard files need not match the manifest's list.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CacheFiles {
     /// The directory's name (the cache's name, when the manifest agrees).
     pub name: String,
