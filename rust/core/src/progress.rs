@@ -212,9 +212,9 @@ impl Parts {
         format!("parts {}/{}", self.done, self.total)
     }
 
-    /// The parts left take the mean time of the parts written so far, which ran side by side.
-    /// The mean time of the parts written so far times the parts left, less the time since the
-    /// last one was done (which the parts being written have had already).
+    /// The mean time of the parts written so far (which ran side by side) times the parts
+    /// left, less the time since the last one was done (which the parts being written have had
+    /// already).
     fn eta(&self, elapsed: Duration) -> Option<Duration> {
         let written = self.done.saturating_sub(self.published) as u32;
         let left = self.total.saturating_sub(self.done) as u32;
