@@ -251,3 +251,12 @@ def test_the_readme_comparison_quotes_the_current_benchmark_results():
 )
 def test_the_comparison_check_finds_what_the_results_do_not_say(readme, results, missing):
     assert missing_figures(readme, results) == missing
+
+
+def test_the_benchmarks_page_stays_a_page_a_user_reads():
+    """The results page holds the current figures, not a notebook of every past run: those
+    go to CHANGELOG.md or away (git keeps them)."""
+    lines = (DOCS / "benchmarks.md").read_text().splitlines()
+    assert len(lines) <= 400, f"docs/benchmarks.md has {len(lines)} lines"
+    dated = [line for line in lines if re.match(r"#+ .*\(\d{4}-\d{2}-\d{2}\)", line)]
+    assert len(dated) <= 8, f"{len(dated)} dated sections: one per workload"
