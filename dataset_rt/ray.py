@@ -135,6 +135,7 @@ def write_cache_set(
         raise _native.ConfigError(
             f"write_cache_set: to_input must be callable, got {type(to_input).__name__}"
         )
+    _check_sendable(to_input)
     if not isinstance(ray_dataset, ray.data.Dataset):
         raise _native.ConfigError(
             "write_cache_set: ray_dataset must be a ray.data.Dataset, got "
@@ -219,6 +220,20 @@ def write_cache_set(
         return [_result(*o) for o in outcomes]
     finally:
         builder.close()
+
+
+def _check_sendable(to_input: Callable[..., Any]) -> None:
+    """Refuses a ``to_input`` that Ray cannot pickle (a closure over a lock, a file, a socket)
+    before anything is created, instead of failing as the first task is submitted."""
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.dumps(to_input)  # type: ignore[no-untyped-call]  # Ray ships it untyped
+    except Exception as error:
+        raise _native.ConfigError(
+            f"write_cache_set: to_input cannot be sent to Ray's tasks ({error}); pass a "
+            "function whose closure holds no lock, file or connection"
+        ) from error
 
 
 def _threads(threads_per_task: object) -> int:

@@ -5,6 +5,7 @@ reported alone, and a rerun writes only what is missing."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,23 @@ def test_arguments_of_the_wrong_type_are_named(tmp_path, argument, value):
     with pytest.raises(ConfigError, match=rf"write_cache_set: {argument} must be"):
         write_cache_set(**args, to_input=to_input, writer_config=quiet)
     assert not (tmp_path / "b").exists()
+
+
+def test_a_to_input_ray_cannot_send_is_refused_before_anything_is_written(tmp_path):
+    """A closure over a lock (or a file, a socket) cannot reach Ray's tasks: the call says so
+    and leaves no directory behind, rather than failing half-way with an empty staging area."""
+    lock = threading.Lock()
+
+    def holds_a_lock(row) -> CacheInput:
+        with lock:
+            return to_input(row)
+
+    ds = ray.data.from_items(rows(), override_num_blocks=BLOCKS)
+    quiet = WriterConfig(show_progress=False)
+    for base in (str(tmp_path / "b"), (tmp_path / "u").as_uri()):
+        with pytest.raises(ConfigError, match=r"write_cache_set: to_input cannot be sent to Ray"):
+            write_cache_set(ds, "s", base, holds_a_lock, writer_config=quiet)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_ray_publishes_a_set_at_a_url_that_reads_as_the_local_one(tmp_path):
