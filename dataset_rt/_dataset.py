@@ -256,7 +256,18 @@ class Dataset:
         import polars as pl
 
         if not isinstance(table, pl.DataFrame):
-            raise TypeError(f"expected a polars.DataFrame, got {type(table).__name__}")
+            kind = type(table)
+            name = (
+                kind.__qualname__
+                if kind.__module__ == "builtins"
+                else f"{kind.__module__}.{kind.__qualname__}"
+            )
+            hint = (
+                " (convert it with polars.from_pandas)"
+                if kind.__module__.startswith("pandas")
+                else ""
+            )
+            raise TypeError(f"expected a polars.DataFrame, got {name}{hint}")
         buffer = io.BytesIO()
         table.write_ipc_stream(buffer, compat_level=pl.CompatLevel.oldest())
         self._native.set_samples_metadata_ipc(buffer.getvalue())

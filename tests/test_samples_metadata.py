@@ -411,6 +411,18 @@ def test_non_dataframe_refused_with_type_error(weighted: Any, value: Any) -> Non
     assert_unchanged(dataset, table, fingerprint)
 
 
+def test_a_pandas_frame_is_named_as_such(weighted: Any) -> None:
+    """Both libraries call their table `DataFrame`: the message names the module, and how to
+    convert."""
+    pytest.importorskip("pandas")
+    dataset, table, fingerprint = weighted
+    # pandas 2 names the class's module pandas.core.frame, pandas 3 pandas.
+    expected = r"got pandas(\.[a-z.]+)?\.DataFrame \(convert it with polars\.from_pandas\)"
+    with pytest.raises(TypeError, match=expected):
+        dataset.set_samples_metadata(table.to_pandas())
+    assert_unchanged(dataset, table, fingerprint)
+
+
 def test_weights_summing_past_the_largest_float_are_refused(weighted: Any) -> None:
     """Each finite and positive, their sum infinite: every count but the last would be 0, an
     epoch of one sample repeated."""
