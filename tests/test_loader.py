@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from loader_helpers import (  # noqa: F401
     SEED,
+    children,
     gone,
     load,
     load_lz4,
@@ -105,6 +107,30 @@ def test_start_methods(dataset, start_method):
         got = [x for b in loader for x in b]
     assert [i for i, _ in got] == expected
     assert all(data == payload(i) for i, data in got)
+
+
+@pytest.mark.parametrize("argument", ["transform", "collate_fn", "worker_init_fn"])
+def test_a_function_spawn_cannot_send_is_named_before_anything_starts(dataset, argument):
+    """Spawned workers get the functions pickled: a lambda is refused at iter() by the name of
+    its argument, with what to do instead, before a producer or a worker is started (the
+    autouse leak check); the same loader then runs with a module-level function."""
+    loader = DataLoader(
+        dataset,
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context="spawn",
+        **{argument: lambda x: x},
+    )
+    with loader:
+        with pytest.raises(pickle.PicklingError) as raised:
+            iter(loader)
+        message = str(raised.value)
+        assert f"DataLoader.{argument} cannot be sent to 'spawn' worker processes" in message
+        assert "top level" in message and "multiprocessing_context='fork'" in message
+        assert children() == []
+        # The options are read-only: the test reaches past that to run the same loader.
+        object.__setattr__(loader, argument, None)
+        assert len([x for b in loader for x in b]) == len(dataset)
 
 
 def test_zero_copy_views_in_the_training_process(tmp_path):
@@ -540,16 +566,16 @@ def test_a_failed_start_keeps_the_loaded_state_and_the_epoch(dataset):
     )
     with broken:
         broken.load_state_dict(resumed_state)
-        with pytest.raises(Exception, match=r"lambda|pickle"):
+        with pytest.raises(pickle.PicklingError, match=r"DataLoader\.transform cannot be sent"):
             iter(broken)
         assert broken.state_dict() == resumed_state
         # The options are read-only: the test reaches past that to retry the same plan.
+        object.__setattr__(broken, "transform", keyed)
         object.__setattr__(broken, "slot_size_bytes", 1 << 40)  # the segments cannot be made
         with pytest.raises(OSError):
             iter(broken)
         assert broken.state_dict() == resumed_state
         object.__setattr__(broken, "slot_size_bytes", None)
-        object.__setattr__(broken, "transform", keyed)
         assert ids_of(broken) == expected[15:]
     with DataLoader(dataset, batch_size=5, slot_size_bytes=1 << 40) as loader:
         loader.set_epoch(3)

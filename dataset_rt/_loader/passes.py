@@ -124,6 +124,12 @@ class LoaderIterator(Iterator[Any]):
 
     def _start(self) -> None:
         num_workers = self._num_workers
+        given: workers.Functions = (self._transform, self._collate_fn, self._worker_init_fn)
+        functions: workers.Functions | bytes = given
+        if num_workers and self._context.get_start_method() != "fork":
+            # Pickled before anything starts, unpickled by each worker inside the code that
+            # reports its failures.
+            functions = _pickled(given, self._context.get_start_method())
         # The segments and the producer's private directory, all locked by this process. The
         # plan decides the slot count (num_workers=0: one more slot for the batch still bound
         # to the loop's variable while the loop asks for the next one, see .lifetimes).
@@ -145,14 +151,6 @@ class LoaderIterator(Iterator[Any]):
                 stdin=subprocess.DEVNULL,
                 pass_fds=() if verified_fd is None else (verified_fd,),
             )
-        functions: workers.Functions | bytes = (
-            self._transform,
-            self._collate_fn,
-            self._worker_init_fn,
-        )
-        if num_workers and self._context.get_start_method() != "fork":
-            # Unpickled by each worker, inside the code that reports its failures.
-            functions = pickle.dumps(functions)
         arena = results.arena_bytes(self._result_bytes, num_workers)
         shard_table = ring.shard_table if num_workers else ""
         for i in range(num_workers):
@@ -671,3 +669,29 @@ class LoaderIterator(Iterator[Any]):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _pickled(functions: workers.Functions, method: str) -> bytes:
+    """The pass's functions pickled for workers that do not inherit them (spawn); one that
+    cannot be is a ``PicklingError`` naming the argument and what to do instead."""
+    try:
+        return pickle.dumps(functions)
+    except Exception as error:
+        names = ("transform", "collate_fn", "worker_init_fn")
+        culprit = next(
+            (n for n, f in zip(names, functions, strict=True) if not _picklable(f)), None
+        )
+        what = f"DataLoader.{culprit}" if culprit else "the DataLoader's functions"
+        raise pickle.PicklingError(
+            f"{what} cannot be sent to {method!r} worker processes, which receive it pickled "
+            f"({type(error).__name__}: {error}); define it at a module's top level (not as a "
+            "lambda or a nested function), or use multiprocessing_context='fork'"
+        ) from error
+
+
+def _picklable(value: object) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
