@@ -43,8 +43,9 @@ def as_index(value: object) -> int | None:
 
 def plain_values(config: object) -> None:
     """Replaces the numpy scalars a config was given (``numpy.int64(7)``, ``numpy.True_``,
-    ``numpy.float32(0.5)``) by the Python values they stand for, once the config is checked: a
-    config's attributes are plain values, which ``json`` and ``dataclasses.asdict`` users save."""
+    ``numpy.float32(0.5)``, ``numpy.str_("once")``) by the Python values they stand for, once
+    the config is checked: a config's attributes are plain values, which ``json`` and
+    ``dataclasses.asdict`` users save."""
     for f in fields(config):  # type: ignore[arg-type]
         value = getattr(config, f.name)
         if type(value).__module__ != "numpy":
@@ -55,6 +56,8 @@ def plain_values(config: object) -> None:
             plain = index
         elif isinstance(value, numbers.Real):
             plain = float(value)
+        elif isinstance(value, str):  # numpy.str_
+            plain = str(value)
         else:
             continue
         object.__setattr__(config, f.name, plain)

@@ -815,3 +815,7 @@ def _main(argv: list[str] | None) -> int:
     except (DatasetRTError, OSError) as error:
         _error(str(error))
         return EXIT_FAILED
+
+
+if __name__ == "__main__":  # ``python -m dataset_rt.cli`` runs the command line too
+    raise SystemExit(main())

@@ -209,6 +209,25 @@ def test_verify_names_shard_and_sample_of_a_flipped_payload_byte(
     assert "checksum mismatch" in err
 
 
+@pytest.mark.parametrize("module", ["dataset_rt", "dataset_rt.cli"])
+def test_both_module_entry_points_run_the_command_line(tmp_path: Path, module: str) -> None:
+    """``python -m dataset_rt.cli verify`` of a damaged cache fails as the command does; it
+    once ran nothing and exited 0."""
+    cache = write_cache(tmp_path, n=20)
+    shard = cache / "shards" / "000000.bin"
+    flip_byte(shard, shard.read_bytes().index(payload(7)) + 5)
+    done = subprocess.run(
+        [sys.executable, "-m", module, "verify", str(cache)],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == EXIT_FAILED, done
+    assert "sample 7" in done.stderr
+
+
 def test_verify_catches_damage_between_records(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -188,9 +188,11 @@ def test_configs_keep_plain_values_for_numpy_scalars() -> None:
     import numpy as np
 
     configs = [
-        ReaderConfig(seed=np.int64(5), shuffle=np.True_, prefetch_size=np.uint16(8)),
+        ReaderConfig(
+            seed=np.int64(5), shuffle=np.True_, prefetch_size=np.uint16(8), verify=np.str_("once")
+        ),
         WriterConfig(prefetch_size=np.int32(4), show_progress=np.False_),
-        ShardCompression(algo="lz4", ratio=np.float32(0.5)),
+        ShardCompression(algo=np.str_("lz4"), ratio=np.float32(0.5)),
     ]
     for config in configs:
         values = dataclasses.asdict(config)
@@ -199,6 +201,7 @@ def test_configs_keep_plain_values_for_numpy_scalars() -> None:
             assert type(value).__module__ == "builtins", (name, type(value))
     assert (configs[0].seed, configs[0].shuffle, configs[0].prefetch_size) == (5, True, 8)
     assert configs[2].ratio == 0.5
+    assert "np.str_" not in repr(configs[0]) and "np.str_" not in repr(configs[2])
 
 
 def test_result_bytes_names_its_limit(dataset) -> None:
