@@ -342,6 +342,28 @@ def test_a_file_where_a_cache_should_be_is_a_malformed_cache_and_the_others_go_o
     assert len(result.dataset) == 6
 
 
+def test_a_directory_where_a_manifest_should_be_is_a_malformed_cache_and_the_others_go_on(
+    runtime, tmp_path
+):
+    base = tmp_path / "base"
+    write(runtime, [samples("first"), samples("bad"), samples("last")], base)
+    manifest = base / "bad" / "manifest.json"
+    manifest.chmod(0o644)
+    manifest.unlink()
+    manifest.mkdir()
+    result = runtime.from_cache_sources([samples("first"), samples("bad"), samples("last")], base)
+    assert isinstance(result, CacheSourcesDatasetSuccess)
+    first, bad, last = result.results
+    assert isinstance(first, CacheLoaded) and isinstance(last, CacheLoaded)
+    match bad:
+        case CacheMalformed("bad", path, message):
+            assert path == base / "bad"
+            assert str(manifest) in message and "not a regular file" in message
+        case other:
+            pytest.fail(f"unexpected {other}")
+    assert len(result.dataset) == 6
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_cache_opened_by_a_relative_path_is_read_after_the_process_changes_directory(
     runtime, tmp_path, monkeypatch, num_workers

@@ -104,6 +104,9 @@ pub enum Validation {
     Full,
 }
 
+/// Why a cache file that is a directory (or a FIFO, a device) is refused.
+const NOT_A_FILE: &str = "it is not a regular file (a cache's files are plain files)";
+
 /// Opens a cache file and checks its real size against the manifest's, before anything reads it.
 /// With `short_ok`, a file shorter than expected is accepted too (see [`Cache::open_in_use`]).
 fn open_sized(
@@ -114,6 +117,10 @@ fn open_sized(
     short_ok: bool,
 ) -> Result<(File, u64)> {
     let path = dir.join(rel);
+    // Checked before the open too: opening a FIFO would wait for a writer.
+    if std::fs::metadata(&path).is_ok_and(|m| !m.is_file()) {
+        return Err(Error::malformed(cache, &path, NOT_A_FILE));
+    }
     let file = match File::open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -121,7 +128,12 @@ fn open_sized(
         }
         Err(e) => return Err(Error::io("open", &path, e)),
     };
-    let len = file.metadata().ctx("stat", &path)?.len();
+    let meta = file.metadata().ctx("stat", &path)?;
+    if !meta.is_file() {
+        // A directory opens on Linux (its size is that of its entries).
+        return Err(Error::malformed(cache, &path, NOT_A_FILE));
+    }
+    let len = meta.len();
     if len != expected_len && !(short_ok && len < expected_len) {
         return Err(Error::malformed(
             cache,
@@ -190,6 +202,11 @@ pub fn dir_cache_name(dir: &Path) -> String {
 /// Reads and checks `manifest.json` alone; the manifest must name the cache `cache`.
 pub fn read_manifest(dir: &Path, cache: &str) -> Result<Manifest> {
     let path = dir.join(MANIFEST_FILE);
+    // A bad cache, not a failed read (the other sources of the call go on), and checked before
+    // the read, which would wait for a writer on a FIFO.
+    if std::fs::metadata(&path).is_ok_and(|m| !m.is_file()) {
+        return Err(Error::malformed(cache, &path, NOT_A_FILE));
+    }
     let bytes = match std::fs::read(&path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {

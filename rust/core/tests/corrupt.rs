@@ -159,6 +159,33 @@ fn missing_manifest_is_named() {
 }
 
 #[test]
+fn a_directory_or_a_fifo_in_place_of_a_cache_file_is_malformed_not_a_failed_read() {
+    // Neither is a read error to abort the call with (the other sources go on), and a FIFO is
+    // never opened: that would wait for a writer.
+    for file in ["manifest.json", "index.bin", "shards/000000.bin"] {
+        for fifo in [false, true] {
+            let (named, reason) = malformed(
+                |d| {
+                    let path = d.join(file);
+                    std::fs::remove_file(&path).unwrap();
+                    if fifo {
+                        let c =
+                            std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+                        // SAFETY: a valid NUL-terminated path.
+                        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+                    } else {
+                        std::fs::create_dir(&path).unwrap();
+                    }
+                },
+                Validation::Structure,
+            );
+            assert_eq!(named, Path::new(file));
+            assert!(reason.contains("not a regular file"), "{file}: {reason}");
+        }
+    }
+}
+
+#[test]
 fn unknown_format_version_is_refused_naming_the_versions_read_and_written() {
     let (file, reason) = malformed(
         |d| {
