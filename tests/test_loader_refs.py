@@ -18,8 +18,15 @@ from loader_helpers import (  # noqa: F401
     views_a_shard_map,
 )
 
-from dataset_rt import DatasetRTError, WorkerError
+from dataset_rt import (
+    CacheMalformedError,
+    DatasetRTError,
+    DatasetRuntime,
+    WorkerError,
+    WriterConfig,
+)
 from dataset_rt._loader import DataLoader, slots
+from dataset_rt.testing import make_source
 
 SIZE = 16 * 1024
 N = 40
@@ -169,6 +176,54 @@ def test_a_shard_replaced_under_the_loader_is_an_error(tmp_path, num_workers):
     ):
         next(iter(loader))
     assert str(shard) in str(caught.value)
+    assert own_segments() == []
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_cache_written_again_under_the_loader_is_a_malformed_cache(tmp_path, num_workers):
+    """Republished under the same name with other samples: the next pass refuses it as it
+    refuses a replaced shard, `CacheMalformedError` naming the manifest, never another cache's
+    bytes. (A persistent pipeline keeps reading the files it holds open, as in-process reads
+    do; a shard it had not opened yet is refused, as the next test shows.)"""
+    dataset = load(tmp_path, 12, size=1024)
+    cache = tmp_path / "loader"
+    with DataLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
+        assert sum(len(b) for b in loader) == 12
+        shutil.rmtree(cache)
+        other = make_source("loader", [(b"other %d" % i, {"i": i}) for i in range(12)])
+        DatasetRuntime(num_workers=1).from_cache_sources(
+            other, tmp_path, writer_config=WriterConfig(show_progress=False)
+        )
+        with pytest.raises(CacheMalformedError) as caught:
+            list(loader)
+    message = str(caught.value)
+    assert str(cache / "manifest.json") in message
+    assert "replaced since the dataset was opened" in message
+    assert own_segments() == []
+
+
+def test_a_shard_replaced_between_persistent_passes_is_the_error_itself(tmp_path):
+    """A persistent worker opens a shard when a batch first needs it: one replaced since the
+    dataset was opened is refused there, and the training loop gets that `CacheMalformedError`
+    as it is, at the batch's turn, not a `LoaderError` wrapping the worker's traceback. About 64
+    shards of one record each, 64 samples per worker and pass: no worker has opened them all
+    in the first pass."""
+    samples = [(bytes([i]) * 1024, {"i": i}) for i in range(128)]
+    result = DatasetRuntime(num_workers=1).from_cache_sources(
+        make_source("many", samples),
+        tmp_path,
+        writer_config=WriterConfig(show_progress=False, shard_size_bytes=2048),
+    )
+    shards = sorted((tmp_path / "many" / "shards").iterdir())
+    assert len(shards) >= 60
+    with DataLoader(result.dataset, batch_size=2, num_workers=2, persistent_workers=True) as loader:
+        assert sum(len(b) for b in loader) == 128
+        for shard in shards:  # the same bytes in new files
+            shutil.copyfile(shard, tmp_path / "copy.bin")
+            os.replace(tmp_path / "copy.bin", shard)
+        with pytest.raises(CacheMalformedError, match="replaced since the dataset was opened"):
+            for batch in loader:
+                assert all(bytes(s.data) == samples[s.metadata["i"]][0] for s in batch)
     assert own_segments() == []
 
 

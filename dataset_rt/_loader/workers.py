@@ -15,7 +15,13 @@ from typing import Any
 
 from dataset_rt import _native
 from dataset_rt._loader import results, signals, slots
-from dataset_rt._native import CachedSample, LoaderError, RingClosed
+from dataset_rt._native import (
+    CachedSample,
+    CacheMalformedError,
+    CorruptRecordError,
+    LoaderError,
+    RingClosed,
+)
 
 # A worker's transform, collate_fn and worker_init_fn.
 Functions = tuple[
@@ -181,8 +187,15 @@ def consume(
     """Processes the pass's tickets; says whether the pass ended (``False``: stop now)."""
     while (seq := ring.take_ticket()) is not None:
         entries = None
-        while entries is None:
-            entries = ring.wait_batch(seq, 1.0)
+        try:
+            while entries is None:
+                entries = ring.wait_batch(seq, 1.0)
+        except (CacheMalformedError, CorruptRecordError, OSError) as error:
+            # The batch's shards failed their check here (replaced or cut short since the
+            # dataset was opened): the training loop raises this error, as it is, at the
+            # batch's turn, as it raises the producer's.
+            conn.send_bytes(results.dumps(("raise", seq, error, [])))
+            return False
         slot_offset, used, items, indices = entries
         views = slots.BatchViews(fd, seq, slot_offset, used, items)
         try:

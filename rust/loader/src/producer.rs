@@ -384,37 +384,48 @@ fn prepare(
     Ok((opts, order))
 }
 
-/// Why the caches that `spec` names are refused: which of them changed since the training
-/// process opened them (republished, or written again), by name and location.
-fn changed_caches(spec: &ProducerSpec, ds: &Dataset) -> String {
-    let changed: Vec<String> = ds
+/// Why the caches that `spec` names are refused. A cache republished or written again since the
+/// training process opened it is `Malformed`, naming its manifest, as a replaced shard or index
+/// is (the first such cache; the others are listed in the reason). Caches that each match but
+/// not as a whole are a refused state.
+fn changed_caches(spec: &ProducerSpec, ds: &Dataset) -> CoreError {
+    let changed: Vec<(&Arc<Cache>, &str)> = ds
         .caches
         .iter()
         .enumerate()
         .filter(|(c, cache)| spec.cache_fingerprints.get(*c) != Some(&cache.manifest.fingerprint))
         .map(|(c, cache)| {
             let was = spec.cache_fingerprints.get(c).map_or("?", String::as_str);
-            format!(
-                "cache {:?} at {} has fingerprint {} now, {was} when the dataset was opened",
-                cache.name(),
-                cache.location(),
-                cache.manifest.fingerprint
-            )
+            (cache, was)
         })
         .collect();
-    format!(
-        "the caches changed under the loader ({}): open the dataset again to read what they \
-         hold now",
-        if changed.is_empty() {
-            format!(
-                "fingerprint {} is not the dataset's {}",
-                ds.fingerprint(),
-                spec.fingerprint
-            )
-        } else {
-            changed.join("; ")
-        }
-    )
+    let Some(&(first, was)) = changed.first() else {
+        return CoreError::State(format!(
+            "the caches changed under the loader (fingerprint {} is not the dataset's {}): open \
+             the dataset again to read what they hold now",
+            ds.fingerprint(),
+            spec.fingerprint
+        ));
+    };
+    let others: Vec<String> = changed[1..]
+        .iter()
+        .map(|(cache, _)| format!("{:?} at {}", cache.name(), cache.location()))
+        .collect();
+    CoreError::Malformed {
+        cache: first.name().to_owned(),
+        file: PathBuf::from(first.location()).join(dataset_rt_core::format::MANIFEST_FILE),
+        reason: format!(
+            "the cache was replaced since the dataset was opened (fingerprint {} now, {was} \
+             then{}): a published cache must not be modified while it is read; open the dataset \
+             again to read what it holds now",
+            first.manifest.fingerprint,
+            if others.is_empty() {
+                String::new()
+            } else {
+                format!("; also replaced: {}", others.join(", "))
+            }
+        ),
+    }
 }
 
 /// Opens the caches and checks them and the weight table against the spec.
@@ -432,7 +443,7 @@ fn open(spec: &ProducerSpec, weights: Option<Vec<f64>>) -> Result<Source> {
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let ds = Dataset::new(caches);
     if ds.fingerprint() != spec.fingerprint {
-        return Err(CoreError::State(changed_caches(spec, &ds)).into());
+        return Err(changed_caches(spec, &ds).into());
     }
     // The same caches in the same order (the fingerprint): a bit of the training process's
     // set names the same sample here.

@@ -666,21 +666,28 @@ fn a_cache_written_again_under_the_loader_is_named_by_the_producer() {
         Compression::new("lz4", 1.0).unwrap(),
     );
     let ring = create_ring(&s, 64 * 1024);
-    let (produced, got, _) = run_pass(&s, &ring);
+    let (produced, got, error) = run_pass(&s, &ring);
     assert!(got.is_empty());
     let text = produced.unwrap_err().to_string();
     let now = Cache::open(&dir, Validation::Structure).unwrap();
+    // A malformed cache naming its manifest, as a replaced index or shard is.
     for part in [
-        "the caches changed under the loader".to_owned(),
-        format!("cache \"lz4\" at {}", dir.display()),
-        format!("fingerprint {} now", now.manifest.fingerprint),
         format!(
-            "{} when the dataset was opened",
-            s.ds.caches[1].manifest.fingerprint
+            "cache \"lz4\" is malformed: {}",
+            dir.join("manifest.json").display()
         ),
+        "replaced since the dataset was opened".to_owned(),
+        format!("fingerprint {} now", now.manifest.fingerprint),
+        format!("{} then", s.ds.caches[1].manifest.fingerprint),
         "open the dataset again".to_owned(),
     ] {
         assert!(text.contains(&part), "{part:?} missing from: {text}");
+    }
+    match error {
+        Some(ShmError::ProducerFailed { kind, .. }) => {
+            assert_eq!(kind, dataset_rt_core::ErrorKind::Malformed.code());
+        }
+        other => panic!("{other:?}"),
     }
     // The cache that did not change is not named.
     assert!(!text.contains("\"raw\""), "{text}");
