@@ -232,9 +232,13 @@ class _RankSplit(torch.utils.data.distributed.DistributedSampler):  # type: igno
     def set_epoch(self, epoch: int) -> None:
         """Makes the loader's next pass read ``epoch`` from its start, unless that pass reads
         ``epoch`` already: frameworks call this at each epoch's start, also right after loading
-        a mid-epoch state, whose position must then be kept. A pass of ``epoch`` left early (a
-        sanity check's few batches) is read again from its start, as torch's sampler does."""
+        a mid-epoch state, whose position must then be kept. Lightning calls it after
+        ``iter(loader)``: a pass of ``epoch`` started and not yet read from is kept, so that it
+        moves the state. A pass of ``epoch`` left early (a sanity check's few batches) is read
+        again from its start, as torch's sampler does."""
         self.epoch = epoch
+        if self._loader._untouched_pass_epoch() == epoch:
+            return
         if self._loader._next_pass_epoch() != epoch:
             self._loader.set_epoch(epoch)
 

@@ -281,6 +281,10 @@ class LoaderIterator(Iterator[Any]):
         """Bytes of one ring slot of this pass."""
         return self._slot_size
 
+    def untouched(self) -> bool:
+        """Whether this pass is under way and has handed out no batch yet."""
+        return not self._closed and not self._idle and self._next == 0 and self._total > 0
+
     def __next__(self) -> Any:
         # Before anything else: a forked child must not take the parent's batch, nor close the
         # parent's pass on the way out.

@@ -266,6 +266,16 @@ class DataLoader:
         self._require_owner()
         return self._plan.next_pass_epoch()
 
+    def _untouched_pass_epoch(self) -> int | None:
+        """The epoch of the pass that ``iter(loader)`` started when it has handed out no batch
+        yet, else ``None`` (for the torch adapter's sampler: Lightning calls ``set_epoch``
+        between the two)."""
+        self._require_owner()
+        iterator = self._iterator
+        if iterator is None or not iterator.untouched():
+            return None
+        return int(json.loads(self._plan.state_json())["epoch"])
+
     def state_dict(self) -> dict[str, Any]:
         """The dataset's state format at the batches the training loop has received: resume it
         with another ``num_workers``, ``batch_size`` or world size."""

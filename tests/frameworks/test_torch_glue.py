@@ -68,6 +68,40 @@ def test_sampler_set_epoch_keeps_a_loaded_mid_epoch_state(dataset):
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("resumed", [False, True])
+def test_sampler_set_epoch_after_iter_keeps_the_pass_that_moves_the_state(
+    dataset, num_workers, resumed
+):
+    """Lightning's fit() calls iter(loader), then sampler.set_epoch(epoch), then reads: the pass
+    must stay the one the state follows, or every checkpoint of that epoch holds its start and
+    a resume reads the start again and never the rest."""
+    with new_loader(dataset) as loader:
+        epoch0, epoch1 = ids(loader), ids(loader)
+    with dataset_rt.torch.DataLoader(
+        dataset, batch_size=common.BATCH_SIZE, transform=common.to_example, num_workers=num_workers
+    ) as loader:
+        if resumed:  # a state taken after 2 batches of epoch 0, loaded
+            with new_loader(dataset) as first:
+                batches = iter(first)
+                next(batches)
+                next(batches)
+                loader.load_state_dict(first.state_dict())
+        skip = 2 if resumed else 0  # batches of epoch 0 the loaded state had received
+        for epoch, expected in ((0, epoch0[skip:]), (1, epoch1)):
+            batches = iter(loader)
+            loader.sampler.set_epoch(epoch)
+            got = [next(batches)[2].tolist(), next(batches)[2].tolist()]
+            state = loader.state_dict()
+            # The checkpoint resumes after those two batches (it held the pass's start).
+            with new_loader(dataset) as resumed_loader:
+                resumed_loader.load_state_dict(state)
+                assert ids(resumed_loader) == expected[2:]
+            got += [batch[2].tolist() for batch in batches]
+            assert got == expected
+
+
+@pytest.mark.torch
 def test_sampler_set_epoch_reads_again_an_epoch_whose_pass_was_left_early(dataset):
     # Lightning's sanity check takes a few validation batches, then the epoch's validation
     # calls sampler.set_epoch(0) and reads the loader: the whole of epoch 0, not epoch 1.
