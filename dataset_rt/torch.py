@@ -237,7 +237,8 @@ class _RankSplit(torch.utils.data.distributed.DistributedSampler):  # type: igno
         moves the state. A pass of ``epoch`` left early (a sanity check's few batches) is read
         again from its start, as torch's sampler does."""
         self.epoch = epoch
-        if self._loader._untouched_pass_epoch() == epoch:
+        running = self._loader._untouched_pass_epoch()
+        if running is not None and running == epoch:
             return
         if self._loader._next_pass_epoch() != epoch:
             self._loader.set_epoch(epoch)
